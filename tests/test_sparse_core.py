@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 from torch_armor.factorize import reconstruct_normalized
 from torch_armor.proxy import check_mask
-from torch_armor.sparse_core import core_gradient, select_groups, solve_psd, solve_psd_2x2, sparse_core_step
+from torch_armor.sparse_core import block_grams, core_gradient, select_groups, solve_psd, solve_psd_2x2, sparse_core_step
 
 from _helpers import random_factors, random_layer
 
@@ -53,7 +53,7 @@ def test_step_matches_brute_force(n, m, d_b, p, q):
     expected = _brute_force_best(w_bar, a, core, b, h, d_b, n, m, rows, groups)
     before = _loss(w_bar, a, core, b, h)
     core2, mask2 = core.clone(), mask.clone()
-    gain = sparse_core_step(core2, mask2, a, b, h, grad, n, m, rows, groups)
+    gain = sparse_core_step(core2, mask2, *block_grams(a, b, h), grad, n, m, rows, groups)
     after = _loss(w_bar, a, core2, b, h)
     assert after == pytest.approx(expected, rel=1e-9, abs=1e-9)
     assert before - after == pytest.approx(float(gain.sum()), rel=1e-8, abs=1e-9)
@@ -80,7 +80,7 @@ def test_step_never_increases_loss(p, q, d_b_mult, nm, selection, seed):
     for step in range(3):
         grad = core_gradient(w_bar - reconstruct_normalized(a, core, b), a, b, h)
         rows, groups = select_groups(grad, d_b, m, selection, torch.Generator().manual_seed(seed + step))
-        gain = sparse_core_step(core, mask, a, b, h, grad, n, m, rows, groups)
+        gain = sparse_core_step(core, mask, *block_grams(a, b, h), grad, n, m, rows, groups)
         after = _loss(w_bar, a, core, b, h)
         assert (gain >= 0).all()
         assert after <= before + 1e-9 * max(1.0, before)
@@ -140,3 +140,23 @@ def test_l1_random_frequencies():
     frac_row2 = sum(r == 2 for r in picks) / len(picks)
     assert frac_row2 == pytest.approx(0.75, abs=0.03)
     assert set(picks) == {0, 2}
+
+
+@settings(max_examples=20, deadline=None)
+@given(nm=st.sampled_from([(2, 4), (1, 4), (4, 8)]), d_b_mult=st.integers(1, 2), seed=st.integers(0, 1000))
+def test_incremental_gradient_matches_autograd(nm, d_b_mult, seed):
+    """Many sequential group updates with rank-one gradient updates keep the gradient exact."""
+    n, m = nm
+    d_b = m * d_b_mult * 2
+    w_bar, h = random_layer(2 * d_b, 3 * d_b, seed=seed)
+    a, b, core, mask = random_factors(2 * d_b, 3 * d_b, d_b, n, m, seed=seed + 1)
+    a_gram, b_gram = block_grams(a, b, h)
+    grad = core_gradient(w_bar - reconstruct_normalized(a, core, b), a, b, h)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(25):
+        rows, groups = select_groups(grad, d_b, m, "l1-random", gen)
+        sparse_core_step(core, mask, a_gram, b_gram, grad, n, m, rows, groups, update_grad=True)
+    leaf = core.clone().requires_grad_(True)
+    loss = ((w_bar - reconstruct_normalized(a, leaf, b)) ** 2 * h).sum()
+    (auto,) = torch.autograd.grad(loss, leaf)
+    assert torch.allclose(grad, auto, rtol=1e-8, atol=1e-8)

@@ -13,6 +13,7 @@ __all__ = ["SparsityPattern", "ArmorConfig", "parse_pattern"]
 _SELECTIONS = ("l1-random", "l2-random", "l1-greedy", "random")
 _OPTIMIZERS = ("adam", "bcd")
 _FLOAT_DTYPES = (torch.float32, torch.float64)
+_DEFAULT_ITERS = {"adam": 1000, "bcd": 200}
 
 
 @dataclass(frozen=True)
@@ -78,9 +79,21 @@ class ArmorConfig:
             both ``d_out`` and ``d_in`` of every layer it is applied to.
         pattern: ``"2:4"`` (default), any ``"N:M"`` with ``M`` dividing ``block_size``,
             or ``"unstructured:F"``.
-        num_iters: iterations of (continuous step, sparse-core step).
-        optimizer: ``"adam"`` — the paper's joint Adam on ``A``, ``B``, ``W'``.
+        num_iters: iterations: for ``"adam"``, (Adam step, sparse-core step) pairs
+            (default 1000); for ``"bcd"``, sweeps (default 200). Optimization also stops at
+            ``time_budget_s`` or when a logged step improves the loss by less than ``tol``.
+        optimizer: ``"adam"`` — the paper's joint Adam on ``A``, ``B``, ``W'``, one sparse-core
+            group per tile per iteration; ``"bcd"`` — exact block-coordinate sweeps: closed-form
+            ``A`` and ``B``, preconditioned CG on the kept core values, then
+            ``group_updates`` exact sparse-core group updates per tile.
         lr: Adam learning rate (paper: 1e-4).
+        time_budget_s: stop after this much wall time per layer (``None``: no limit).
+        tol: stop when the relative loss improves by less than this between two logged
+            points (0: never stop early).
+        cg_steps: conjugate-gradient steps on the core per ``"bcd"`` sweep.
+        group_updates: sparse-core group updates per tile per ``"bcd"`` sweep
+            (``None``: ``block_size // 4``).
+        ridge: relative proximal ridge of the ``"bcd"`` closed-form solves.
         selection: how each tile picks the group its sparse-core step updates:
             ``"l1-random"`` (paper), ``"l2-random"``, ``"l1-greedy"``, ``"random"``.
         seed: seed of the group selection; the same seed gives bit-identical factors on CPU.
@@ -98,9 +111,14 @@ class ArmorConfig:
 
     block_size: int = 128
     pattern: str = "2:4"
-    num_iters: int = 1000
+    num_iters: Optional[int] = None
     optimizer: str = "adam"
     lr: float = 1e-4
+    time_budget_s: Optional[float] = None
+    tol: float = 0.0
+    cg_steps: int = 3
+    group_updates: Optional[int] = None
+    ridge: float = 1e-6
     selection: str = "l1-random"
     seed: int = 0
     device: Optional[Union[str, torch.device]] = None
@@ -117,10 +135,24 @@ class ArmorConfig:
                 f"block_size={self.block_size} is not a multiple of M={self.sparsity.m} in pattern "
                 f"{self.pattern!r}: groups must not straddle tiles; pick a block size divisible by {self.sparsity.m}"
             )
-        if not isinstance(self.num_iters, int) or self.num_iters < 0:
-            raise ValueError(f"num_iters must be a non-negative integer, got {self.num_iters!r}")
         if self.optimizer not in _OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {_OPTIMIZERS}, got {self.optimizer!r}")
+        if self.num_iters is None:
+            self.num_iters = _DEFAULT_ITERS[self.optimizer]
+        if not isinstance(self.num_iters, int) or isinstance(self.num_iters, bool) or self.num_iters < 0:
+            raise ValueError(f"num_iters must be a non-negative integer, got {self.num_iters!r}")
+        if self.time_budget_s is not None and not (self.time_budget_s > 0):
+            raise ValueError(f"time_budget_s must be positive seconds or None, got {self.time_budget_s!r}")
+        if not (isinstance(self.tol, (int, float)) and 0.0 <= self.tol < 1.0):
+            raise ValueError(f"tol must be in [0, 1), got {self.tol!r}")
+        if not isinstance(self.cg_steps, int) or self.cg_steps < 0:
+            raise ValueError(f"cg_steps must be a non-negative integer, got {self.cg_steps!r}")
+        if self.group_updates is None:
+            self.group_updates = max(1, self.block_size // 4)
+        if not isinstance(self.group_updates, int) or self.group_updates < 0:
+            raise ValueError(f"group_updates must be a non-negative integer, got {self.group_updates!r}")
+        if not (isinstance(self.ridge, (int, float)) and 0.0 <= self.ridge < 1.0):
+            raise ValueError(f"ridge must be in [0, 1), got {self.ridge!r}")
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a positive finite number, got {self.lr!r}")
         if self.selection not in _SELECTIONS:

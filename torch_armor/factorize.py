@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import time
-from typing import Optional
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
 
 import torch
 
+from .bcd import refine_core_cg, update_a, update_b
 from .blockdiag import block_diag_left, block_diag_right
-from .config import ArmorConfig
+from .config import ArmorConfig, SparsityPattern
 from .factors import ArmorFactors
 from .proxy import mask_from_scores, normalize_weight, nowag_scores, validate_layer
-from .sparse_core import core_gradient, select_groups, sparse_core_step
+from .sparse_core import block_grams, core_gradient, select_groups, sparse_core_step
 
 __all__ = ["factorize", "reconstruct_normalized"]
 
@@ -25,6 +27,130 @@ def _weighted_sq(residual: torch.Tensor, act_sq_norm: torch.Tensor) -> torch.Ten
     return (residual.square() * act_sq_norm).sum()
 
 
+@dataclass
+class _Problem:
+    w_bar: torch.Tensor
+    h: torch.Tensor
+    mask: torch.Tensor  # NoWag-P mask
+    pattern: SparsityPattern
+    d_b: int
+    nowag_loss: torch.Tensor
+
+    @property
+    def tiles(self) -> Tuple[int, int]:
+        return self.w_bar.shape[0] // self.d_b, self.w_bar.shape[1] // self.d_b
+
+
+class _Log:
+    """Loss history at logged iterations, best-iterate tracking and the stopping rules."""
+
+    def __init__(self, problem: _Problem, config: ArmorConfig) -> None:
+        self.config = config
+        self.start = time.perf_counter()
+        self.iters: List[int] = [0]
+        self.losses: List[torch.Tensor] = [problem.nowag_loss]
+        self.times: List[float] = [0.0]
+        self.best_loss = problem.nowag_loss.clone()
+        self.best_iter = torch.zeros((), dtype=torch.long, device=problem.w_bar.device)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def out_of_time(self) -> bool:
+        budget = self.config.time_budget_s
+        return budget is not None and self.elapsed() >= budget
+
+    def is_log_point(self, it: int) -> bool:
+        return it % self.config.log_every == 0 or it == self.config.num_iters
+
+    def record(self, it: int, loss: torch.Tensor) -> None:
+        self.iters.append(it)
+        self.losses.append(loss)
+        self.times.append(self.elapsed())
+
+    def converged(self) -> bool:
+        """Relative improvement between the last two logged points below ``tol`` (syncs)."""
+        if self.config.tol <= 0 or len(self.losses) < 2:
+            return False
+        prev, last = float(self.losses[-2]), float(self.losses[-1])
+        return prev > 0 and (prev - last) / prev < self.config.tol
+
+    def keep_best(self, it: int, loss: torch.Tensor, state: dict, candidate: dict) -> None:
+        """Keep ``candidate`` in ``state`` if ``loss`` beats the best so far, without a host sync."""
+        better = loss < self.best_loss
+        for key, value in candidate.items():
+            state[key] = torch.where(better, value, state[key])
+        self.best_iter = torch.where(better, torch.full_like(self.best_iter, it), self.best_iter)
+        self.best_loss = torch.minimum(loss, self.best_loss)
+
+
+def _run_adam(problem: _Problem, config: ArmorConfig, log: _Log, a, b, core, mask) -> dict:
+    """The paper's recipe: joint Adam on ``A``, ``B``, ``W'``, then one sparse-core group per tile."""
+    w_bar, h, pattern = problem.w_bar, problem.h, problem.pattern
+    a = a.clone().requires_grad_(True)
+    b = b.clone().requires_grad_(True)
+    w_prime = core.clone().requires_grad_(True)  # W' (values off the mask are unused)
+    optimizer = torch.optim.Adam([a, b, w_prime], lr=config.lr)
+    generator = torch.Generator(device=w_bar.device).manual_seed(config.seed)
+    best = {"a": a.detach().clone(), "b": b.detach().clone(), "core": core.clone(), "mask": mask.clone()}
+    structured = pattern.structured
+
+    for it in range(1, config.num_iters + 2):
+        masked = w_prime * mask
+        loss = _weighted_sq(w_bar - reconstruct_normalized(a, masked, b), h)
+        done = it - 1  # `loss` belongs to the iterate after `done` iterations
+        if done > 0:
+            log.keep_best(done, loss.detach(), best,
+                          {"a": a.detach(), "b": b.detach(), "core": masked.detach(), "mask": mask})
+            if log.is_log_point(done):
+                log.record(done, loss.detach())
+                if log.converged():
+                    break
+        if it > config.num_iters or log.out_of_time():
+            if done > 0 and not log.is_log_point(done):
+                log.record(done, loss.detach())
+            break
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if not structured:
+            continue
+        with torch.no_grad():
+            masked = (w_prime * mask).contiguous()
+            grad = core_gradient(w_bar - reconstruct_normalized(a, masked, b), a, b, h)
+            rows, groups = select_groups(grad, problem.d_b, pattern.m, config.selection, generator)
+            sparse_core_step(masked, mask, *block_grams(a, b, h), grad, pattern.n, pattern.m, rows, groups)
+            w_prime.copy_(torch.where(mask, masked, w_prime))
+    return best
+
+
+def _run_bcd(problem: _Problem, config: ArmorConfig, log: _Log, a, b, core, mask) -> dict:
+    """Exact block-coordinate sweeps; every sub-step is monotone, so the last iterate is the best."""
+    w_bar, h, pattern = problem.w_bar, problem.h, problem.pattern
+    generator = torch.Generator(device=w_bar.device).manual_seed(config.seed)
+    best = {"a": a.clone(), "b": b.clone(), "core": core.clone(), "mask": mask.clone()}
+    for it in range(1, config.num_iters + 1):
+        a = update_a(w_bar, h, a, core, b, config.ridge)
+        b = update_b(w_bar, a, core, b, config.ridge)
+        core = refine_core_cg(w_bar, h, a, core, mask, b, config.cg_steps, config.ridge).contiguous()
+        residual = w_bar - reconstruct_normalized(a, core, b)
+        loss = _weighted_sq(residual, h)
+        if pattern.structured and config.group_updates > 0:
+            grad = core_gradient(residual, a, b, h).contiguous()
+            a_gram, b_gram = block_grams(a, b, h)
+            for _ in range(config.group_updates):
+                rows, groups = select_groups(grad, problem.d_b, pattern.m, config.selection, generator)
+                gain = sparse_core_step(core, mask, a_gram, b_gram, grad, pattern.n, pattern.m, rows, groups,
+                                        update_grad=True)
+                loss = loss - gain.sum()
+        log.keep_best(it, loss, best, {"a": a, "b": b, "core": core, "mask": mask})
+        if log.is_log_point(it) or log.out_of_time():
+            log.record(it, loss)
+            if log.converged() or log.out_of_time():
+                break
+    return best
+
+
 def factorize(
     weight: torch.Tensor,
     act_sq_norm: torch.Tensor,
@@ -35,10 +161,11 @@ def factorize(
     """Factorize one linear weight as ``W_hat = A · (W' ⊙ M) · B`` (ARMOR).
 
     Starts from NoWag-P (``A = B = I``, ``W' = W_bar``, top-N of ``W_bar² h`` per group) and
-    alternates a joint Adam step on ``A``, ``B``, ``W'`` with the sparse-core step (one group
-    per tile, all ``C(M, N)`` supports solved, best kept). The best iterate is returned, so the
-    proxy loss is never above NoWag-P's. Unstructured patterns run the Adam step only, on the
-    NoWag-P mask.
+    runs ``config.optimizer``: ``"adam"`` (the paper's recipe: a joint Adam step on ``A``,
+    ``B``, ``W'`` then the sparse-core step — one group per tile, all ``C(M, N)`` supports
+    solved, best kept) or ``"bcd"`` (exact block-coordinate sweeps). The best iterate is
+    returned, so the proxy loss is never above NoWag-P's. Unstructured patterns run only the
+    continuous updates, on the NoWag-P mask.
 
     Args:
         weight: ``(d_out, d_in)`` float weight (fp16/bf16 are optimized in ``config.dtype``
@@ -56,90 +183,38 @@ def factorize(
     """
     config = config or ArmorConfig()
     pattern = validate_layer(weight, act_sq_norm, config.pattern, config.block_size, name)
-    if config.optimizer != "adam":
-        raise NotImplementedError(f"optimizer {config.optimizer!r} is not available yet; use 'adam'")
     device = torch.device(config.device) if config.device is not None else weight.device
-    dtype = config.dtype
-    d_out, d_in = weight.shape
-    d_b = config.block_size
-    p, q = d_out // d_b, d_in // d_b
+    dtype, d_b = config.dtype, config.block_size
 
     w = weight.detach().to(device=device, dtype=dtype)
     h = act_sq_norm.detach().to(device=device, dtype=dtype)
     w_bar, row_norm, col_norm = normalize_weight(w)
     mask = mask_from_scores(nowag_scores(w_bar, h), pattern).contiguous()
-
+    core = (w_bar * mask).contiguous()
+    problem = _Problem(w_bar, h, mask, pattern, d_b, _weighted_sq(w_bar - core, h))
+    p, q = problem.tiles
     eye = torch.eye(d_b, device=device, dtype=dtype)
-    a = eye.repeat(p, 1, 1).requires_grad_(True)
-    b = eye.repeat(q, 1, 1).requires_grad_(True)
-    w_prime = w_bar.clone().requires_grad_(True)
-    optimizer = torch.optim.Adam([a, b, w_prime], lr=config.lr)
-    generator = torch.Generator(device=device).manual_seed(config.seed)
+    a, b = eye.repeat(p, 1, 1), eye.repeat(q, 1, 1)
 
-    nowag_loss = _weighted_sq(w_bar - w_bar * mask, h).detach()
-    best = {"a": a.detach().clone(), "b": b.detach().clone(), "core": (w_bar * mask).clone(), "mask": mask.clone()}
-    best_loss = nowag_loss.clone()
-    best_iter = torch.zeros((), dtype=torch.long, device=device)
+    log = _Log(problem, config)
+    if config.num_iters > 0 and float(problem.nowag_loss) > 0:
+        run = _run_adam if config.optimizer == "adam" else _run_bcd
+        best = run(problem, config, log, a, b, core, mask.clone())
+        a, b, core, mask = best["a"], best["b"], best["core"], best["mask"]
 
-    n_iters = config.num_iters
-    log_iters = sorted(set(range(0, n_iters + 1, config.log_every)) | {n_iters})
-    losses = torch.empty(len(log_iters), dtype=dtype, device=device)
-    times = torch.zeros(len(log_iters), dtype=torch.float64)
-    losses[0] = nowag_loss
-    log_pos = 1
-    start = time.perf_counter()
-
-    def track_best(loss: torch.Tensor, it: int, core_now: torch.Tensor, mask_now: torch.Tensor) -> None:
-        nonlocal best_loss
-        better = loss < best_loss
-        best["a"] = torch.where(better, a.detach(), best["a"])
-        best["b"] = torch.where(better, b.detach(), best["b"])
-        best["core"] = torch.where(better, core_now, best["core"])
-        best["mask"] = torch.where(better, mask_now, best["mask"])
-        best_iter.copy_(torch.where(better, torch.full_like(best_iter, it), best_iter))
-        best_loss = torch.minimum(loss, best_loss)
-
-    structured = pattern.structured and nowag_loss > 0
-    for it in range(1, n_iters + 2):
-        core = w_prime * mask
-        residual = w_bar - reconstruct_normalized(a, core, b)
-        loss = _weighted_sq(residual, h)
-        done = it - 1  # `loss` is that of the iterate after `done` iterations
-        if done > 0:
-            track_best(loss.detach(), done, core.detach(), mask)
-            if log_pos < len(log_iters) and log_iters[log_pos] == done:
-                losses[log_pos] = loss.detach()
-                times[log_pos] = time.perf_counter() - start
-                log_pos += 1
-        if it > n_iters:
-            break
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        if not structured:
-            continue
-        with torch.no_grad():
-            core = (w_prime * mask).contiguous()
-            residual = w_bar - reconstruct_normalized(a, core, b)
-            grad = core_gradient(residual, a, b, h)
-            rows, groups = select_groups(grad, d_b, pattern.m, config.selection, generator)
-            sparse_core_step(core, mask, a, b, h, grad, pattern.n, pattern.m, rows, groups)
-            # Write the re-solved groups back into W' (off-mask values of W' are unused).
-            w_prime.copy_(torch.where(mask, core, w_prime))
-
-    history = (losses / nowag_loss) if nowag_loss > 0 else torch.zeros_like(losses)
-    a_blocks = row_norm.reshape(p, d_b, 1) * best["a"]
-    b_blocks = best["b"] * col_norm.reshape(q, 1, d_b)
+    losses = torch.stack([torch.as_tensor(x, dtype=dtype, device=device) for x in log.losses]).double().cpu()
+    nowag_loss = float(problem.nowag_loss)
+    history = losses / nowag_loss if nowag_loss > 0 else torch.zeros_like(losses)
     out_dtype = weight.dtype
     return ArmorFactors(
-        a_blocks=a_blocks.to(out_dtype),
-        core=best["core"].to(out_dtype),
-        b_blocks=b_blocks.to(out_dtype),
-        mask=best["mask"],
+        a_blocks=(row_norm.reshape(p, d_b, 1) * a).detach().to(out_dtype),
+        core=core.detach().to(out_dtype),
+        b_blocks=(b * col_norm.reshape(q, 1, d_b)).detach().to(out_dtype),
+        mask=mask.detach().clone(),
         pattern=str(pattern),
-        history=history.detach().cpu().double(),
-        history_iters=torch.tensor(log_iters, dtype=torch.long),
-        history_time_s=times,
-        nowag_loss=float(nowag_loss),
-        best_iter=int(best_iter),
+        history=history,
+        history_iters=torch.tensor(log.iters, dtype=torch.long),
+        history_time_s=torch.tensor(log.times, dtype=torch.float64),
+        nowag_loss=nowag_loss,
+        best_iter=int(log.best_iter),
     )

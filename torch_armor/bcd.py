@@ -1,0 +1,111 @@
+"""Exact block-coordinate updates of ARMOR factors (normalized space).
+
+Each function takes the current factors and returns (or applies) an exact minimizer of the
+proxy loss ``L = Σ_tiles ‖W_bar_ij − A_i S_ij B_j‖²_{D_j}`` over one block of variables,
+with a proximal ridge ``λ‖X − X_old‖²`` so that every step provably never raises ``L``
+(the proximal objective at the new point is ≤ its value at the old point, where the ridge
+term is zero). ``λ`` is ``ridge`` times the mean diagonal of the system matrix.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .blockdiag import block_diag_left, block_diag_right
+
+__all__ = ["update_a", "update_b", "refine_core_cg"]
+
+
+def _ridge(gram: torch.Tensor, ridge: float) -> torch.Tensor:
+    d = gram.shape[-1]
+    scale = gram.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(torch.finfo(gram.dtype).tiny)
+    return (ridge * scale)[:, None, None] + torch.zeros(d, dtype=gram.dtype, device=gram.device)
+
+
+def _prox_solve(gram: torch.Tensor, rhs: torch.Tensor, old: torch.Tensor, ridge: float) -> torch.Tensor:
+    """``(gram + λI)⁻¹ (rhs + λ·old)`` per block (gram symmetric PSD)."""
+    lam = _ridge(gram, ridge)[..., :1]  # (n, 1, 1)
+    eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
+    system = gram + lam * eye
+    chol, info = torch.linalg.cholesky_ex(system)
+    if bool((info == 0).all()):
+        return torch.cholesky_solve(rhs + lam * old, chol)
+    return torch.linalg.lstsq(system, rhs + lam * old).solution
+
+
+def update_a(w_bar: torch.Tensor, act_sq_norm: torch.Tensor, a: torch.Tensor, core: torch.Tensor,
+             b: torch.Tensor, ridge: float = 1e-6) -> torch.Tensor:
+    """Weighted least-squares ``A_i = (Σ_j W_bar_ij D_j C_ijᵀ)(Σ_j C_ij D_j C_ijᵀ)⁻¹``, ``C = S B``."""
+    p, d_b, _ = a.shape
+    c = block_diag_right(core, b).reshape(p, d_b, -1)
+    weighted = c * act_sq_norm
+    gram = weighted @ c.transpose(1, 2)  # (P, d, d)
+    cross = (w_bar.reshape(p, d_b, -1) * act_sq_norm) @ c.transpose(1, 2)  # W_bar_i D C_iᵀ
+    # A_i gram = cross  ⇔  gram A_iᵀ = crossᵀ (gram symmetric)
+    return _prox_solve(gram, cross.transpose(1, 2), a.transpose(1, 2), ridge).transpose(1, 2)
+
+
+def update_b(w_bar: torch.Tensor, a: torch.Tensor, core: torch.Tensor, b: torch.Tensor,
+             ridge: float = 1e-6) -> torch.Tensor:
+    """Least-squares ``B_j = (E_jᵀE_j)⁻¹ E_jᵀ W_bar_j`` with ``E = A S``.
+
+    The activation weights drop out: each column ``p`` of ``B_j`` only moves column ``p``
+    of the residual, whose loss is that column's squared error times the scalar ``h_p``.
+    """
+    q, d_b, _ = b.shape
+    d_out = w_bar.shape[0]
+    e = block_diag_left(a, core).reshape(d_out, q, d_b).permute(1, 2, 0)  # (Q, d, d_out)
+    gram = e @ e.transpose(1, 2)
+    cross = e @ w_bar.reshape(d_out, q, d_b).permute(1, 0, 2)  # (Q, d, d)
+    return _prox_solve(gram, cross, b, ridge)
+
+
+def _tile_dot(x: torch.Tensor, y: torch.Tensor, p: int, q: int, d_b: int) -> torch.Tensor:
+    return (x * y).reshape(p, d_b, q, d_b).sum((1, 3))
+
+
+def refine_core_cg(w_bar: torch.Tensor, act_sq_norm: torch.Tensor, a: torch.Tensor, core: torch.Tensor,
+                   mask: torch.Tensor, b: torch.Tensor, steps: int = 3, ridge: float = 1e-6) -> torch.Tensor:
+    """A few preconditioned CG steps on the kept core values, every tile its own system.
+
+    Tile ``(i, j)``'s Hessian on the support is ``(B_j D_j B_jᵀ) ⊗ (A_iᵀA_i)`` restricted to
+    the mask; the preconditioner is the inverse of the unrestricted Kronecker product,
+    compressed to the mask (symmetric positive definite). CG from the current values
+    lowers each tile's loss monotonically. Returns the new core (zeros off the mask).
+    """
+    if steps <= 0:
+        return core
+    p, d_b, _ = a.shape
+    q = b.shape[0]
+    a_gram = a.transpose(1, 2) @ a
+    b_gram = (b * act_sq_norm.reshape(q, 1, d_b)) @ b.transpose(1, 2)
+    eye = torch.eye(d_b, dtype=a.dtype, device=a.device)
+    a_inv = torch.linalg.inv(a_gram + _ridge(a_gram, max(ridge, 1e-6))[..., :1] * eye)
+    b_inv = torch.linalg.inv(b_gram + _ridge(b_gram, max(ridge, 1e-6))[..., :1] * eye)
+    maskf = mask.to(core.dtype)
+
+    def hess(x: torch.Tensor) -> torch.Tensor:
+        return block_diag_right(block_diag_left(a_gram, x), b_gram) * maskf
+
+    def precond(r: torch.Tensor) -> torch.Tensor:
+        return block_diag_right(block_diag_left(a_inv, r), b_inv) * maskf
+
+    residual = w_bar - block_diag_right(block_diag_left(a, core), b)
+    r = block_diag_right(block_diag_left(a.transpose(1, 2), residual * act_sq_norm), b.transpose(1, 2)) * maskf
+    x = torch.zeros_like(core)
+    z = precond(r)
+    direction = z
+    rz = _tile_dot(r, z, p, q, d_b)
+    for _ in range(steps):
+        h_dir = hess(direction)
+        curv = _tile_dot(direction, h_dir, p, q, d_b)
+        alpha = torch.where(curv > 0, rz / torch.where(curv > 0, curv, torch.ones_like(curv)), torch.zeros_like(curv))
+        alpha_full = alpha[:, None, :, None].expand(p, d_b, q, d_b).reshape_as(core)
+        x = x + alpha_full * direction
+        r = r - alpha_full * h_dir
+        z = precond(r)
+        rz_new = _tile_dot(r, z, p, q, d_b)
+        beta = torch.where(rz > 0, rz_new / torch.where(rz > 0, rz, torch.ones_like(rz)), torch.zeros_like(rz))
+        direction = z + beta[:, None, :, None].expand(p, d_b, q, d_b).reshape_as(core) * direction
+        rz = rz_new
+    return core + x
