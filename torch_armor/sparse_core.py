@@ -150,7 +150,8 @@ def sparse_core_step(
     rows: torch.Tensor,
     groups: torch.Tensor,
     update_grad: bool = False,
-) -> torch.Tensor:
+    return_delta: bool = False,
+):
     """Re-solve the chosen group of every tile over all ``C(M, N)`` supports, in place.
 
     Args:
@@ -164,7 +165,8 @@ def sparse_core_step(
             (a rank-one change per tile: ``ΔG = 2 A_iᵀA_i ΔS B_j D_j B_jᵀ``).
 
     Returns:
-        ``(P, Q)`` decrease of the proxy loss in each tile (≥ 0).
+        ``(P, Q)`` decrease of the proxy loss in each tile (≥ 0); with ``return_delta``, also
+        the ``(P, Q, M)`` change of each chosen group's values.
     """
     if not (core.is_contiguous() and mask.is_contiguous() and grad.is_contiguous()):
         raise ValueError("core, mask and grad must be contiguous: the step writes through views")
@@ -210,9 +212,10 @@ def sparse_core_step(
     new_vals = torch.where(accept[..., None], best_vals, cur)
     core_groups[p_idx, q_idx, rows, groups] = new_vals
     mask_groups[p_idx, q_idx, rows, groups] = torch.where(accept[..., None], best_mask, cur_mask)
+    delta = new_vals - cur  # (P, Q, M)
     if update_grad:
-        delta = new_vals - cur  # (P, Q, M)
         left = a_gram[p_idx, :, rows]  # (P, Q, d_b): column i' of A_iᵀA_i
         right = (delta[..., None] * b_rows).sum(-2)  # (P, Q, d_b): δᵀ (B D Bᵀ)[grp, :]
         grad.view(p, d_b, q, d_b).add_(2.0 * torch.einsum("pqr,pqc->prqc", left, right))
-    return torch.where(accept, best_gain - cur_gain, torch.zeros_like(cur_gain))
+    decrease = torch.where(accept, best_gain - cur_gain, torch.zeros_like(cur_gain))
+    return (decrease, delta) if return_delta else decrease
