@@ -2,7 +2,7 @@
 
 Each function takes the current factors and returns (or applies) an exact minimizer of the
 proxy loss ``L = Σ_tiles ‖W_bar_ij − A_i S_ij B_j‖²_{D_j}`` over one block of variables,
-with a proximal ridge ``λ‖X − X_old‖²`` so that every step provably never raises ``L``
+with a proximal ridge ``λ‖X − X_old‖²`` (``λ`` at least 100 ulp of the dtype) so that every step provably never raises ``L``
 (the proximal objective at the new point is ≤ its value at the old point, where the ridge
 term is zero). ``λ`` is ``ridge`` times the mean diagonal of the system matrix.
 """
@@ -17,6 +17,8 @@ __all__ = ["update_a", "update_b", "refine_core_cg"]
 
 
 def _ridge(gram: torch.Tensor, ridge: float) -> torch.Tensor:
+    # A floor of 100 ulp keeps Cholesky meaningful on rank-deficient systems.
+    ridge = max(ridge, 100 * torch.finfo(gram.dtype).eps)
     d = gram.shape[-1]
     scale = gram.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(torch.finfo(gram.dtype).tiny)
     return (ridge * scale)[:, None, None] + torch.zeros(d, dtype=gram.dtype, device=gram.device)
