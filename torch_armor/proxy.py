@@ -17,6 +17,7 @@ from .config import SparsityPattern, parse_pattern
 
 __all__ = [
     "validate_layer",
+    "check_layer_shape",
     "normalize_weight",
     "nowag_scores",
     "nm_mask_from_scores",
@@ -38,6 +39,29 @@ def valid_block_sizes(d_out: int, d_in: int, m: int = 1) -> list:
     """Block sizes that divide both dimensions and are multiples of ``m``."""
     g = math.gcd(d_out, d_in)
     return [b for b in range(1, g + 1) if g % b == 0 and b % m == 0]
+
+
+def check_layer_shape(
+    d_out: int,
+    d_in: int,
+    pattern: Union[str, SparsityPattern] = "2:4",
+    block_size: Optional[int] = None,
+    name: Optional[str] = None,
+) -> None:
+    """Check that ``pattern`` and ``block_size`` can serve a ``(d_out, d_in)`` weight."""
+    where = _where(name)
+    pat = parse_pattern(pattern)
+    if pat.structured and d_in % pat.m != 0:
+        raise ValueError(
+            f"{where}d_in={d_in} is not a multiple of M={pat.m} for pattern '{pat}': "
+            "use a pattern whose M divides d_in, or skip this layer"
+        )
+    if block_size is not None and (d_out % block_size or d_in % block_size):
+        options = valid_block_sizes(d_out, d_in, pat.m if pat.structured else 1)
+        raise ValueError(
+            f"{where}block_size={block_size} does not divide the weight shape ({d_out}, {d_in}); "
+            f"block sizes that fit this layer: {options}"
+        )
 
 
 def validate_layer(
@@ -89,17 +113,7 @@ def validate_layer(
             f"{where}act_sq_norm is all zero: no calibration data reached this layer; "
             "run calibration forward passes before pruning"
         )
-    if pat.structured and d_in % pat.m != 0:
-        raise ValueError(
-            f"{where}d_in={d_in} is not a multiple of M={pat.m} for pattern '{pat}': "
-            "use a pattern whose M divides d_in, or skip this layer"
-        )
-    if block_size is not None and (d_out % block_size or d_in % block_size):
-        options = valid_block_sizes(d_out, d_in, pat.m if pat.structured else 1)
-        raise ValueError(
-            f"{where}block_size={block_size} does not divide the weight shape ({d_out}, {d_in}); "
-            f"block sizes that fit this layer: {options}"
-        )
+    check_layer_shape(d_out, d_in, pat, block_size, name)
     return pat
 
 
