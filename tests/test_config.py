@@ -44,6 +44,9 @@ def test_config_rejects(kwargs):
         ArmorConfig(**kwargs)
 
 
-def test_config_defaults_are_paper():
+def test_config_defaults():
     cfg = ArmorConfig()
-    assert (cfg.block_size, cfg.pattern, cfg.optimizer, cfg.lr, cfg.selection) == (128, "2:4", "adam", 1e-4, "l1-random")
+    assert (cfg.block_size, cfg.pattern, cfg.optimizer, cfg.selection) == (128, "2:4", "bcd", "l1-random")
+    assert cfg.num_iters == 200 and cfg.group_updates == 128
+    paper = ArmorConfig(optimizer="adam")
+    assert (paper.lr, paper.num_iters) == (1e-4, 1000)

@@ -18,9 +18,10 @@ def test_zero_iterations_is_nowag():
     assert f.history.tolist() == [1.0]
 
 
-def test_dense_equals_independent_formula():
+@pytest.mark.parametrize("opt", ["adam", "bcd"])
+def test_dense_equals_independent_formula(opt):
     w, h = random_layer(16, 24, dtype=torch.float32)
-    f = factorize(w, h, ArmorConfig(block_size=8, num_iters=30, lr=1e-2))
+    f = factorize(w, h, ArmorConfig(block_size=8, optimizer=opt, num_iters=30, lr=1e-2))
     w64 = w.double()
     c = w64.norm(dim=0)
     r = (w64 / c).norm(dim=1)
@@ -32,9 +33,10 @@ def test_dense_equals_independent_formula():
     assert torch.all(f.core[~f.mask] == 0)
 
 
-def test_history_matches_independent_loss_and_improves():
+@pytest.mark.parametrize("opt", ["adam", "bcd"])
+def test_history_matches_independent_loss_and_improves(opt):
     w, h = random_layer(32, 64, dtype=torch.float32)
-    f = factorize(w, h, ArmorConfig(block_size=16, num_iters=60, lr=3e-3))
+    f = factorize(w, h, ArmorConfig(block_size=16, optimizer=opt, num_iters=60, lr=3e-3))
     assert f.history[0] == 1.0
     assert f.relative_loss < 0.9
     assert relative_proxy_loss(w, f.dense(), h) == pytest.approx(f.relative_loss, rel=1e-4)
@@ -44,12 +46,12 @@ def test_history_matches_independent_loss_and_improves():
 @settings(max_examples=12, deadline=None)
 @given(p=st.integers(1, 3), q=st.integers(1, 3), d_b=st.sampled_from([4, 8, 16]),
        pattern=st.sampled_from(["2:4", "1:4", "3:4", "4:8", "unstructured:0.5"]),
-       lr=st.sampled_from([1e-4, 1e-2, 1.0]), seed=st.integers(0, 1000))
-def test_pattern_and_never_worse_than_nowag(p, q, d_b, pattern, lr, seed):
+       lr=st.sampled_from([1e-4, 1e-2, 1.0]), seed=st.integers(0, 1000), opt=st.sampled_from(["adam", "bcd"]))
+def test_pattern_and_never_worse_than_nowag(p, q, d_b, pattern, lr, seed, opt):
     if pattern == "4:8" and d_b == 4:
         d_b = 8
     w, h = random_layer(p * d_b, q * d_b, seed=seed, dtype=torch.float32)
-    f = factorize(w, h, ArmorConfig(block_size=d_b, pattern=pattern, num_iters=8, lr=lr, seed=seed))
+    f = factorize(w, h, ArmorConfig(block_size=d_b, pattern=pattern, optimizer=opt, num_iters=8, lr=lr, seed=seed))
     assert check_mask(f.mask, pattern)
     assert torch.all(f.core[~f.mask] == 0)
     _, pruned = nowag_prune(w, h, pattern)
@@ -57,38 +59,42 @@ def test_pattern_and_never_worse_than_nowag(p, q, d_b, pattern, lr, seed):
     assert float(proxy_loss(w, f.dense(), h)) <= float(proxy_loss(w, pruned, h)) * (1 + 1e-4)
 
 
-def test_unstructured_keeps_nowag_mask():
+@pytest.mark.parametrize("opt", ["adam", "bcd"])
+def test_unstructured_keeps_nowag_mask(opt):
     w, h = random_layer(16, 32, dtype=torch.float32)
-    f = factorize(w, h, ArmorConfig(block_size=8, pattern="unstructured:0.5", num_iters=20, lr=1e-2))
+    f = factorize(w, h, ArmorConfig(block_size=8, pattern="unstructured:0.5", optimizer=opt, num_iters=20, lr=1e-2))
     mask, _ = nowag_prune(w, h, "unstructured:0.5")
     assert torch.equal(f.mask, mask)
     assert f.relative_loss < 1.0
 
 
-def test_deterministic_bit_identical():
+@pytest.mark.parametrize("opt", ["adam", "bcd"])
+def test_deterministic_bit_identical(opt):
     w, h = random_layer(32, 32, dtype=torch.float32)
-    cfg = ArmorConfig(block_size=8, num_iters=25, lr=1e-3, seed=5)
+    cfg = ArmorConfig(block_size=8, optimizer=opt, num_iters=25, lr=1e-3, seed=5)
     f1, f2 = factorize(w, h, cfg), factorize(w, h, cfg)
     for name in ("a_blocks", "b_blocks", "core", "mask", "history"):
         assert torch.equal(getattr(f1, name), getattr(f2, name)), name
-    f3 = factorize(w, h, ArmorConfig(block_size=8, num_iters=25, lr=1e-3, seed=6))
+    f3 = factorize(w, h, ArmorConfig(block_size=8, optimizer=opt, num_iters=25, lr=1e-3, seed=6))
     assert not torch.equal(f1.mask, f3.mask) or not torch.equal(f1.core, f3.core)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_optimized_in_fp32(dtype):
+@pytest.mark.parametrize("opt", ["adam", "bcd"])
+def test_half_precision_optimized_in_fp32(dtype, opt):
     w, h = random_layer(16, 32, dtype=torch.float32)
-    f = factorize(w.to(dtype), h, ArmorConfig(block_size=8, num_iters=20, lr=1e-2))
+    f = factorize(w.to(dtype), h, ArmorConfig(block_size=8, optimizer=opt, num_iters=20, lr=1e-2))
     assert f.a_blocks.dtype == f.core.dtype == f.b_blocks.dtype == dtype
-    f32 = factorize(w.to(dtype).float(), h, ArmorConfig(block_size=8, num_iters=20, lr=1e-2))
+    f32 = factorize(w.to(dtype).float(), h, ArmorConfig(block_size=8, optimizer=opt, num_iters=20, lr=1e-2))
     assert torch.equal(f.mask, f32.mask)
     assert torch.allclose(f.core.float(), f32.core, rtol=1e-2, atol=1e-2)
 
 
-def test_zero_variance_channels_are_pruned_first():
+@pytest.mark.parametrize("opt", ["adam", "bcd"])
+def test_zero_variance_channels_are_pruned_first(opt):
     w, h = random_layer(8, 16, dtype=torch.float32)
     h[[1, 2, 3]] = 0  # never active in calibration
-    f = factorize(w, h, ArmorConfig(block_size=8, num_iters=5, lr=1e-3))
+    f = factorize(w, h, ArmorConfig(block_size=8, optimizer=opt, num_iters=5, lr=1e-3))
     assert not f.mask[:, [1, 2, 3]].any(dim=0).all()
     assert f.relative_loss <= 1.0
 
@@ -145,7 +151,7 @@ def _reference_adam(w, h, cfg):
 
 def test_lean_adam_matches_autograd_reference():
     w, h = random_layer(32, 48, seed=4)
-    cfg = ArmorConfig(block_size=16, num_iters=40, lr=3e-3, dtype=torch.float64, seed=2)
+    cfg = ArmorConfig(block_size=16, optimizer="adam", num_iters=40, lr=3e-3, dtype=torch.float64, seed=2)
     f = factorize(w, h, cfg)
     ref = _reference_adam(w, h, cfg)
     ours = f.history[1:-1] * f.nowag_loss  # post-sparse losses at iterations 1..n-1

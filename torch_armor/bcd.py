@@ -62,8 +62,9 @@ def update_b(w_bar: torch.Tensor, a: torch.Tensor, core: torch.Tensor, b: torch.
     return _prox_solve(gram, cross, b, ridge)
 
 
-def _tile_dot(x: torch.Tensor, y: torch.Tensor, p: int, q: int, d_b: int) -> torch.Tensor:
-    return (x * y).reshape(p, d_b, q, d_b).sum((1, 3))
+def _tile_dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Per-tile inner products of ``(P, d, Q, d)`` views: ``(P, Q)``."""
+    return (x * y).sum((1, 3))
 
 
 def refine_core_cg(w_bar: torch.Tensor, act_sq_norm: torch.Tensor, a: torch.Tensor, core: torch.Tensor,
@@ -79,35 +80,35 @@ def refine_core_cg(w_bar: torch.Tensor, act_sq_norm: torch.Tensor, a: torch.Tens
         return core
     p, d_b, _ = a.shape
     q = b.shape[0]
+    shape4 = (p, d_b, q, d_b)
     a_gram = a.transpose(1, 2) @ a
     b_gram = (b * act_sq_norm.reshape(q, 1, d_b)) @ b.transpose(1, 2)
     eye = torch.eye(d_b, dtype=a.dtype, device=a.device)
     a_inv = torch.linalg.inv(a_gram + _ridge(a_gram, max(ridge, 1e-6))[..., :1] * eye)
     b_inv = torch.linalg.inv(b_gram + _ridge(b_gram, max(ridge, 1e-6))[..., :1] * eye)
-    maskf = mask.to(core.dtype)
+    maskf = mask.to(core.dtype).view(shape4)
 
-    def hess(x: torch.Tensor) -> torch.Tensor:
-        return block_diag_right(block_diag_left(a_gram, x), b_gram) * maskf
-
-    def precond(r: torch.Tensor) -> torch.Tensor:
-        return block_diag_right(block_diag_left(a_inv, r), b_inv) * maskf
+    def sandwich(left: torch.Tensor, x: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+        return block_diag_right(block_diag_left(left, x.reshape(core.shape)), right).view(shape4) * maskf
 
     residual = w_bar - block_diag_right(block_diag_left(a, core), b)
-    r = block_diag_right(block_diag_left(a.transpose(1, 2), residual * act_sq_norm), b.transpose(1, 2)) * maskf
-    x = torch.zeros_like(core)
-    z = precond(r)
+    r = sandwich(a.transpose(1, 2), residual * act_sq_norm, b.transpose(1, 2))
+    x = torch.zeros(shape4, dtype=core.dtype, device=core.device)
+    z = sandwich(a_inv, r, b_inv)
     direction = z
-    rz = _tile_dot(r, z, p, q, d_b)
+    rz = _tile_dot(r, z)
     for _ in range(steps):
-        h_dir = hess(direction)
-        curv = _tile_dot(direction, h_dir, p, q, d_b)
-        alpha = torch.where(curv > 0, rz / torch.where(curv > 0, curv, torch.ones_like(curv)), torch.zeros_like(curv))
-        alpha_full = alpha[:, None, :, None].expand(p, d_b, q, d_b).reshape_as(core)
-        x = x + alpha_full * direction
-        r = r - alpha_full * h_dir
-        z = precond(r)
-        rz_new = _tile_dot(r, z, p, q, d_b)
-        beta = torch.where(rz > 0, rz_new / torch.where(rz > 0, rz, torch.ones_like(rz)), torch.zeros_like(rz))
-        direction = z + beta[:, None, :, None].expand(p, d_b, q, d_b).reshape_as(core) * direction
+        h_dir = sandwich(a_gram, direction, b_gram)
+        curv = _tile_dot(direction, h_dir)
+        ok = curv > 0
+        alpha = torch.where(ok, rz / torch.where(ok, curv, torch.ones_like(curv)), torch.zeros_like(curv))
+        alpha4 = alpha[:, None, :, None]
+        x.add_(alpha4 * direction)
+        r = r - alpha4 * h_dir
+        z = sandwich(a_inv, r, b_inv)
+        rz_new = _tile_dot(r, z)
+        ok = rz > 0
+        beta = torch.where(ok, rz_new / torch.where(ok, rz, torch.ones_like(rz)), torch.zeros_like(rz))
+        direction = z + beta[:, None, :, None] * direction
         rz = rz_new
-    return core + x
+    return core + x.reshape(core.shape)

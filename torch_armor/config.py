@@ -82,7 +82,7 @@ class ArmorConfig:
         num_iters: iterations: for ``"adam"``, (Adam step, sparse-core step) pairs
             (default 1000); for ``"bcd"``, sweeps (default 200). Optimization also stops at
             ``time_budget_s`` or when a logged step improves the loss by less than ``tol``.
-        optimizer: ``"adam"`` — the paper's joint Adam on ``A``, ``B``, ``W'``, one sparse-core
+        optimizer: ``"bcd"`` (default) or ``"adam"`` — the paper's joint Adam on ``A``, ``B``, ``W'``, one sparse-core
             group per tile per iteration; ``"bcd"`` — exact block-coordinate sweeps: closed-form
             ``A`` and ``B``, preconditioned CG on the kept core values, then
             ``group_updates`` exact sparse-core group updates per tile.
@@ -92,7 +92,7 @@ class ArmorConfig:
             points (0: never stop early).
         cg_steps: conjugate-gradient steps on the core per ``"bcd"`` sweep.
         group_updates: sparse-core group updates per tile per ``"bcd"`` sweep
-            (``None``: ``block_size // 4``).
+            (``None``: ``block_size``).
         ridge: relative proximal ridge of the ``"bcd"`` closed-form solves.
         selection: how each tile picks the group its sparse-core step updates:
             ``"l1-random"`` (paper), ``"l2-random"``, ``"l1-greedy"``, ``"random"``.
@@ -112,11 +112,11 @@ class ArmorConfig:
     block_size: int = 128
     pattern: str = "2:4"
     num_iters: Optional[int] = None
-    optimizer: str = "adam"
+    optimizer: str = "bcd"
     lr: float = 1e-4
     time_budget_s: Optional[float] = None
     tol: float = 0.0
-    cg_steps: int = 3
+    cg_steps: int = 2
     group_updates: Optional[int] = None
     ridge: float = 1e-6
     selection: str = "l1-random"
@@ -148,7 +148,7 @@ class ArmorConfig:
         if not isinstance(self.cg_steps, int) or self.cg_steps < 0:
             raise ValueError(f"cg_steps must be a non-negative integer, got {self.cg_steps!r}")
         if self.group_updates is None:
-            self.group_updates = max(1, self.block_size // 4)
+            self.group_updates = self.block_size
         if not isinstance(self.group_updates, int) or self.group_updates < 0:
             raise ValueError(f"group_updates must be a non-negative integer, got {self.group_updates!r}")
         if not (isinstance(self.ridge, (int, float)) and 0.0 <= self.ridge < 1.0):
