@@ -1,18 +1,61 @@
-"""torch_armor: ARMOR 2:4 semi-structured pruning for PyTorch models."""
+"""torch_armor: ARMOR 2:4 semi-structured pruning for PyTorch models.
 
-from .config import ArmorConfig, SparsityPattern, parse_pattern
-from .factorize import factorize
-from .factors import ArmorFactors
-from .proxy import nowag_prune, proxy_loss, relative_proxy_loss
+Example::
+
+    >>> import torch
+    >>> from torch import nn
+    >>> from torch_armor import ArmorSparsifier
+    >>> model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    >>> sparsifier = ArmorSparsifier(block_size=16, num_iters=5, progress=False)
+    >>> sparsifier.prepare(model, [{"tensor_fqn": "0.weight"}])
+    >>> _ = model(torch.randn(256, 64))      # calibrate
+    >>> model = sparsifier.convert(model)     # factorize and swap in ArmorTensor weights
+    >>> type(model[0].weight).__name__
+    'ArmorTensor'
+"""
+
+import logging as _logging
+
+
+def _import_torchao_quietly() -> None:
+    # torchao logs a warning per CUDA/MX extension it cannot load on a CPU-only build, and
+    # torch warns about an Enum registration inside torchao: noise for our users.
+    noisy = [_logging.getLogger("torchao"), _logging.getLogger("torch.utils._pytree")]
+    levels = [lg.level for lg in noisy]
+    for lg in noisy:
+        lg.setLevel(_logging.ERROR)
+    try:
+        import torchao  # noqa: F401
+        import torchao.quantization  # noqa: F401
+    finally:
+        for lg, level in zip(noisy, levels):
+            lg.setLevel(level)
+
+
+_import_torchao_quietly()
+
+from .config import ArmorConfig, SparsityPattern, parse_pattern  # noqa: E402
+from .factorize import factorize  # noqa: E402
+from .factors import ArmorFactors  # noqa: E402
+from .proxy import nowag_prune, proxy_loss, relative_proxy_loss  # noqa: E402
+from .serialization import load_pretrained, save_pretrained  # noqa: E402
+from .sparsifier import ArmorSparsifier, PruningSparsifier  # noqa: E402
+from .tensor import ArmorTensor, armor_linear_from_factors  # noqa: E402
 
 __all__ = [
     "ArmorConfig",
     "ArmorFactors",
+    "ArmorSparsifier",
+    "ArmorTensor",
+    "PruningSparsifier",
     "SparsityPattern",
+    "armor_linear_from_factors",
     "factorize",
+    "load_pretrained",
     "nowag_prune",
     "parse_pattern",
     "proxy_loss",
     "relative_proxy_loss",
+    "save_pretrained",
 ]
 __version__ = "0.1.0"
