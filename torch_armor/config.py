@@ -92,7 +92,7 @@ class ArmorConfig:
             points (0: never stop early).
         cg_steps: conjugate-gradient steps on the core per ``"bcd"`` sweep.
         group_updates: sparse-core group updates per tile per ``"bcd"`` sweep
-            (``None``: ``block_size``).
+            (``None``: ``block_size // 2``).
         ridge: relative proximal ridge of the ``"bcd"`` closed-form solves.
         selection: how each tile picks the group its sparse-core step updates:
             ``"l1-random"`` (paper), ``"l2-random"``, ``"l1-greedy"``, ``"random"``.
@@ -148,7 +148,7 @@ class ArmorConfig:
         if not isinstance(self.cg_steps, int) or self.cg_steps < 0:
             raise ValueError(f"cg_steps must be a non-negative integer, got {self.cg_steps!r}")
         if self.group_updates is None:
-            self.group_updates = self.block_size
+            self.group_updates = max(1, self.block_size // 2)
         if not isinstance(self.group_updates, int) or self.group_updates < 0:
             raise ValueError(f"group_updates must be a non-negative integer, got {self.group_updates!r}")
         if not (isinstance(self.ridge, (int, float)) and 0.0 <= self.ridge < 1.0):

@@ -17,6 +17,10 @@ from .sparse_core import block_grams, core_gradient, select_groups, sparse_core_
 
 __all__ = ["factorize", "reconstruct_normalized"]
 
+#: Clock behind ``time_budget_s`` and ``ArmorFactors.history_time_s`` (wall time). Benchmarks
+#: on a shared machine may set it to ``time.process_time`` (CPU seconds of this process).
+clock = time.perf_counter
+
 
 def reconstruct_normalized(a: torch.Tensor, core: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``A · core · B`` with block-diagonal ``A``, ``B`` given as block stacks."""
@@ -46,7 +50,7 @@ class _Log:
 
     def __init__(self, problem: _Problem, config: ArmorConfig) -> None:
         self.config = config
-        self.start = time.perf_counter()
+        self.start = clock()
         self.iters: List[int] = [0]
         self.losses: List[torch.Tensor] = [problem.nowag_loss]
         self.times: List[float] = [0.0]
@@ -54,7 +58,7 @@ class _Log:
         self.best_iter = torch.zeros((), dtype=torch.long, device=problem.w_bar.device)
 
     def elapsed(self) -> float:
-        return time.perf_counter() - self.start
+        return clock() - self.start
 
     def out_of_time(self) -> bool:
         budget = self.config.time_budget_s

@@ -6,8 +6,12 @@ A saved directory holds:
   for every :class:`~torch_armor.tensor.ArmorTensor` parameter ``"{fqn}"`` (e.g.
   ``"layers.0.q_proj.weight"``) its inner tensors under ``"{fqn}.{inner}"``: ``a_blocks``,
   ``b_blocks`` and the core in compact N:M form (``values`` + ``indices``; unstructured cores
-  are stored dense as ``core``). The safetensors header carries the sha256 of the JSON
-  description below, so the two files are bound to each other.
+  are stored dense as ``core``). A core quantized with :mod:`torch_armor.quant` is stored as
+  its torchao tensor's own inner tensors under ``"{fqn}.core.{name}"`` (a ``(d_out, d_in)``
+  one that is N:M sparse, e.g. int8 ``qdata``, packed like a floating core into
+  ``"{fqn}.core.{name}.values"`` / ``".indices"``), with the torchao config in the JSON.
+  The safetensors header carries the sha256 of the JSON description below, so the two files
+  are bound to each other.
 * ``armor_config.json``: format version, the sha256 of ``model.safetensors``, and per converted
   layer its shape, block size, pattern, saved and runtime storage, dtype and inner tensor
   shapes/dtypes.
@@ -47,8 +51,8 @@ import torch
 from torch import nn
 
 from .config import parse_pattern
-from .packing import index_bits
-from .tensor import STORAGES, ArmorTensor
+from .packing import index_bits, pack_nm, unpack_nm
+from .tensor import QUANTIZED, STORAGES, ArmorTensor
 
 __all__ = [
     "WEIGHTS_NAME",
@@ -107,6 +111,105 @@ def _inner_names(storage: str) -> Tuple[str, ...]:
     return ("a_blocks", "b_blocks") + (("values", "indices") if storage == "compact" else ("core",))
 
 
+def _layer_keys(fqn: str, layer: Dict[str, Any]) -> Tuple[str, ...]:
+    """Keys of ``model.safetensors`` that belong to one converted layer."""
+    if layer["storage"] != QUANTIZED:
+        return tuple(f"{fqn}.{name}" for name in _inner_names(layer["storage"]))
+    keys = [f"{fqn}.a_blocks", f"{fqn}.b_blocks"]
+    for name, kind in layer["quantization"]["tensors"].items():
+        keys += [f"{fqn}.core.{name}.values", f"{fqn}.core.{name}.indices"] if kind == "compact" else [f"{fqn}.core.{name}"]
+    return tuple(keys)
+
+
+def _is_nm(t: torch.Tensor, n: int, m: int) -> bool:
+    """Whether every group of ``m`` consecutive columns of the 2-D ``t`` has at most ``n`` nonzeros."""
+    d_out, d_in = t.shape
+    return d_in % m == 0 and bool(((t != 0).reshape(d_out, d_in // m, m).sum(-1) <= n).all())
+
+
+def _flatten_quantized(key: str, value: ArmorTensor) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """Inner tensors and JSON entry of a layer whose core is a torchao quantized tensor."""
+    from .quant import quant_config_to_dict
+
+    if value.quant_config is None:
+        raise ValueError(
+            f"{key}: the quantized core carries no torchao config, so it cannot be rebuilt on load; "
+            "quantize with torch_armor.quant.quantize_armor_core / ArmorCoreConfig"
+        )
+    qcore = value.core
+    names, _ = qcore.__tensor_flatten__()
+    pattern = parse_pattern(value.pattern)
+    inner: Dict[str, torch.Tensor] = {"a_blocks": value.a_blocks, "b_blocks": value.b_blocks}
+    kinds: Dict[str, str] = {}
+    for name in names:
+        t = getattr(qcore, name)
+        if type(t) is not torch.Tensor:
+            raise ValueError(
+                f"{key}: the quantized core's {name!r} is a {type(t).__name__}; only torchao tensors made "
+                "of plain tensors can be saved"
+            )
+        if pattern.structured and tuple(t.shape) == tuple(value.shape) and _is_nm(t, pattern.n, pattern.m):
+            inner[f"core.{name}.values"], inner[f"core.{name}.indices"] = pack_nm(t, pattern.n, pattern.m)
+            kinds[name] = "compact"
+        else:
+            inner[f"core.{name}"] = t
+            kinds[name] = "plain"
+    entry = {
+        "shape": list(value.shape),
+        "block_size": int(value.block_size),
+        "pattern": value.pattern,
+        "storage": QUANTIZED,
+        "runtime_storage": QUANTIZED,
+        "dtype": _dtype_name(value.dtype),
+        "quantization": {
+            "config": quant_config_to_dict(value.quant_config),
+            "class": type(qcore).__name__,
+            "tensors": kinds,
+        },
+        "tensors": {name: _tensor_spec(t) for name, t in inner.items()},
+    }
+    return inner, entry
+
+
+def _unflatten_quantized(fqn: str, layer: Dict[str, Any], tensors: Dict[str, torch.Tensor]) -> ArmorTensor:
+    """Rebuild a quantized-core ArmorTensor: structure from the torchao config, data from the file."""
+    from .quant import quant_config_from_dict, quantized_core_template
+
+    where = f"{ARMOR_CONFIG_NAME}, layer {fqn!r}"
+    quant = layer["quantization"]
+    config = quant_config_from_dict(quant["config"])
+    dtype = _DTYPES[layer["dtype"]]
+    shape = tuple(int(v) for v in layer["shape"])
+    pattern = parse_pattern(layer["pattern"])
+    template = quantized_core_template(config, shape, dtype)
+    names, ctx = template.__tensor_flatten__()
+    if type(template).__name__ != quant.get("class") or set(names) != set(quant["tensors"]):
+        raise ValueError(
+            f"{where}: the saved quantized core is a {quant.get('class')} with tensors {sorted(quant['tensors'])}, "
+            f"but this torchao builds a {type(template).__name__} with {sorted(names)} for that config; "
+            "load with the torchao version that saved it"
+        )
+    inner: Dict[str, torch.Tensor] = {}
+    for name in names:
+        if quant["tensors"][name] == "compact":
+            t = unpack_nm(tensors[f"{fqn}.core.{name}.values"], tensors[f"{fqn}.core.{name}.indices"],
+                          pattern.n, pattern.m, shape[1])
+        else:
+            t = tensors[f"{fqn}.core.{name}"]
+        ref = getattr(template, name)
+        if tuple(t.shape) != tuple(ref.shape) or t.dtype != ref.dtype:
+            raise ValueError(
+                f"{where}: quantized core tensor {name!r} is {t.dtype} {list(t.shape)}, expected "
+                f"{ref.dtype} {list(ref.shape)}; the directory is corrupt or was edited"
+            )
+        inner[name] = t
+    qcore = type(template).__tensor_unflatten__(inner, ctx, template.shape, template.stride())
+    return ArmorTensor(
+        tensors[f"{fqn}.a_blocks"], tensors[f"{fqn}.b_blocks"], str(pattern), QUANTIZED, dtype,
+        core=qcore, quant_config=config,
+    )
+
+
 # --------------------------------------------------------------------------- flatten
 
 
@@ -135,7 +238,11 @@ def flatten_armor_state(model: nn.Module) -> Tuple[Dict[str, torch.Tensor], Dict
     raw: Dict[str, torch.Tensor] = {}
     layers: Dict[str, Dict[str, Any]] = {}
     for key, value in state.items():
-        if isinstance(value, ArmorTensor):
+        if isinstance(value, ArmorTensor) and value.storage == QUANTIZED:
+            inner, layers[key] = _flatten_quantized(key, value)
+            for name, t in inner.items():
+                raw[f"{key}.{name}"] = t
+        elif isinstance(value, ArmorTensor):
             runtime = value.storage
             saved_storage = "compact" if parse_pattern(value.pattern).structured else "dense"
             w = value.with_storage(saved_storage) if runtime != saved_storage else value
@@ -250,6 +357,9 @@ def _validate_layer(fqn: str, layer: Any, tensors: Dict[str, torch.Tensor]) -> N
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"{where}: missing or invalid field ({err})") from None
     dtype = _parse_dtype(layer.get("dtype"), where)
+    if storage == QUANTIZED or runtime == QUANTIZED:
+        _validate_quantized_layer(fqn, layer, tensors, (d_out, d_in), d_b, pattern, dtype)
+        return
     if storage not in ("compact", "dense") or runtime not in STORAGES:
         raise ValueError(f"{where}: invalid storage {storage!r} / runtime storage {runtime!r}")
     if storage == "compact" and not pattern.structured:
@@ -281,6 +391,33 @@ def _validate_layer(fqn: str, layer: Any, tensors: Dict[str, torch.Tensor]) -> N
             )
 
 
+def _validate_quantized_layer(
+    fqn: str, layer: Dict[str, Any], tensors: Dict[str, torch.Tensor], shape: Tuple[int, int], d_b: int,
+    pattern: Any, dtype: torch.dtype,
+) -> None:
+    where = f"{ARMOR_CONFIG_NAME}, layer {fqn!r}"
+    d_out, d_in = shape
+    if layer["storage"] != QUANTIZED or layer["runtime_storage"] != QUANTIZED:
+        raise ValueError(f"{where}: a quantized layer must have storage and runtime storage {QUANTIZED!r}")
+    quant = layer.get("quantization")
+    if not (isinstance(quant, dict) and isinstance(quant.get("config"), dict) and isinstance(quant.get("tensors"), dict)
+            and all(kind in ("compact", "plain") for kind in quant["tensors"].values())):
+        raise ValueError(f"{where}: missing or malformed 'quantization' entry")
+    if d_b < 1 or d_out % d_b or d_in % d_b:
+        raise ValueError(f"{where}: block size {d_b} does not divide the shape ({d_out}, {d_in})")
+    if "compact" in quant["tensors"].values() and not pattern.structured:
+        raise ValueError(f"{where}: compact quantized tensors need an N:M pattern, got {pattern}")
+    for key in _layer_keys(fqn, layer):
+        if key not in tensors:
+            raise ValueError(f"{where}: inner tensor {key!r} missing from {WEIGHTS_NAME}")
+    for name, rows in (("a_blocks", d_out), ("b_blocks", d_in)):
+        t = tensors[f"{fqn}.{name}"]
+        if tuple(t.shape) != (rows // d_b, d_b, d_b) or t.dtype != dtype:
+            raise ValueError(
+                f"{where}: {name} should be {dtype} {[rows // d_b, d_b, d_b]}, found {t.dtype} {list(t.shape)}"
+            )
+
+
 # ------------------------------------------------------------------------ unflatten
 
 
@@ -299,7 +436,7 @@ def unflatten_armor_state(
     kept exactly; each lands on the device of the parameter it replaces, or on ``device``); every
     layer in ``metadata["layers"]`` gets an ``nn.Parameter(ArmorTensor, requires_grad=False)``,
     re-stored as ``storage`` (default: as it was when saved; a semi-structured layer that cannot
-    be rebuilt here, e.g. on CPU, becomes compact).
+    be rebuilt here, e.g. on CPU, becomes compact; a quantized core stays quantized).
 
     Raises:
         ValueError: metadata/tensors inconsistent, a layer path missing from ``model`` or of
@@ -339,7 +476,7 @@ def unflatten_armor_state(
         targets[fqn] = (module, pname, old)
 
     # 2. plain tensors, on the device of what they replace (or `device`)
-    inner_keys = {f"{fqn}.{name}" for fqn, layer in layers.items() for name in _inner_names(layer["storage"])}
+    inner_keys = {key for fqn, layer in layers.items() for key in _layer_keys(fqn, layer)}
     plain = {k: v for k, v in tensors.items() if k not in inner_keys}
     for key, target in metadata["aliases"].items():
         plain[key] = tensors[target]
@@ -380,17 +517,22 @@ def unflatten_armor_state(
     # 3. converted layers
     for fqn, layer in layers.items():
         module, pname, old = targets[fqn]
-        inner = {name: tensors[f"{fqn}.{name}"] for name in _inner_names(layer["storage"])}
-        w = ArmorTensor(
-            inner.pop("a_blocks"), inner.pop("b_blocks"), str(parse_pattern(layer["pattern"])),
-            layer["storage"], _DTYPES[layer["dtype"]], **inner,
-        )
+        if layer["storage"] == QUANTIZED:
+            w = _unflatten_quantized(fqn, layer, tensors)
+        else:
+            inner = {name: tensors[f"{fqn}.{name}"] for name in _inner_names(layer["storage"])}
+            w = ArmorTensor(
+                inner.pop("a_blocks"), inner.pop("b_blocks"), str(parse_pattern(layer["pattern"])),
+                layer["storage"], _DTYPES[layer["dtype"]], **inner,
+            )
         dev = torch.device(device) if device is not None else (
             old.device if old is not None and old.device.type != "meta" else w.device
         )
         if dev != w.device:
             w = w.to(dev)
         target = storage or layer["runtime_storage"]
+        if w.storage == QUANTIZED:
+            target = QUANTIZED  # a quantized core stays quantized (the `storage` argument does not apply)
         if target == "semi_structured" and not (w.device.type == "cuda" and w.dtype in (torch.float16, torch.bfloat16)):
             target = "compact"
         if target != w.storage:
@@ -503,7 +645,7 @@ def load_pretrained(
         device: move the model there before re-storing the cores (e.g. ``"cuda"`` so 2:4
             layers saved as semi-structured become semi-structured again).
         storage: re-store every core as this (``"compact"``, ``"dense"``, ``"semi_structured"``,
-            ``"auto"``); default: as saved.
+            ``"auto"``); default: as saved. Quantized cores stay quantized.
         strict: error on state-dict keys missing from the file or not in the model.
 
     Raises:

@@ -13,6 +13,11 @@ and the N:M sparse core in one of three storages:
 * ``"semi_structured"``: a :class:`torch.sparse.SparseSemiStructuredTensor` (CUDA,
   fp16/bf16, 2:4), backend chosen explicitly (cuSPARSELt when available, else CUTLASS).
   Shapes the kernel cannot take fall back to ``"dense"`` with a one-time warning.
+* ``"quantized"``: a torchao quantized tensor (e.g. ``Int8Tensor``) built by
+  :func:`torch_armor.quant.quantize_armor_core` / ``quantize_(model, ArmorCoreConfig(...))``;
+  the core matmul is ``F.linear(x_b, core)``, so torchao's own dispatch does the int8 math.
+  ``A`` and ``B`` stay in the weight's (activation) dtype; ``quant_config`` records the
+  torchao config that built the core (used to save and reload it).
 
 ``F.linear(x, w, bias)`` computes ``y = ((x·Bᵀ) · coreᵀ) · Aᵀ + bias`` with two batched
 block products around one (sparse) matmul; ``y`` matches ``x @ W_hat.T + bias`` within
@@ -50,11 +55,13 @@ from .config import parse_pattern
 from .factors import ArmorFactors
 from .packing import check_nm_mask, pack_nm, semi_structured_supported, to_semi_structured, unpack_nm
 
-__all__ = ["ArmorTensor", "armor_linear_from_factors", "STORAGES"]
+__all__ = ["ArmorTensor", "armor_linear_from_factors", "STORAGES", "QUANTIZED"]
 
 aten = torch.ops.aten
 
 STORAGES = ("compact", "dense", "semi_structured")
+#: storage kind of a core quantized by torch_armor.quant (not a target of ``with_storage``)
+QUANTIZED = "quantized"
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -73,10 +80,15 @@ class ArmorTensor(TorchAOBaseTensor):
     ``nn.Linear``). Logical shape ``(d_out, d_in)`` and dtype are those of ``W_hat``.
 
     Tensor data: ``a_blocks``, ``b_blocks`` (always), and for the core either ``core``
-    (``"dense"``: a dense matrix; ``"semi_structured"``: a SparseSemiStructuredTensor) or
-    ``values`` + ``indices`` (``"compact"``).
+    (``"dense"``: a dense matrix; ``"semi_structured"``: a SparseSemiStructuredTensor;
+    ``"quantized"``: a torchao quantized tensor) or ``values`` + ``indices`` (``"compact"``).
 
-    Attributes: ``pattern`` (``"N:M"`` or ``"unstructured:F"``), ``storage``, ``dtype``.
+    Attributes: ``pattern`` (``"N:M"`` or ``"unstructured:F"``), ``storage``, ``dtype``, and
+    ``quant_config`` (the torchao config of a ``"quantized"`` core, else ``None``).
+
+    Only ``F.linear``, device/dtype moves, ``detach``/``clone`` and the like are supported:
+    other ops (``view``, ``abs``, ``t``...) raise ``NotImplementedError`` saying what to use
+    instead (``dense_weight()``, or ``ArmorCoreConfig`` to quantize with torchao).
 
     ``.to(device)``, ``.to(dtype)``, ``.half()``, ``.bfloat16()`` really convert the inner tensors
     (indices stay ``uint8``). A semi-structured core moved off CUDA or to fp32 becomes compact;
@@ -98,6 +110,7 @@ class ArmorTensor(TorchAOBaseTensor):
     tensor_data_names = ["a_blocks", "b_blocks"]
     tensor_attribute_names = ["pattern", "storage", "dtype"]
     optional_tensor_data_names = ["core", "values", "indices"]
+    optional_tensor_attribute_names = ["quant_config"]
 
     def __new__(
         cls,
@@ -109,6 +122,7 @@ class ArmorTensor(TorchAOBaseTensor):
         core: Optional[torch.Tensor] = None,
         values: Optional[torch.Tensor] = None,
         indices: Optional[torch.Tensor] = None,
+        quant_config: Optional[object] = None,
     ):
         shape = (a_blocks.shape[0] * a_blocks.shape[1], b_blocks.shape[0] * b_blocks.shape[1])
         return torch.Tensor._make_wrapper_subclass(
@@ -125,6 +139,7 @@ class ArmorTensor(TorchAOBaseTensor):
         core: Optional[torch.Tensor] = None,
         values: Optional[torch.Tensor] = None,
         indices: Optional[torch.Tensor] = None,
+        quant_config: Optional[object] = None,
     ):
         super().__init__()
         self.a_blocks = a_blocks
@@ -135,6 +150,7 @@ class ArmorTensor(TorchAOBaseTensor):
         self.core = core
         self.values = values
         self.indices = indices
+        self.quant_config = quant_config
 
     # ------------------------------------------------------------------ properties
 
@@ -152,8 +168,17 @@ class ArmorTensor(TorchAOBaseTensor):
     def core_dense(self) -> torch.Tensor:
         """The core ``W' ⊙ M`` as a dense ``(d_out, d_in)`` matrix in the weight's dtype.
 
-        For ``"compact"`` storage this unpacks (exactly); ``"dense"`` returns the stored tensor.
+        For ``"compact"`` storage this unpacks (exactly); ``"dense"`` returns the stored tensor;
+        ``"quantized"`` dequantizes (the values the quantized matmul effectively uses).
         """
+        if self.storage == QUANTIZED:
+            dequantize = getattr(self.core, "dequantize", None)
+            if dequantize is None:
+                raise NotImplementedError(
+                    f"the quantized core is a {type(self.core).__name__} without dequantize(); "
+                    "it can run F.linear but cannot be materialized"
+                )
+            return dequantize().to(self.dtype)
         if self.storage == "compact":
             n, m = self.nm
             return unpack_nm(self.values, self.indices, n, m, self.shape[1])
@@ -179,7 +204,7 @@ class ArmorTensor(TorchAOBaseTensor):
         """Process-independent key of this weight's metadata, for torch.compile's AOT cache."""
         names, _ = self.__tensor_flatten__()
         parts = [type(self).__qualname__, str(tuple(self.shape)), str(self.requires_grad),
-                 self.pattern, self.storage, str(self.dtype)]
+                 self.pattern, self.storage, str(self.dtype), repr(self.quant_config)]
         for name in names:
             t = getattr(self, name)
             parts.append(f"{name}:{type(t).__qualname__}:{tuple(t.shape)}:{tuple(t.stride())}:{t.dtype}:{t.device.type}")
@@ -190,6 +215,21 @@ class ArmorTensor(TorchAOBaseTensor):
         return (
             f"{self.__class__.__name__}(shape=({d_out}, {d_in}), block_size={self.block_size}, "
             f"pattern={self.pattern}, storage={self.storage}, dtype={self.dtype}, device={self.device})"
+        )
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        """Run the ops registered with ``implements``; explain what to do for any other op."""
+        kwargs = {} if kwargs is None else kwargs
+        table = getattr(cls, "_ATEN_OP_TABLE", {}).get(cls, {})
+        if func in table:
+            return table[func](func, types, args, kwargs)
+        raise NotImplementedError(
+            f"ArmorTensor does not support {func}: it stores W = A·core·B in factored form and "
+            "only runs F.linear, device/dtype moves, detach and clone. To quantize a converted "
+            "model with torchao, wrap the config: quantize_(model, "
+            "torch_armor.quant.ArmorCoreConfig(Int8WeightOnlyConfig())) quantizes the core; for the "
+            "materialized matrix use weight.dense_weight()"
         )
 
     # ---------------------------------------------------------------- constructors
@@ -308,6 +348,10 @@ class ArmorTensor(TorchAOBaseTensor):
         Exact: the core's values are unchanged (a semi-structured request the kernel cannot
         take gives ``"dense"``, with a one-time warning).
 
+        Raises:
+            ValueError: the core is ``"quantized"`` (re-storing it would silently dequantize);
+                use :func:`torch_armor.quant.dequantize_armor_core` first if that is what you want.
+
         Example::
 
             >>> core = torch.tensor([[1.0, 0.0, 0.0, 2.0]] * 4)
@@ -315,6 +359,14 @@ class ArmorTensor(TorchAOBaseTensor):
             >>> ArmorTensor.from_factors(f, storage="compact").with_storage("dense").storage
             'dense'
         """
+        if self.storage == QUANTIZED:
+            if storage == QUANTIZED:
+                return self
+            raise ValueError(
+                f"this ArmorTensor's core is quantized ({type(self.core).__name__}); re-storing it as "
+                f"{storage!r} would dequantize it. Call torch_armor.quant.dequantize_armor_core(weight) "
+                "first to get a floating-point core, then with_storage()"
+            )
         core = self.core_dense()
         target = self._resolve_storage(storage, self.pattern, core, backend)
         if target == self.storage:
@@ -347,6 +399,10 @@ class ArmorTensor(TorchAOBaseTensor):
             return t.to(device=device, dtype=dtype if cast else t.dtype, non_blocking=non_blocking)
 
         a, b = move(self.a_blocks), move(self.b_blocks)
+        if self.storage == QUANTIZED:
+            # torchao quantized tensors keep their own (integer) data and scales: move, don't cast
+            core = self.core.to(device=device, non_blocking=non_blocking)
+            return self.__class__(a, b, self.pattern, QUANTIZED, dtype, core=core, quant_config=self.quant_config)
         if self.storage == "compact":
             return self.__class__(
                 a, b, self.pattern, "compact", dtype, values=move(self.values), indices=move(self.indices, False)
@@ -383,7 +439,9 @@ def _armor_linear(x: torch.Tensor, w: ArmorTensor, bias: Optional[torch.Tensor])
     dtype = x.dtype
     x2d = x.reshape(-1, d_in)
     h = _blockwise_right_t(x2d, w.b_blocks.to(dtype))
-    if w.storage == "semi_structured" and dtype == w.dtype:
+    if w.storage == QUANTIZED:
+        h = F.linear(h, w.core)  # torchao's dispatch (int8 weight-only / dynamic activation ...)
+    elif w.storage == "semi_structured" and dtype == w.dtype:
         h = F.linear(h, w.core)
     else:
         core = w.core_dense()

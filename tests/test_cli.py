@@ -1,0 +1,140 @@
+"""Command line smoke tests: ``prune`` then ``eval`` end to end on the real SmolLM2 (two decoder
+layers, tiny calibration), a local Hugging Face directory, argument errors, ``python -m``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from torch_armor.cli import REPORT_JSON, REPORT_PNG, main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def text_files(tmp_path_factory, sotu_available, wiki_available):
+    """Heads of the protocol texts as files (tokenizing the full texts takes ~15 s)."""
+    from torch_armor.assets import sotu_text, wiki_text
+
+    folder = tmp_path_factory.mktemp("texts")
+    (folder / "sotu.txt").write_text(sotu_text()[:20000], encoding="utf-8")
+    (folder / "wiki.txt").write_text(wiki_text()[:20000], encoding="utf-8")
+    return folder / "sotu.txt", folder / "wiki.txt"
+
+
+def _perplexity_line(out: str) -> float:
+    match = re.search(r"^perplexity: (\S+)", out, re.M)
+    assert match, out
+    return float(match.group(1))
+
+
+def test_prune_then_eval_smollm2_two_layers(tmp_path, capsys, smollm2_tokenizer, text_files):
+    calib, wiki = text_files
+    out = tmp_path / "armor"
+    code = main(["prune", "smollm2", "--out", str(out), "--layers", "0-1", "--calib", str(calib),
+                 "--n-calib", "2", "--seq-len", "64", "--iters", "2", "--time-budget", "0.5", "--no-progress"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "pruned 14 linears" in printed and "wrapper overhead" in printed
+
+    for name in ("model.safetensors", "armor_config.json", "config.json", "tokenizer.json", REPORT_JSON, REPORT_PNG):
+        assert (out / name).is_file(), name
+    report = json.loads((out / REPORT_JSON).read_text())
+    kinds = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    assert [entry["name"] for entry in report["layers"]] == [f"model.layers.{i}.{k}" for i in (0, 1) for k in kinds]
+    for entry in report["layers"]:
+        assert 0 < entry["relative_proxy_loss"] <= 1.0 + 1e-6 and entry["seconds"] >= 0
+        assert entry["block_size"] in (4, 12, 16)  # --block-size auto within 5%
+    assert report["method"] == "armor" and report["command"].startswith("torch-armor prune smollm2")
+    assert 0 < report["wrapper_overhead"] <= 0.05
+    assert (out / REPORT_PNG).read_bytes()[:4] == b"\x89PNG"
+
+    code = main(["eval", str(out), "--data", str(wiki), "--n-eval", "2", "--seq-len", "64", "--no-progress"])
+    assert code == 0
+    ppl_cli = _perplexity_line(capsys.readouterr().out)
+    assert math.isfinite(ppl_cli) and ppl_cli > 1
+
+    from transformers import AutoTokenizer
+
+    from torch_armor.data import eval_windows
+    from torch_armor.evaluate import perplexity
+    from torch_armor.serialization import load_pretrained
+    from torch_armor.tensor import ArmorTensor
+
+    model = load_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    assert tokenizer("Hello world", add_special_tokens=False).input_ids == [19556, 905]
+    assert isinstance(model.model.layers[1].mlp.down_proj.weight, ArmorTensor)
+    assert not isinstance(model.model.layers[2].self_attn.q_proj.weight, ArmorTensor)
+    assert not isinstance(model.lm_head.weight, ArmorTensor)
+    ppl = perplexity(model, eval_windows(str(wiki), tokenizer, n_windows=2, seq_len=64), progress=False)
+    assert ppl_cli == pytest.approx(ppl, rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_dir(tmp_path_factory, smollm2_tokenizer):
+    """A random tiny Llama with SmolLM2's vocabulary, saved as a plain Hugging Face directory."""
+    from conftest import make_tiny_llama
+
+    folder = tmp_path_factory.mktemp("tiny_hf")
+    model = make_tiny_llama(vocab=len(smollm2_tokenizer))
+    model.save_pretrained(str(folder))
+    smollm2_tokenizer.save_pretrained(str(folder))
+    return folder
+
+
+def test_prune_local_hf_directory_with_baseline(tmp_path, capsys, tiny_hf_dir, text_files):
+    calib, wiki = text_files
+    common = ["--n-calib", "4", "--seq-len", "32", "--no-progress"]
+    code = main(["eval", str(tiny_hf_dir), "--data", str(wiki), "--n-eval", "2", "--seq-len", "32", "--no-progress", "--json"])
+    assert code == 0
+    dense = json.loads(capsys.readouterr().out)
+    out = tmp_path / "sgpt"
+    code = main(["prune", str(tiny_hf_dir), "--out", str(out), "--method", "sparsegpt", "--calib", str(calib), *common])
+    assert code == 0
+    capsys.readouterr()
+    report = json.loads((out / REPORT_JSON).read_text())
+    assert report["method"] == "sparsegpt" and len(report["layers"]) == 14 and report["wrapper_overhead"] == 0
+    from torch_armor.serialization import load_pretrained
+
+    model = load_pretrained(out)
+    w = model.model.layers[0].mlp.up_proj.weight.detach()
+    assert int((w.reshape(w.shape[0], -1, 4) != 0).sum(-1).max()) <= 2
+    assert main(["eval", str(out), "--data", str(wiki), "--n-eval", "2", "--seq-len", "32", "--no-progress", "--json"]) == 0
+    pruned = json.loads(capsys.readouterr().out)
+    assert math.isfinite(pruned["perplexity"]) and pruned["perplexity"] != dense["perplexity"]
+
+    # errors: non-empty --out, a --layers restriction that selects nothing
+    assert main(["prune", str(tiny_hf_dir), "--out", str(out), "--method", "wanda", *common]) == 2
+    assert "not empty" in capsys.readouterr().err
+    code = main(["prune", str(tiny_hf_dir), "--out", str(tmp_path / "x"), "--layers", "7-9", "--calib", str(calib), *common])
+    assert code == 2 and "selects none" in capsys.readouterr().err
+
+
+def test_argument_errors(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["prune", "smollm2", "--out", "x", "--block-size", "0"])
+    assert exc.value.code == 2
+    assert "block size must be positive" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["prune", "smollm2"])  # --out is required
+    assert "--out" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([])
+
+
+def test_python_dash_m_help():
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    run = subprocess.run([sys.executable, "-m", "torch_armor", "--help"], capture_output=True, text=True, env=env,
+                         cwd=str(ROOT), timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "prune" in run.stdout and "eval" in run.stdout and "demo" in run.stdout

@@ -1,0 +1,8 @@
+"""``python -m torch_armor prune | eval | demo`` (same as the ``torch-armor`` command)."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

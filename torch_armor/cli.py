@@ -1,0 +1,302 @@
+"""Command line: ``torch-armor prune | eval | demo`` (also ``python -m torch_armor``).
+
+Examples::
+
+    # ARMOR 2:4 on the embedded SmolLM2-135M, block size chosen per layer within 5% overhead
+    torch-armor prune smollm2 --out runs/smollm2-armor
+    # a baseline on a local Hugging Face checkpoint, two decoder layers only
+    torch-armor prune ./Llama-3.2-1B --method sparsegpt --layers 0-1 --out runs/llama-sgpt
+    # perplexity (64 non-overlapping 512-token windows of the Wikipedia text by default)
+    torch-armor eval runs/smollm2-armor
+    # the quality table: dense, magnitude, Wanda, SparseGPT, NoWag-P, ARMOR on SmolLM2
+    torch-armor demo
+
+Progress bars and phase messages go to stderr; results (perplexity, tables) to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+__all__ = ["main", "build_parser"]
+
+REPORT_JSON = "prune_report.json"
+REPORT_PNG = "prune_report.png"
+_METHODS = ("armor", "nowag", "wanda", "sparsegpt", "magnitude")
+_DEMO_METHODS = ("dense", "magnitude", "wanda", "sparsegpt", "nowag", "armor")
+
+
+def _block_size(text: str):
+    if text == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"block size must be positive, got {value}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+    return value
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seq-len", type=_positive_int, default=512, help="tokens per window (default 512)")
+    p.add_argument("--batch-size", type=_positive_int, default=8, help="windows per forward pass (default 8)")
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="torch.set_num_threads (default: PyTorch's choice)")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def _add_model(p: argparse.ArgumentParser, help_text: str) -> None:
+    p.add_argument("model", metavar="MODEL", help=help_text)
+    p.add_argument("--gguf-file", default=None, help="GGUF file inside the MODEL directory / hub repo")
+    p.add_argument("--dtype", default=None,
+                   help="load dtype: float32 (default for fresh loads), bfloat16, float16")
+    p.add_argument("--device", default=None, help="cpu (default), cuda, …")
+
+
+def _add_armor(p: argparse.ArgumentParser, block_default, optimizer_default: str, budget_default) -> None:
+    g = p.add_argument_group("ARMOR")
+    g.add_argument("--block-size", type=_block_size, default=block_default,
+                   help=f"wrapper block size d_b, or 'auto': per layer, the largest d_b dividing both "
+                        f"dimensions within --max-overhead (default {block_default})")
+    g.add_argument("--max-overhead", type=_positive_float, default=0.05,
+                   help="wrapper-overhead budget of --block-size auto, a fraction (default 0.05 = 5%%)")
+    g.add_argument("--optimizer", choices=("bcd", "adam"), default=optimizer_default,
+                   help=f"per-layer optimizer (default {optimizer_default})")
+    g.add_argument("--iters", type=int, default=None,
+                   help="iterations per layer (default: 200 BCD sweeps / 1000 Adam steps)")
+    g.add_argument("--time-budget", type=_positive_float, default=budget_default,
+                   help=f"seconds per layer (default {budget_default})")
+    g.add_argument("--seed", type=int, default=0, help="seed of calibration windows and group selection")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``torch-armor`` argument parser."""
+    parser = argparse.ArgumentParser(
+        prog="torch-armor",
+        description="ARMOR 2:4 semi-structured pruning: prune a checkpoint, evaluate it, or run the demo.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{prune,eval,demo}")
+    sub.required = True
+
+    p = sub.add_parser("prune", help="prune a model and save it with a per-layer report",
+                       description="Calibrate, prune every decoder linear (never embeddings or lm_head), "
+                                   "save the model (safetensors) and tokenizer to --out with a per-layer "
+                                   "report (prune_report.json, prune_report.png).")
+    _add_model(p, "'smollm2' (embedded SmolLM2-135M), a local Hugging Face directory, or a hub id")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
+    p.add_argument("--method", choices=_METHODS, default="armor", help="pruning method (default armor)")
+    p.add_argument("--pattern", default="2:4", help="'2:4' (default), 'N:M' or 'unstructured:F'")
+    p.add_argument("--calib", default="sotu",
+                   help="calibration text: sotu (default), wiki, a file/dir/glob, or a datasets name")
+    p.add_argument("--n-calib", type=_positive_int, default=64, help="calibration windows (default 64)")
+    p.add_argument("--layers", default=None,
+                   help="prune only some decoder layers: indices like '0-1' or '0,4-6', or a regex on names")
+    _add_armor(p, "auto", "bcd", None)
+    p.add_argument("--sparsegpt-block-size", type=_positive_int, default=128, help="SparseGPT lazy block (128)")
+    p.add_argument("--damp", type=float, default=0.01, help="SparseGPT dampening (0.01)")
+    _add_common(p)
+
+    e = sub.add_parser("eval", help="perplexity of a model or a pruned directory",
+                       description="Token-level perplexity over the first --n-eval non-overlapping "
+                                   "--seq-len windows of --data.")
+    _add_model(e, "a directory written by 'prune', 'smollm2', a local Hugging Face directory, or a hub id")
+    e.add_argument("--data", default="wiki",
+                   help="evaluation text: wiki (default), sotu, a file/dir/glob, or a datasets name")
+    e.add_argument("--n-eval", type=_positive_int, default=64, help="evaluation windows (default 64)")
+    e.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    _add_common(e)
+
+    d = sub.add_parser("demo", help="quality table of every method on SmolLM2-135M",
+                       description="SmolLM2-135M, sotu calibration, Wikipedia evaluation: prune with every "
+                                   "method from one set of statistics and print the quality table.")
+    d.add_argument("--methods", nargs="+", choices=_DEMO_METHODS, default=list(_DEMO_METHODS),
+                   help="rows to run (default: all)")
+    d.add_argument("--pattern", default="2:4", help="sparsity pattern (default 2:4)")
+    d.add_argument("--calib", default="sotu", help="calibration text (default sotu)")
+    d.add_argument("--n-calib", type=_positive_int, default=64, help="calibration windows (default 64)")
+    d.add_argument("--data", default="wiki", help="evaluation text (default wiki)")
+    d.add_argument("--n-eval", type=_positive_int, default=64, help="evaluation windows (default 64)")
+    d.add_argument("--layers", default=None, help="prune only some decoder layers (indices or regex)")
+    _add_armor(d, None, "bcd", None)
+    d.add_argument("--json", default=None, metavar="PATH", help="also write rows, reports and timings as JSON")
+    _add_common(d)
+    return parser
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _setup(args: argparse.Namespace) -> None:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+
+def _armor_config(args: argparse.Namespace, base=None):
+    """ArmorConfig from the ARMOR options (``base`` supplies defaults not given)."""
+    import dataclasses
+
+    from .config import ArmorConfig, parse_pattern
+
+    pat = parse_pattern(args.pattern)
+    overrides = {"pattern": str(pat), "optimizer": args.optimizer, "seed": args.seed}
+    if isinstance(args.block_size, int):
+        overrides["block_size"] = args.block_size
+    elif base is None:  # 'auto': a placeholder; prune() picks per layer
+        overrides["block_size"] = pat.m if pat.structured else 16
+    if args.iters is not None:
+        overrides["num_iters"] = args.iters
+    elif base is not None and args.optimizer != base.optimizer:
+        overrides["num_iters"] = None
+    if args.time_budget is not None:
+        overrides["time_budget_s"] = args.time_budget
+    if base is None:
+        return ArmorConfig(**overrides)
+    return dataclasses.replace(base, **overrides)
+
+
+def _cmd_prune(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
+        raise ValueError(f"--out {out} is not empty; pass --overwrite to write into it")
+    _setup(args)
+    start = time.perf_counter()
+    from .data import calibration_windows
+    from .pipeline import calibration_statistics, load_model, prune, select_layers
+    from .serialization import save_pretrained
+
+    cfg = _armor_config(args) if args.method == "armor" else None
+    _log(f"loading {args.model} …")
+    model, tokenizer = load_model(args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device)
+    names = select_layers(model, args.layers)
+    _log(f"{len(names)} linears to prune with {args.method} {args.pattern}; calibrating on "
+         f"{args.n_calib}×{args.seq_len} tokens of {args.calib}")
+    windows = calibration_windows(args.calib, tokenizer, n_windows=args.n_calib, seq_len=args.seq_len,
+                                  seed=args.seed)
+    t = time.perf_counter()
+    stats = calibration_statistics(model, windows, names, track_xtx=args.method == "sparsegpt",
+                                   batch_size=args.batch_size, progress=not args.no_progress)
+    calib_s = time.perf_counter() - t
+    report = prune(model, args.method, stats, names, args.pattern, cfg,
+                   block_size=args.block_size if args.method == "armor" else None,
+                   max_overhead=args.max_overhead, sparsegpt_block_size=args.sparsegpt_block_size,
+                   damp=args.damp, progress=not args.no_progress)
+    _log(f"saving to {out} …")
+    save_pretrained(model, out)
+    tokenizer.save_pretrained(str(out))
+    meta = {
+        "command": "torch-armor " + shlex.join(args.argv),
+        "model": args.model,
+        "calibration": {"source": args.calib, "n_windows": args.n_calib, "seq_len": args.seq_len,
+                        "seed": args.seed, "seconds": calib_s},
+    }
+    report.save_json(out / REPORT_JSON, **meta)
+    report.save_plot(out / REPORT_PNG, title=None)
+    total = time.perf_counter() - start
+    print(f"pruned {len(report.layers)} linears of {args.model} with {args.method} {report.pattern}: "
+          f"mean relative proxy loss {report.mean_relative_proxy_loss:.4f} (NoWag-P = 1)"
+          + (f", wrapper overhead {100 * report.overhead:.2f}%" if report.overhead else "")
+          + f", pruning {report.seconds:.1f} s, total {total:.1f} s")
+    print(f"saved model, tokenizer, {REPORT_JSON} and {REPORT_PNG} to {out}")
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    _setup(args)
+    from .data import eval_windows
+    from .evaluate import perplexity
+    from .pipeline import load_model
+
+    model, tokenizer = load_model(args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device)
+    windows = eval_windows(args.data, tokenizer, n_windows=args.n_eval, seq_len=args.seq_len)
+    t = time.perf_counter()
+    ppl = perplexity(model, windows, batch_size=args.batch_size, progress=not args.no_progress)
+    seconds = time.perf_counter() - t
+    if args.json:
+        print(json.dumps({"model": args.model, "data": args.data, "n_eval": args.n_eval,
+                          "seq_len": args.seq_len, "perplexity": ppl, "seconds": seconds}))
+    else:
+        print(f"perplexity: {ppl:.10g} ({args.data}, {args.n_eval} windows × {args.seq_len} tokens, {seconds:.1f} s)")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    _setup(args)
+    from .pipeline import DEMO_ARMOR_CONFIG, run_quality
+
+    cfg = _armor_config(args, base=DEMO_ARMOR_CONFIG)
+    result = run_quality(
+        "smollm2", methods=args.methods, armor_configs=[cfg],
+        armor_block_size="auto" if args.block_size == "auto" else None,
+        max_overhead=args.max_overhead, pattern=args.pattern, calib=args.calib, n_calib=args.n_calib,
+        eval_data=args.data, n_eval=args.n_eval, seq_len=args.seq_len, layers=args.layers,
+        batch_size=args.batch_size, seed=args.seed, progress=not args.no_progress, log=_log,
+    )
+    s = result.settings
+    print(f"SmolLM2-135M fp32, {args.pattern}; calibration {s['n_calib']}×{s['seq_len']} tokens of {s['calib']}, "
+          f"evaluation {s['n_eval']}×{s['seq_len']} tokens of {s['eval']}; {s['num_layers']} linears pruned; "
+          f"{s['threads']} threads")
+    print()
+    print(result.table())
+    print()
+    print(f"total wall time {result.timings['total'] / 60:.1f} min")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result.to_dict(), fh, indent=2, default=str)
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``torch-armor``; returns the exit status (2 on a usage or input error).
+
+    Example::
+
+        >>> main(["prune", "smollm2", "--out", "runs/x", "--layers", "0-1"])   # doctest: +SKIP
+        0
+    """
+    parser = build_parser()
+    argv = list(argv) if argv is not None else sys.argv[1:]
+    args = parser.parse_args(argv)
+    args.argv = argv
+    commands = {"prune": _cmd_prune, "eval": _cmd_eval, "demo": _cmd_demo}
+    try:
+        return commands[args.command](args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"torch-armor {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
