@@ -19,6 +19,7 @@ Run:  python benchmarks/optimizer.py paper
 from __future__ import annotations
 
 import argparse
+import importlib
 import statistics
 import sys
 import time
@@ -29,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from layer_stats import layer_problem  # noqa: E402
 
-import torch_armor.factorize as factorize_module  # noqa: E402
+factorize_module = importlib.import_module("torch_armor.factorize")  # the module, not the function
 from torch_armor import ArmorConfig, factorize  # noqa: E402
 
 LAYERS = ("q_proj", "k_proj", "up_proj", "down_proj")

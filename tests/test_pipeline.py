@@ -14,6 +14,7 @@ from torch_armor import ArmorConfig
 from torch_armor.evaluate import perplexity
 from torch_armor.factors import ArmorFactors
 from torch_armor.observer import collect_statistics, decoder_linear_names
+from torch_armor.proxy import relative_proxy_loss
 from torch_armor.pipeline import (
     DEMO_ARMOR_CONFIG,
     METHODS,
@@ -31,7 +32,16 @@ from torch_armor.pipeline import (
 )
 from torch_armor.tensor import ArmorTensor
 
-FAST_ARMOR = ArmorConfig(block_size=16, optimizer="bcd", num_iters=3)
+FAST_ARMOR = ArmorConfig(block_size=16, optimizer="bcd", num_iters=1)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: threads only add synchronization (badly so on a shared machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 # ------------------------------------------------------------------ auto block size
@@ -132,7 +142,7 @@ def calibrated(tiny_llama):
 @pytest.mark.parametrize("method", METHODS)
 def test_prune_every_method_gives_pattern_and_report(calibrated, method):
     model, names, stats = calibrated
-    dense = snapshot_weights(model, names)
+    dense = {k: v.detach() for k, v in snapshot_weights(model, names).items()}
     report = prune(model, method, stats, names, "2:4", FAST_ARMOR, progress=False)
     assert isinstance(report, PruneReport) and report.method == method and report.pattern == "2:4"
     assert [layer.name for layer in report.layers] == names
@@ -141,6 +151,9 @@ def test_prune_every_method_gives_pattern_and_report(calibrated, method):
         assert layer.shape == tuple(module.weight.shape)
         assert math.isfinite(layer.relative_proxy_loss) and layer.relative_proxy_loss > 0
         assert layer.seconds >= 0
+        approx = module.weight.dense_weight() if method == "armor" else module.weight.detach()
+        want = relative_proxy_loss(dense[layer.name], approx, stats[layer.name].act_sq_norm, "2:4")
+        assert layer.relative_proxy_loss == pytest.approx(want, rel=1e-5)
         if method == "armor":
             assert isinstance(module.weight, ArmorTensor)
             core = module.weight.core_dense()
@@ -179,7 +192,7 @@ def test_armor_beats_nowag_in_proxy_loss_and_restore_undoes_prune(calibrated):
         before = model(x).logits
     dense = snapshot_weights(model, names)
     report = prune(model, "armor", stats, names, armor_config=ArmorConfig(block_size=16, optimizer="bcd",
-                                                                           num_iters=10), progress=False)
+                                                                           num_iters=3), progress=False)
     assert report.mean_relative_proxy_loss < 1.0
     restore_weights(model, dense)
     for name in names:
@@ -187,6 +200,25 @@ def test_armor_beats_nowag_in_proxy_loss_and_restore_undoes_prune(calibrated):
         assert type(w) is nn.Parameter and torch.equal(w.detach(), dense[name].detach())
     with torch.no_grad():
         assert torch.equal(model(x).logits, before)
+
+
+def test_proxy_cache_is_reused_and_checked(calibrated):
+    model, names, stats = calibrated
+    dense = snapshot_weights(model, names)
+    cache = {}
+    first = prune(model, "nowag", stats, names, proxy_cache=cache, progress=False)
+    assert set(cache) == set(names)
+    refs = dict(cache)
+    restore_weights(model, dense)
+    second = prune(model, "wanda", stats, names, proxy_cache=cache, progress=False)
+    assert all(cache[n] is refs[n] for n in names)  # reused
+    assert [layer.relative_proxy_loss for layer in first.layers] == pytest.approx([1.0] * len(names))
+    restore_weights(model, dense)
+    with torch.no_grad():  # other weights: the stale entry is recomputed, not trusted
+        model.get_submodule(names[0]).weight.mul_(2.0)
+    prune(model, "magnitude", stats, names[:1], proxy_cache=cache, progress=False)
+    assert cache[names[0]] is not refs[names[0]]
+    assert second.mean_relative_proxy_loss > 0
 
 
 def test_prune_block_size_auto_and_errors(calibrated):
@@ -296,5 +328,69 @@ def test_run_quality_on_tiny_llama(tiny_llama):
     json.dumps(result.to_dict(), default=str)
     for name in names:  # the model is dense again
         assert torch.equal(tiny_llama.get_submodule(name).weight.detach(), dense[name])
+    # ARMOR through the ArmorTensor weights: the same perplexity as materialized
+    tensor = run_quality(tiny_llama, tokenizer=object(), methods=["armor"], armor_configs=configs[:1], calib=calib_ids,
+                         n_calib=4, eval_data=eval_ids, n_eval=3, seq_len=32, armor_eval="tensor", progress=False)
+    assert tensor.rows[0].ppl == pytest.approx(result.rows[-2].ppl, rel=1e-5)
+    with pytest.raises(ValueError, match="armor_eval"):
+        run_quality(tiny_llama, tokenizer=object(), armor_eval="fast", calib=calib_ids, eval_data=eval_ids)
     with pytest.raises(ValueError, match="unknown methods"):
         run_quality(tiny_llama, tokenizer=object(), methods=["dense", "foo"], calib=calib_ids, eval_data=eval_ids)
+
+
+def test_with_block_size_rederives_default_group_updates():
+    from torch_armor.pipeline import with_block_size
+
+    base = ArmorConfig(block_size=16, optimizer="bcd", time_budget_s=1.0)
+    moved = with_block_size(base, 32)
+    assert moved.block_size == 32 and moved.time_budget_s == 1.0
+    assert moved.group_updates == ArmorConfig(block_size=32).group_updates
+    custom = with_block_size(ArmorConfig(block_size=16, group_updates=1), 32)
+    assert custom.group_updates == 1
+    assert with_block_size(base, 16) is base
+
+
+def test_load_model_dispatch(monkeypatch, tmp_path):
+    """Local directories and hub ids go to transformers with gguf_file and dtype; errors are clear."""
+    import transformers
+
+    from torch_armor.pipeline import load_model
+
+    calls = []
+
+    class FakeModel(nn.Module):
+        def __init__(self, dtype):
+            super().__init__()
+            self.lin = nn.Linear(2, 2).to(dtype)
+
+    def fake_model(name, **kwargs):
+        calls.append(("model", name, kwargs))
+        return FakeModel(kwargs["dtype"])
+
+    def fake_tokenizer(name, **kwargs):
+        calls.append(("tokenizer", name, kwargs))
+        return "tok"
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", staticmethod(fake_model))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", staticmethod(fake_tokenizer))
+    model, tok = load_model(str(tmp_path), gguf_file="m.gguf", dtype="bf16")
+    assert tok == "tok" and not model.training and model.lin.weight.dtype == torch.bfloat16
+    assert calls == [("tokenizer", str(tmp_path), {"gguf_file": "m.gguf"}),
+                     ("model", str(tmp_path), {"gguf_file": "m.gguf", "dtype": torch.bfloat16})]
+    calls.clear()
+    load_model("org/some-model")
+    assert calls[1] == ("model", "org/some-model", {"dtype": torch.float32})
+
+    def failing(name, **kwargs):
+        raise OSError("offline")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", staticmethod(failing))
+    with pytest.raises(ValueError, match="hub id .*offline"):
+        load_model("org/some-model")
+    with pytest.raises(ValueError, match="no such model directory"):
+        load_model(str(tmp_path / "missing"))
+    (tmp_path / "weights.gguf").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        load_model(str(tmp_path / "weights.gguf"))
+    with pytest.raises(ValueError, match="unknown dtype"):
+        load_model(str(tmp_path), dtype="int3")

@@ -38,23 +38,27 @@ from .config import ArmorConfig, SparsityPattern, parse_pattern  # noqa: E402
 from .factorize import factorize  # noqa: E402
 from .factors import ArmorFactors  # noqa: E402
 from .proxy import nowag_prune, proxy_loss, relative_proxy_loss  # noqa: E402
+from .quant import ArmorCoreConfig, dequantize_armor_core, quantize_armor_core  # noqa: E402  (registers the handler)
 from .serialization import load_pretrained, save_pretrained  # noqa: E402
 from .sparsifier import ArmorSparsifier, PruningSparsifier  # noqa: E402
 from .tensor import ArmorTensor, armor_linear_from_factors  # noqa: E402
 
 __all__ = [
     "ArmorConfig",
+    "ArmorCoreConfig",
     "ArmorFactors",
     "ArmorSparsifier",
     "ArmorTensor",
     "PruningSparsifier",
     "SparsityPattern",
     "armor_linear_from_factors",
+    "dequantize_armor_core",
     "factorize",
     "load_pretrained",
     "nowag_prune",
     "parse_pattern",
     "proxy_loss",
+    "quantize_armor_core",
     "relative_proxy_loss",
     "save_pretrained",
 ]

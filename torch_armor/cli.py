@@ -22,7 +22,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 __all__ = ["main", "build_parser"]
 
@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", default=None,
                    help="prune only some decoder layers: indices like '0-1' or '0,4-6', or a regex on names")
     _add_armor(p, "auto", "bcd", None)
+    p.add_argument("--storage", choices=("auto", "dense", "compact", "semi_structured"), default=None,
+                   help="ARMOR core storage at run time after loading (default: dense on CPU, auto elsewhere; "
+                        "the file always stores compact N:M cores)")
     p.add_argument("--sparsegpt-block-size", type=_positive_int, default=128, help="SparseGPT lazy block (128)")
     p.add_argument("--damp", type=float, default=0.01, help="SparseGPT dampening (0.01)")
     _add_common(p)
@@ -146,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--n-eval", type=_positive_int, default=64, help="evaluation windows (default 64)")
     d.add_argument("--layers", default=None, help="prune only some decoder layers (indices or regex)")
     _add_armor(d, None, "bcd", None)
+    d.add_argument("--armor-eval", choices=("materialized", "tensor"), default="materialized",
+                   help="evaluate ARMOR with W_hat materialized as dense matrices (default; same function, "
+                        "fastest on CPU) or through the ArmorTensor weights")
     d.add_argument("--json", default=None, metavar="PATH", help="also write rows, reports and timings as JSON")
     _add_common(d)
     return parser
@@ -182,7 +188,14 @@ def _armor_config(args: argparse.Namespace, base=None):
         overrides["time_budget_s"] = args.time_budget
     if base is None:
         return ArmorConfig(**overrides)
-    return dataclasses.replace(base, **overrides)
+    from .pipeline import with_block_size
+
+    block = overrides.pop("block_size", base.block_size)
+    return dataclasses.replace(with_block_size(base, block), **overrides)
+
+
+def _on_cpu(model) -> bool:
+    return all(p.device.type == "cpu" for p in model.parameters())
 
 
 def _cmd_prune(args: argparse.Namespace) -> int:
@@ -212,7 +225,8 @@ def _cmd_prune(args: argparse.Namespace) -> int:
     report = prune(model, args.method, stats, names, args.pattern, cfg,
                    block_size=args.block_size if args.method == "armor" else None,
                    max_overhead=args.max_overhead, sparsegpt_block_size=args.sparsegpt_block_size,
-                   damp=args.damp, progress=not args.no_progress)
+                   damp=args.damp, storage=args.storage or ("dense" if _on_cpu(model) else "auto"),
+                   progress=not args.no_progress)
     _log(f"saving to {out} …")
     save_pretrained(model, out)
     tokenizer.save_pretrained(str(out))
@@ -262,12 +276,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         armor_block_size="auto" if args.block_size == "auto" else None,
         max_overhead=args.max_overhead, pattern=args.pattern, calib=args.calib, n_calib=args.n_calib,
         eval_data=args.data, n_eval=args.n_eval, seq_len=args.seq_len, layers=args.layers,
-        batch_size=args.batch_size, seed=args.seed, progress=not args.no_progress, log=_log,
+        batch_size=args.batch_size, seed=args.seed, armor_eval=args.armor_eval,
+        progress=not args.no_progress, log=_log,
     )
     s = result.settings
     print(f"SmolLM2-135M fp32, {args.pattern}; calibration {s['n_calib']}×{s['seq_len']} tokens of {s['calib']}, "
           f"evaluation {s['n_eval']}×{s['seq_len']} tokens of {s['eval']}; {s['num_layers']} linears pruned; "
-          f"{s['threads']} threads")
+          f"{s['threads']} threads; ARMOR evaluated {args.armor_eval}")
     print()
     print(result.table())
     print()

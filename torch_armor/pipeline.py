@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 from .config import ArmorConfig, parse_pattern
 from .factors import ArmorFactors
 from .observer import LayerStatistics, collect_statistics, decoder_linear_names
-from .proxy import check_layer_shape, nowag_prune, relative_proxy_loss
+from .proxy import check_layer_shape, nowag_prune
 
 __all__ = [
     "DEMO_ARMOR_CONFIG",
@@ -54,6 +54,7 @@ __all__ = [
     "is_armor_checkpoint",
     "select_layers",
     "auto_block_size",
+    "with_block_size",
     "calibration_statistics",
     "snapshot_weights",
     "restore_weights",
@@ -65,7 +66,7 @@ __all__ = [
 ]
 
 #: ARMOR settings of ``torch-armor demo`` (and the default ARMOR row of ``benchmarks/quality.py``).
-DEMO_ARMOR_CONFIG = ArmorConfig(block_size=16, optimizer="bcd", time_budget_s=2.5)
+DEMO_ARMOR_CONFIG = ArmorConfig(block_size=16, optimizer="bcd", time_budget_s=2.0)
 
 #: Pruning methods :func:`prune` knows.
 METHODS = ("magnitude", "wanda", "sparsegpt", "nowag", "armor")
@@ -162,7 +163,7 @@ def load_model(
     elif is_armor_checkpoint(name):
         from .serialization import load_pretrained
 
-        loaded = load_pretrained(name)
+        loaded = load_pretrained(name, device=device)
         if torch_dtype is not None:
             loaded = loaded.to(torch_dtype)
         try:
@@ -175,6 +176,8 @@ def load_model(
     else:
         if Path(name).exists() and not Path(name).is_dir():
             raise ValueError(f"{name} is a file; give the directory holding it (and --gguf-file for GGUF weights)")
+        if not Path(name).exists() and (Path(name).is_absolute() or name.startswith((".", "~"))):
+            raise ValueError(f"no such model directory: {name}")
         kwargs: Dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
         try:
             tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
@@ -526,6 +529,60 @@ class PruneReport:
         plt.close(fig)
 
 
+class _ProxyReference:
+    """Per-layer constants of the relative proxy loss, computed once and shared by all methods.
+
+    ``relative(approx)`` equals :func:`torch_armor.proxy.relative_proxy_loss` (same normalization,
+    same NoWag-P denominator, computed here with the proxy module's own functions) but needs
+    only one subtraction and one matrix-vector product per call:
+    ``Σ_ij (W − Ŵ)_ij² h_j / (r_i² c_j²) = (1/r²)ᵀ · (W − Ŵ)^∘2 · (h/c²)``.
+    """
+
+    def __init__(self, weight: torch.Tensor, h: torch.Tensor, pattern: Any) -> None:
+        from .proxy import normalize_weight, proxy_loss
+
+        w = weight.detach()
+        _, row_norm, col_norm = normalize_weight(w.double())
+        self.row_weight = row_norm.square().reciprocal()
+        self.col_weight = (h.double() / col_norm.square()).to(torch.float32)
+        _, pruned = nowag_prune(w, h, pattern)
+        self.base = float(proxy_loss(w, pruned, h))
+        self.fingerprint = self._fingerprint(w, h, pattern)
+
+    @staticmethod
+    def _fingerprint(weight: torch.Tensor, h: torch.Tensor, pattern: Any) -> tuple:
+        return (tuple(weight.shape), str(pattern), float(weight.float().sum()), float(h.sum()))
+
+    def matches(self, weight: torch.Tensor, h: torch.Tensor, pattern: Any) -> bool:
+        return self.fingerprint == self._fingerprint(weight, h, pattern)
+
+    def relative(self, weight: torch.Tensor, approx: torch.Tensor) -> float:
+        diff = (weight.float() - approx.float()).square_()
+        loss = float(self.row_weight @ (diff @ self.col_weight).double())
+        if self.base == 0.0:
+            return 0.0 if loss == 0.0 else math.inf
+        return loss / self.base
+
+
+def with_block_size(config: ArmorConfig, block_size: int) -> ArmorConfig:
+    """``config`` with another block size; ``group_updates`` follows the block size (its
+    default is derived from it) unless it was set to something other than that default.
+
+    Example::
+
+        >>> cfg = with_block_size(ArmorConfig(block_size=16, optimizer="bcd"), 32)
+        >>> cfg.block_size, cfg.group_updates == ArmorConfig(block_size=32, optimizer="bcd").group_updates
+        (32, True)
+    """
+    if block_size == config.block_size:
+        return config
+    changes: Dict[str, Any] = {"block_size": block_size}
+    derived = ArmorConfig(block_size=config.block_size, pattern=config.pattern).group_updates
+    if config.group_updates == derived:
+        changes["group_updates"] = None
+    return dataclasses.replace(config, **changes)
+
+
 def _resolve_block_size(block_size: Union[int, str, None], cfg: ArmorConfig, shape: Tuple[int, int],
                         max_overhead: float, name: str) -> int:
     if block_size is None:
@@ -555,13 +612,14 @@ def prune(
     damp: float = 0.01,
     storage: str = "dense",
     progress: bool = True,
+    proxy_cache: Optional[Dict[str, Any]] = None,
 ) -> PruneReport:
     """Prune the named linears of ``model`` in place with ``method``; return a :class:`PruneReport`.
 
     Every method works from the same statistics (``stats``, from
     :func:`calibration_statistics`) and reports, per layer, the relative proxy loss
-    (:func:`torch_armor.proxy.relative_proxy_loss`: the NoWag proxy loss ÷ NoWag-P's) and the
-    wall time of the method itself. Baselines write the pruned weight (dense, with zeros);
+    (the value of :func:`torch_armor.proxy.relative_proxy_loss`: the NoWag proxy loss ÷
+    NoWag-P's) and the wall time of the method itself. Baselines write the pruned weight (dense, with zeros);
     ARMOR swaps in an :class:`~torch_armor.tensor.ArmorTensor`. Use :func:`snapshot_weights` /
     :func:`restore_weights` to run several methods on the same dense weights.
 
@@ -580,6 +638,9 @@ def prune(
         storage: ARMOR core storage in the model (``"dense"``: fastest on CPU; ``"auto"``,
             ``"compact"``, ``"semi_structured"``). Saving always writes compact cores.
         progress: show a progress bar over the layers.
+        proxy_cache: a dict kept between calls that prune the same dense weights with the same
+            statistics (e.g. one per method): the per-layer NoWag-P reference of the relative
+            proxy loss is computed once and reused (checked by a weight fingerprint).
 
     Raises:
         ValueError: unknown method, layers without statistics, SparseGPT without ``xtx``, or
@@ -632,7 +693,7 @@ def prune(
             shape = tuple(module.weight.shape)
             d_b = _resolve_block_size(block_size, cfg, shape, max_overhead, name)
             check_layer_shape(shape[0], shape[1], pat, d_b, name=name)
-            layer_cfgs[name] = cfg if d_b == cfg.block_size else dataclasses.replace(cfg, block_size=d_b)
+            layer_cfgs[name] = with_block_size(cfg, d_b)
     elif method == "sparsegpt":
         settings = {"block_size": sparsegpt_block_size, "damp": damp}
 
@@ -668,7 +729,12 @@ def prune(
                     _, approx = baselines.sparsegpt_prune(weight, st.xtx.to(weight.device), pat,
                                                           block_size=sparsegpt_block_size, damp=damp)
                 seconds = time.perf_counter() - start
-            rel = relative_proxy_loss(weight, approx, h, pat)
+            ref = proxy_cache.get(name) if proxy_cache is not None else None
+            if ref is None or not ref.matches(weight, h, pat):
+                ref = _ProxyReference(weight, h, pat)
+                if proxy_cache is not None:
+                    proxy_cache[name] = ref
+            rel = ref.relative(weight, approx)
             if method == "armor":
                 armor_linear_from_factors(module, factors, storage=storage)
             else:
@@ -815,6 +881,16 @@ class QualityResult:
         }
 
 
+def _materialize(model: nn.Module, names: Sequence[str]) -> None:
+    """Replace every ArmorTensor weight among ``names`` by its dense ``W_hat`` (a plain Parameter)."""
+    from .tensor import ArmorTensor
+
+    for name in names:
+        module = model.get_submodule(name)
+        if isinstance(module.weight, ArmorTensor):
+            module.weight = nn.Parameter(module.weight.dense_weight().detach(), requires_grad=False)
+
+
 def _armor_settings(cfg: ArmorConfig, block_size: Union[int, str, None]) -> str:
     d_b = block_size if block_size is not None else cfg.block_size
     parts = [f"d_b={d_b}", cfg.optimizer]
@@ -841,6 +917,7 @@ def run_quality(
     layers: Optional[str] = None,
     batch_size: int = 8,
     seed: int = 0,
+    armor_eval: str = "materialized",
     progress: bool = True,
     log: Optional[Callable[[str], None]] = None,
 ) -> QualityResult:
@@ -861,6 +938,10 @@ def run_quality(
         seq_len: tokens per window (both).
         layers: restrict pruning to some layers (:func:`select_layers`); the others stay dense.
         batch_size: windows per forward pass.
+        armor_eval: how ARMOR rows are evaluated: ``"materialized"`` (default) — each
+            ``W_hat = A·core·B`` written into its linear as a plain dense matrix, the same function
+            up to float rounding and the fastest on CPU; ``"tensor"`` — through the
+            :class:`~torch_armor.tensor.ArmorTensor` weights themselves.
         log: called with one line of text after each phase (e.g. ``print``).
 
     Example::
@@ -871,6 +952,8 @@ def run_quality(
     from .data import calibration_windows, eval_windows
     from .evaluate import perplexity
 
+    if armor_eval not in ("materialized", "tensor"):
+        raise ValueError(f"armor_eval must be 'materialized' or 'tensor', got {armor_eval!r}")
     unknown = [m for m in methods if m not in DEMO_METHODS]
     if unknown:
         raise ValueError(f"unknown methods {unknown}; choose from {DEMO_METHODS}")
@@ -901,6 +984,7 @@ def run_quality(
         say(f"calibration statistics ({n_calib}×{seq_len} tokens, {len(names)} layers) in "
             f"{timings['calibration']:.1f} s")
     dense = snapshot_weights(net, names)
+    proxy_cache: Dict[str, Any] = {}
     rows: List[QualityRow] = []
     reports: Dict[str, PruneReport] = {}
     try:
@@ -914,14 +998,16 @@ def run_quality(
                 settings = ""
                 if method != "dense":
                     report = prune(net, method, stats, names, pattern, cfg, block_size=armor_block_size,
-                                   max_overhead=max_overhead, progress=progress)
-                    prune_s = report.seconds
+                                   max_overhead=max_overhead, progress=progress, proxy_cache=proxy_cache)
+                    prune_s = sum(layer.seconds for layer in report.layers)
                     if method == "armor":
                         settings = _armor_settings(cfg or DEMO_ARMOR_CONFIG, armor_block_size)
                         if len(armor_configs) > 1:
                             label = f"ARMOR #{len([r for r in rows if r.method == 'armor']) + 1}"
                     elif method == "sparsegpt":
                         settings = "block 128, damp 0.01"
+                if method == "armor" and armor_eval == "materialized":
+                    _materialize(net, names)
                 t = time.perf_counter()
                 ppl = perplexity(net, eval_ids, batch_size=batch_size, progress=progress)
                 eval_s = time.perf_counter() - t
@@ -944,6 +1030,6 @@ def run_quality(
         "model": model if isinstance(model, str) else type(model).__name__,
         "pattern": pattern, "calib": str(calib), "n_calib": n_calib, "eval": str(eval_data),
         "n_eval": n_eval, "seq_len": seq_len, "layers": layers, "num_layers": len(names),
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "armor_eval": armor_eval,
     }
     return QualityResult(rows=rows, reports=reports, timings=timings, settings=settings_out)
