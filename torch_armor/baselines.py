@@ -22,6 +22,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from .proxy import mask_from_scores
 from .config import SparsityPattern, parse_pattern
 
 __all__ = ["magnitude_prune", "wanda_prune", "sparsegpt_prune"]
@@ -93,14 +94,7 @@ def _n_keep(sparsity: float, count: int) -> int:
 
 def _mask_from_scores(scores: torch.Tensor, pat: SparsityPattern) -> torch.Tensor:
     """Keep the highest scores: top-N per group of M columns, or top fraction per row."""
-    d_out, d_in = scores.shape
-    if pat.structured:
-        groups = scores.reshape(d_out, d_in // pat.m, pat.m)
-        idx = groups.topk(pat.n, dim=-1).indices
-        mask = torch.zeros(groups.shape, dtype=torch.bool, device=scores.device).scatter_(-1, idx, True)
-        return mask.reshape(d_out, d_in)
-    idx = scores.topk(_n_keep(pat.sparsity, d_in), dim=1).indices
-    return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(1, idx, True)
+    return mask_from_scores(scores, pat)
 
 
 # --------------------------------------------------------------------------------------
