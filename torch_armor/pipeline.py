@@ -796,7 +796,7 @@ class QualityRow:
         method: ``"dense"`` or a method of :data:`METHODS`.
         ppl: perplexity on the evaluation windows.
         label: shown name (default: the method's, e.g. ``"ARMOR"``).
-        settings: short description of the settings (``"d_b=16, bcd, 2.5 s/layer"``).
+        settings: short description of the settings (``"d_b=16, bcd, 2 s/layer"``).
         overhead: wrapper overhead fraction (ARMOR), else 0.
         prune_s: wall time of pruning; ``eval_s``: of the perplexity evaluation.
         mean_relative_proxy_loss: mean over layers of the relative proxy loss (``None`` for dense).
