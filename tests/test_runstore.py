@@ -371,3 +371,15 @@ def test_statistics_cache_roundtrip_and_identity(tmp_path):
     assert loaded["a"].num_tokens == 12
     with pytest.raises(RunMismatchError, match="model_id 'm', not 'other'"):
         load_statistics(tmp_path, "other")
+
+
+def test_statistics_shared_between_layers_are_cached(tmp_path):
+    """q/k/v (and gate/up) read one input, so the observer hands them one tensor."""
+    shared = torch.rand(16)
+    xtx = torch.rand(16, 16)
+    stats = {name: LayerStatistics(shared, 5, xtx) for name in ("q", "k", "v")}
+    save_statistics(tmp_path, stats, "m")
+    loaded = load_statistics(tmp_path, "m")
+    assert sorted(loaded) == ["k", "q", "v"]
+    for name in stats:
+        assert torch.equal(loaded[name].act_sq_norm, shared) and torch.equal(loaded[name].xtx, xtx)

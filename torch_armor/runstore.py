@@ -710,12 +710,24 @@ def save_statistics(
     directory.mkdir(parents=True, exist_ok=True)
     tensors: Dict[str, torch.Tensor] = {}
     tokens: Dict[str, int] = {}
+    seen: set = set()
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        # layers fed by one input (q/k/v, gate/up) share their statistics; safetensors refuses
+        # shared storage, so later users get a copy
+        t = t.detach().to("cpu").contiguous()
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key in seen:
+            return t.clone()
+        seen.add(key)
+        return t
+
     for fqn, value in stats.items():
-        tensors[f"{fqn}::act_sq_norm"] = _act_sq_norm(value, fqn).detach().to("cpu").contiguous()
+        tensors[f"{fqn}::act_sq_norm"] = own(_act_sq_norm(value, fqn))
         if isinstance(value, LayerStatistics):
             tokens[fqn] = int(value.num_tokens)
             if value.xtx is not None:
-                tensors[f"{fqn}::xtx"] = value.xtx.detach().to("cpu").contiguous()
+                tensors[f"{fqn}::xtx"] = own(value.xtx)
     digest = hash_statistics(stats)
     meta = {"format": FORMAT_NAME, "model_id": model_id, "stats_hash": digest,
             "layers": json.dumps(list(stats)), "num_tokens": json.dumps(tokens)}
