@@ -211,6 +211,49 @@ def test_collect_statistics_matches_manual_hooks(tiny_llama):
     )
 
 
+def _offload(model: nn.Module, how: str, folder) -> None:
+    accelerate = pytest.importorskip("accelerate")
+    if how == "cpu_offload":
+        accelerate.cpu_offload(model, execution_device="cpu")
+    elif how == "disk_offload":
+        accelerate.disk_offload(model, offload_dir=str(folder), execution_device="cpu")
+    else:  # a device_map with one decoder layer on disk, as from_pretrained(device_map=...) builds it
+        device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+                      "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+        accelerate.dispatch_model(model, device_map=device_map, offload_dir=str(folder))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("how", ["cpu_offload", "disk_offload", "device_map"])
+def test_collect_statistics_on_offloaded_models_in_low_precision(tmp_path, tiny_llama_factory, how, dtype):
+    windows = torch.randint(0, 128, (4, 12), generator=torch.Generator().manual_seed(1))
+    plain = tiny_llama_factory().to(dtype)
+    names = decoder_linear_names(plain)
+    seen: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    modules = dict(plain.named_modules())
+    handles = [modules[n].register_forward_hook(lambda m, a, o, n=n: seen[n].append(a[0].detach().clone()))
+               for n in names]
+    with torch.no_grad():
+        plain(windows)
+    for h in handles:
+        h.remove()
+    expected = collect_statistics(plain, names, windows, batch_size=2, track_xtx=True, progress=False)
+
+    model = tiny_llama_factory().to(dtype)
+    _offload(model, how, tmp_path)
+    assert any(p.device.type == "meta" for p in model.parameters())  # really offloaded
+    stats = collect_statistics(model, names, windows, batch_size=2, track_xtx=True, progress=False)
+    for n in names:
+        got = stats[n]
+        assert got.act_sq_norm.dtype == got.xtx.dtype == torch.float32 and got.num_tokens == 48
+        assert got.act_sq_norm.shape == (modules[n].in_features,)  # O(d_in), whatever the token count
+        torch.testing.assert_close(got.act_sq_norm, expected[n].act_sq_norm, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got.xtx, expected[n].xtx, rtol=1e-6, atol=1e-5)
+        # accumulated in fp32 from the (possibly bf16) inputs: as exact as a float64 sum allows
+        sq, _, _ = reference_sums(seen[n])
+        torch.testing.assert_close(got.act_sq_norm.double(), sq, rtol=1e-5, atol=1e-5)
+
+
 def test_collect_statistics_removes_hooks_on_error(tiny_llama):
     model = tiny_llama
     names = decoder_linear_names(model)

@@ -309,8 +309,23 @@ def decoder_linear_names(model: nn.Module) -> list[str]:
 
 
 def _model_device(model: nn.Module) -> torch.device:
+    """Where to put the token ids: accelerate's execution device for an offloaded model, else
+    the input embedding's device (the first stage of a ``device_map``), else the first real
+    parameter's. Offloaded weights sit on the meta device and are never the answer."""
+    hook = getattr(model, "_hf_hook", None)
+    exec_device = getattr(hook, "execution_device", None)
+    if exec_device is not None:
+        return torch.device(f"cuda:{exec_device}" if isinstance(exec_device, int) else exec_device)
+    try:
+        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    except NotImplementedError:
+        emb = None
+    weight = getattr(emb, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.device.type != "meta":
+        return weight.device
     for p in model.parameters():
-        return p.device
+        if p.device.type != "meta":
+            return p.device
     return torch.device("cpu")
 
 
