@@ -18,6 +18,7 @@ from torch_armor.proxy import relative_proxy_loss
 from torch_armor.pipeline import (
     DEMO_ARMOR_CONFIG,
     METHODS,
+    armor_layer_configs,
     PruneReport,
     QualityRow,
     auto_block_size,
@@ -396,3 +397,48 @@ def test_load_model_dispatch(monkeypatch, tmp_path):
         load_model(str(tmp_path / "weights.gguf"))
     with pytest.raises(ValueError, match="unknown dtype"):
         load_model(str(tmp_path), dtype="int3")
+
+
+def test_prune_refuses_offloaded_weights_naming_the_layer(tmp_path, tiny_llama_factory):
+    accelerate = pytest.importorskip("accelerate")
+    model = tiny_llama_factory()
+    stats = calibration_statistics(model, torch.randint(0, 128, (2, 8)), progress=False)
+    accelerate.cpu_offload(model, execution_device="cpu")
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj.*meta device.*reload the model"):
+        prune(model, "armor", stats, progress=False)
+
+
+def test_armor_layer_configs_resolve_block_sizes_and_check_shapes():
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 48), nn.Linear(30, 8))
+    cfgs = armor_layer_configs(model, ["0", "1"], ArmorConfig(block_size=16, optimizer="bcd"), "2:4")
+    assert [c.block_size for c in cfgs.values()] == [16, 16]
+    auto = armor_layer_configs(model, ["0", "1"], block_size="auto", max_overhead=0.5)
+    for name, cfg in auto.items():
+        d_out, d_in = model.get_submodule(name).weight.shape
+        assert d_out % cfg.block_size == 0 and d_in % cfg.block_size == 0
+        assert cfg.block_size * (d_out + d_in) <= 0.5 * d_out * d_in
+    with pytest.raises(ValueError, match="'2'"):
+        armor_layer_configs(model, ["2"], block_size=16)
+
+
+def test_prune_with_given_factors_converts_without_factorizing(monkeypatch, tiny_llama_factory):
+    import importlib
+
+    from torch_armor import factorize
+
+    factorize_module = importlib.import_module("torch_armor.factorize")  # the function shadows the module name
+
+    model = tiny_llama_factory()
+    names = ["model.layers.0.mlp.up_proj"]
+    stats = calibration_statistics(model, torch.randint(0, 128, (2, 8)), names, progress=False)
+    cfg = ArmorConfig(block_size=16, optimizer="bcd", num_iters=2)
+    layer = model.get_submodule(names[0])
+    given = {names[0]: factorize(layer.weight.detach(), stats[names[0]].act_sq_norm, cfg)}
+    fresh = prune(tiny_llama_factory(), "armor", stats, names, armor_config=cfg, progress=False)
+    monkeypatch.setattr(factorize_module, "factorize", lambda *a, **k: pytest.fail("factorized again"))
+    report = prune(model, "armor", stats, names, armor_config=cfg, progress=False, factors=given)
+    assert report.layers[0].relative_proxy_loss == fresh.layers[0].relative_proxy_loss
+    torch.testing.assert_close(model.get_submodule(names[0]).weight.dense_weight(), given[names[0]].dense())
+    with pytest.raises(ValueError, match="block size 16 .* asks for 32"):
+        prune(tiny_llama_factory(), "armor", stats, names, armor_config=ArmorConfig(block_size=32, num_iters=2),
+              progress=False, factors=given)

@@ -43,6 +43,8 @@ from .observer import LayerStatistics, collect_statistics, decoder_linear_names
 from .proxy import check_layer_shape, nowag_prune
 
 __all__ = [
+    "DEFAULT_ARMOR_CONFIG",
+    "armor_layer_configs",
     "DEMO_ARMOR_CONFIG",
     "METHODS",
     "DEMO_METHODS",
@@ -65,8 +67,11 @@ __all__ = [
     "parse_dtype",
 ]
 
-#: ARMOR settings of ``torch-armor demo`` (and the default ARMOR row of ``benchmarks/quality.py``).
-DEMO_ARMOR_CONFIG = ArmorConfig(block_size=16, optimizer="bcd", time_budget_s=2.0)
+#: Default ARMOR settings of :func:`prune`, ``torch-armor prune`` and ``torch-armor demo`` (and the
+#: default ARMOR row of ``benchmarks/quality.py``): block 16, BCD sweeps for at most 2 s per layer.
+DEFAULT_ARMOR_CONFIG = ArmorConfig(block_size=16, optimizer="bcd", time_budget_s=2.0)
+#: Alias of :data:`DEFAULT_ARMOR_CONFIG` kept for the demo.
+DEMO_ARMOR_CONFIG = DEFAULT_ARMOR_CONFIG
 
 #: Pruning methods :func:`prune` knows.
 METHODS = ("magnitude", "wanda", "sparsegpt", "nowag", "armor")
@@ -598,6 +603,53 @@ def _resolve_block_size(block_size: Union[int, str, None], cfg: ArmorConfig, sha
     return block_size
 
 
+def armor_layer_configs(
+    model: nn.Module,
+    layer_names: Sequence[str],
+    armor_config: Optional[ArmorConfig] = None,
+    pattern: Optional[str] = None,
+    *,
+    block_size: Union[int, str, None] = None,
+    max_overhead: float = 0.05,
+) -> Dict[str, ArmorConfig]:
+    """The :class:`ArmorConfig` of each named linear as :func:`prune` would use it: ``armor_config``
+    (default :data:`DEFAULT_ARMOR_CONFIG`) with ``pattern`` and the layer's block size
+    (``block_size``: ``None`` keeps the config's, an integer, or ``"auto"``). Every layer's shape
+    is checked before anything runs.
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(1024, 512), nn.Linear(512, 1536))
+        >>> cfgs = armor_layer_configs(model, ["0", "1"], block_size="auto")
+        >>> [c.block_size for c in cfgs.values()]
+        [16, 16]
+    """
+    cfg = armor_config or DEFAULT_ARMOR_CONFIG
+    if pattern is not None:
+        cfg = dataclasses.replace(cfg, pattern=str(parse_pattern(pattern)))
+    pat = cfg.sparsity
+    out: Dict[str, ArmorConfig] = {}
+    for name in layer_names:
+        module = model.get_submodule(name)
+        if not isinstance(module, nn.Linear):
+            raise ValueError(f"{name!r} is a {type(module).__name__}, only nn.Linear layers can be pruned")
+        shape = tuple(module.weight.shape)
+        d_b = _resolve_block_size(block_size, cfg, shape, max_overhead, name)
+        check_layer_shape(shape[0], shape[1], pat, d_b, name=name)
+        out[name] = with_block_size(cfg, d_b)
+    return out
+
+
+def _check_given_factors(name: str, factors: ArmorFactors, shape: Tuple[int, int], cfg: ArmorConfig) -> None:
+    got = (factors.core.shape[0], factors.core.shape[1])
+    if got != shape:
+        raise ValueError(f"factors given for {name!r} have shape {got}, the layer is {shape}: "
+                         "they belong to another model")
+    if factors.block_size != cfg.block_size or str(factors.pattern) != cfg.pattern:
+        raise ValueError(f"factors given for {name!r} have block size {factors.block_size} and pattern "
+                         f"{factors.pattern}, the run asks for {cfg.block_size} and {cfg.pattern}")
+
+
 def prune(
     model: nn.Module,
     method: str,
@@ -613,6 +665,7 @@ def prune(
     storage: str = "dense",
     progress: bool = True,
     proxy_cache: Optional[Dict[str, Any]] = None,
+    factors: Optional[Mapping[str, ArmorFactors]] = None,
 ) -> PruneReport:
     """Prune the named linears of ``model`` in place with ``method``; return a :class:`PruneReport`.
 
@@ -641,6 +694,10 @@ def prune(
         proxy_cache: a dict kept between calls that prune the same dense weights with the same
             statistics (e.g. one per method): the per-layer NoWag-P reference of the relative
             proxy loss is computed once and reused (checked by a weight fingerprint).
+        factors: ARMOR factors computed elsewhere, by layer name (e.g. by
+            :func:`torch_armor.distributed.distributed_factorize` or loaded from a
+            :class:`~torch_armor.runstore.RunStore`): those layers are converted, not
+            factorized again; their time is the factorization's own (``history_time_s``).
 
     Raises:
         ValueError: unknown method, layers without statistics, SparseGPT without ``xtx``, or
@@ -677,6 +734,12 @@ def prune(
     for name, module in modules.items():
         if not isinstance(module, nn.Linear):
             raise ValueError(f"{name!r} is a {type(module).__name__}, only nn.Linear layers can be pruned")
+        if module.weight.device.type == "meta":
+            raise ValueError(
+                f"{name!r}: the weight is on the meta device (offloaded, e.g. by accelerate's device_map or "
+                "cpu_offload). Calibration works on offloaded models, pruning needs the weights in memory: "
+                "save the statistics, reload the model without offloading and prune it with them"
+            )
         d_out, d_in = module.weight.shape
         check_layer_shape(d_out, d_in, pat, None, name=name)
 
@@ -688,12 +751,11 @@ def prune(
         settings.update(block_size=block_size if block_size is not None else cfg.block_size,
                         max_overhead=max_overhead, storage=storage)
         settings.pop("sparsity", None)
-        layer_cfgs = {}
-        for name, module in modules.items():  # check every layer before hours of work
-            shape = tuple(module.weight.shape)
-            d_b = _resolve_block_size(block_size, cfg, shape, max_overhead, name)
-            check_layer_shape(shape[0], shape[1], pat, d_b, name=name)
-            layer_cfgs[name] = with_block_size(cfg, d_b)
+        layer_cfgs = armor_layer_configs(model, names, cfg, str(pat), block_size=block_size,
+                                         max_overhead=max_overhead)
+        for name, given in (factors or {}).items():
+            if name in modules:
+                _check_given_factors(name, given, tuple(modules[name].weight.shape), layer_cfgs[name])
     elif method == "sparsegpt":
         settings = {"block_size": sparsegpt_block_size, "damp": damp}
 
@@ -713,11 +775,16 @@ def prune(
             start = time.perf_counter()
             extra: Dict[str, Any] = {}
             if method == "armor":
-                factors: ArmorFactors = factorize(weight, h, layer_cfgs[name], name=name)
-                seconds = time.perf_counter() - start
-                approx = factors.dense()
-                extra = {"block_size": factors.block_size, "wrapper_params": factors.num_wrapper_params(),
-                         "iterations": int(factors.history_iters[-1])}
+                if factors is not None and name in factors:
+                    layer_factors = factors[name]
+                    seconds = float(layer_factors.history_time_s[-1]) if layer_factors.history_time_s.numel() else 0.0
+                else:
+                    layer_factors = factorize(weight, h, layer_cfgs[name], name=name)
+                    seconds = time.perf_counter() - start
+                approx = layer_factors.dense().to(device=weight.device)
+                extra = {"block_size": layer_factors.block_size,
+                         "wrapper_params": layer_factors.num_wrapper_params(),
+                         "iterations": int(layer_factors.history_iters[-1])}
             else:
                 if method == "magnitude":
                     _, approx = baselines.magnitude_prune(weight, pat)
@@ -736,7 +803,7 @@ def prune(
                     proxy_cache[name] = ref
             rel = ref.relative(weight, approx)
             if method == "armor":
-                armor_linear_from_factors(module, factors, storage=storage)
+                armor_linear_from_factors(module, layer_factors, storage=storage)
             else:
                 module.weight = nn.Parameter(approx.to(weight.dtype), requires_grad=module.weight.requires_grad)
             report.layers.append(LayerResult(name=name, shape=tuple(weight.shape), relative_proxy_loss=rel,
