@@ -129,6 +129,102 @@ def test_prune_local_hf_directory_with_baseline(tmp_path, capsys, tiny_hf_dir, t
     assert code == 2 and "selects none" in capsys.readouterr().err
 
 
+def _tensors(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def _assert_same_model(a: Path, b: Path) -> None:
+    ta, tb = _tensors(a), _tensors(b)
+    assert sorted(ta) == sorted(tb)
+    different = [k for k in ta if not torch.equal(ta[k], tb[k])]
+    assert not different, different[:5]
+
+
+def _armor_args(model_dir, calib) -> list:
+    return [str(model_dir), "--calib", str(calib), "--n-calib", "2", "--seq-len", "32", "--block-size", "16",
+            "--iters", "3", "--threads", "1", "--no-progress"]
+
+
+def test_interrupted_prune_resumes_from_run_dir(tmp_path, capsys, monkeypatch, tiny_hf_dir, text_files, keep_threads):
+    import torch_armor.pipeline as pipeline
+    import torch_armor.runstore as runstore
+
+    calib, _ = text_files
+    args = _armor_args(tiny_hf_dir, calib)
+    reference = tmp_path / "reference"
+    assert main(["prune", *args, "--out", str(reference)]) == 0
+    assert not (reference / "armor_run").exists()  # the default run directory goes after a successful save
+    capsys.readouterr()
+
+    real_factorize, real_statistics = runstore.factorize, pipeline.calibration_statistics
+    calls = {"factorize": 0, "statistics": 0}
+
+    def crashing_factorize(*a, **k):
+        calls["factorize"] += 1
+        if calls["factorize"] == 6:
+            raise RuntimeError("simulated crash")
+        return real_factorize(*a, **k)
+
+    def counting_statistics(*a, **k):
+        calls["statistics"] += 1
+        return real_statistics(*a, **k)
+
+    monkeypatch.setattr(runstore, "factorize", crashing_factorize)
+    monkeypatch.setattr(pipeline, "calibration_statistics", counting_statistics)
+    out, run_dir = tmp_path / "out", tmp_path / "run"
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        main(["prune", *args, "--out", str(out), "--run-dir", str(run_dir)])
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert sorted(e["status"] for e in manifest["layers"].values()).count("done") == 5
+    assert calls == {"factorize": 6, "statistics": 1}
+
+    monkeypatch.setattr(runstore, "factorize", real_factorize)
+    counted = []
+    monkeypatch.setattr(runstore, "factorize", lambda *a, **k: counted.append(1) or real_factorize(*a, **k))
+    assert main(["prune", *args, "--out", str(out), "--run-dir", str(run_dir)]) == 0
+    assert "5 of 14 layers already finished" in capsys.readouterr().err
+    assert len(counted) == 14 - 5 and calls["statistics"] == 1  # statistics came from the run directory
+    _assert_same_model(out, reference)
+    assert run_dir.is_dir()  # an explicit --run-dir is kept
+
+    # the same run directory with other settings is refused, naming the difference
+    code = main(["prune", *args[:-5], "--iters", "4", "--threads", "1", "--no-progress",
+                 "--out", str(tmp_path / "other"), "--run-dir", str(run_dir)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "num_iters" in err and "run has 3, now 4" in err
+
+
+def test_torchrun_two_ranks_match_one_process(tmp_path, capsys, tiny_hf_dir, text_files, keep_threads):
+    from test_distributed import _free_port
+
+    calib, _ = text_files
+    args = _armor_args(tiny_hf_dir, calib)
+    single = tmp_path / "single"
+    assert main(["prune", *args, "--out", str(single)]) == 0
+    sharded, run_dir = tmp_path / "sharded", tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", LOGLEVEL="WARNING")
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), "-m", "torch_armor", "prune", *args, "--out", str(sharded),
+           "--run-dir", str(run_dir)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("pruned 14 linears") == 1  # rank 0 alone assembles and saves
+    _assert_same_model(sharded, single)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert {e["rank"] for e in manifest["layers"].values()} == {0, 1}
+    assert json.loads((sharded / REPORT_JSON).read_text())["ranks"] == 2
+
+
+def test_baselines_refuse_torchrun(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["prune", "smollm2", "--method", "wanda", "--out", str(tmp_path / "x")]) == 2
+    assert "only --method armor runs on several ranks" in capsys.readouterr().err
+
+
 def test_argument_errors(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["prune", "smollm2", "--out", "x", "--block-size", "0"])

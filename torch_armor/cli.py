@@ -4,6 +4,8 @@ Examples::
 
     # ARMOR 2:4 on the embedded SmolLM2-135M, block size chosen per layer within 5% overhead
     torch-armor prune smollm2 --out runs/smollm2-armor
+    # the same on 2 processes (layers sharded by cost); rerunning a killed command resumes it
+    torchrun --nproc-per-node 2 -m torch_armor prune smollm2 --out runs/smollm2-armor
     # a baseline on a local Hugging Face checkpoint, two decoder layers only
     torch-armor prune ./Llama-3.2-1B --method sparsegpt --layers 0-1 --out runs/llama-sgpt
     # perplexity (64 non-overlapping 512-token windows of the Wikipedia text by default)
@@ -18,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -90,9 +94,10 @@ def _add_armor(p: argparse.ArgumentParser, block_default, optimizer_default: str
     g.add_argument("--optimizer", choices=("bcd", "adam"), default=optimizer_default,
                    help=f"per-layer optimizer (default {optimizer_default})")
     g.add_argument("--iters", type=int, default=None,
-                   help="iterations per layer (default: 200 BCD sweeps / 1000 Adam steps)")
+                   help="iterations per layer; given alone it also lifts the default time budget "
+                        "(default: BCD sweeps until the 2 s/layer budget; 1000 Adam steps)")
     g.add_argument("--time-budget", type=_positive_float, default=budget_default,
-                   help=f"seconds per layer (default {budget_default})")
+                   help="wall seconds per layer (default 2 with the default iterations, none with --iters)")
     g.add_argument("--seed", type=int, default=0, help="seed of calibration windows and group selection")
 
 
@@ -120,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", default=None,
                    help="prune only some decoder layers: indices like '0-1' or '0,4-6', or a regex on names")
     _add_armor(p, "auto", "bcd", None)
+    g = p.add_argument_group("runs (ARMOR)")
+    g.add_argument("--run-dir", default=None,
+                   help=f"where statistics and every finished layer are saved as they complete; rerunning the "
+                        f"same command resumes from it (default OUT/{RUN_DIR_NAME}, deleted after a successful "
+                        "save; a given --run-dir is kept)")
+    g.add_argument("--keep-run-dir", action="store_true", help=f"keep OUT/{RUN_DIR_NAME} after success")
     p.add_argument("--storage", choices=("auto", "dense", "compact", "semi_structured"), default=None,
                    help="ARMOR core storage at run time after loading (default: dense on CPU, auto elsewhere; "
                         "the file always stores compact N:M cores)")
@@ -182,6 +193,8 @@ def _armor_config(args: argparse.Namespace, base=None):
         overrides["block_size"] = pat.m if pat.structured else 16
     if args.iters is not None:
         overrides["num_iters"] = args.iters
+        # an explicit iteration count runs that many iterations unless a budget is also given
+        overrides["time_budget_s"] = None
     elif base is not None and args.optimizer != base.optimizer:
         overrides["num_iters"] = None
     if args.time_budget is not None:
@@ -198,46 +211,129 @@ def _on_cpu(model) -> bool:
     return all(p.device.type == "cpu" for p in model.parameters())
 
 
-def _cmd_prune(args: argparse.Namespace) -> int:
-    out = Path(args.out)
+RUN_DIR_NAME = "armor_run"
+
+
+def _check_out(out: Path, overwrite: bool, allowed: Sequence[str] = ()) -> None:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
+    leftovers = [p for p in out.iterdir() if p.name not in allowed] if out.is_dir() else []
+    if leftovers and not overwrite:
         raise ValueError(f"--out {out} is not empty; pass --overwrite to write into it")
+
+
+def _run_identity(args: argparse.Namespace) -> str:
+    """What must not change between the first run and a resumed one, besides the config."""
+    return json.dumps({"model": args.model, "gguf_file": args.gguf_file, "dtype": args.dtype,
+                       "calib": args.calib, "n_calib": args.n_calib, "seq_len": args.seq_len,
+                       "seed": args.seed, "layers": args.layers}, sort_keys=True)
+
+
+def _armor_factors(args, model, names, windows_fn, cfg, run_dir: Path):
+    """Statistics (cached in ``run_dir``) and factors of every layer, sharded over the ranks of a
+    ``torchrun`` job and resumable: finished layers in ``run_dir`` are not computed again."""
+    from .distributed import distributed_factorize, shared_statistics
+    from .pipeline import armor_layer_configs, calibration_statistics
+    from .runstore import RunStore, hash_statistics
+
+    model_id = _run_identity(args)
+
+    def compute():
+        windows = windows_fn()
+        return calibration_statistics(model, windows, names, batch_size=args.batch_size,
+                                      progress=not args.no_progress)
+
+    t = time.perf_counter()
+    stats = shared_statistics(run_dir, model_id, compute)
+    calib_s = time.perf_counter() - t
+    layer_cfgs = armor_layer_configs(model, names, cfg, args.pattern, block_size=args.block_size,
+                                     max_overhead=args.max_overhead)
+    store = RunStore(run_dir, cfg, model_id, hash_statistics(stats))
+    done = len(store.finished(names))
+    if done:
+        _log(f"resuming {run_dir}: {done} of {len(names)} layers already finished")
+    layers = {n: (model.get_submodule(n).weight.detach(), stats[n]) for n in names}
+    t = time.perf_counter()
+    factors = distributed_factorize(layers, cfg, store, per_layer_overrides=layer_cfgs,
+                                    progress=not args.no_progress)
+    return stats, factors, calib_s, time.perf_counter() - t
+
+
+def _cmd_prune(args: argparse.Namespace) -> int:
+    from .distributed import init_distributed
+
+    out = Path(args.out)
+    armor = args.method == "armor"
+    run_dir = Path(args.run_dir) if args.run_dir else out / RUN_DIR_NAME
+    if not armor and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        raise ValueError(f"only --method armor runs on several ranks; run {args.method} without torchrun")
+    _check_out(out, args.overwrite, allowed=(RUN_DIR_NAME,) if armor and not args.run_dir else ())
+    topo = init_distributed(device=args.device) if armor else None
+    try:
+        return _prune(args, out, run_dir, topo)
+    finally:
+        if topo is not None and topo.initialized_here:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _prune(args: argparse.Namespace, out: Path, run_dir: Path, topo) -> int:
     _setup(args)
     start = time.perf_counter()
     from .data import calibration_windows
-    from .pipeline import calibration_statistics, load_model, prune, select_layers
+    from .pipeline import DEFAULT_ARMOR_CONFIG, calibration_statistics, load_model, prune, select_layers
     from .serialization import save_pretrained
 
-    cfg = _armor_config(args) if args.method == "armor" else None
-    _log(f"loading {args.model} …")
+    armor = args.method == "armor"
+    rank, world = (topo.rank, topo.world_size) if topo is not None else (0, 1)
+    cfg = _armor_config(args, base=DEFAULT_ARMOR_CONFIG) if armor else None
+    if rank == 0:
+        _log(f"loading {args.model} …")
     model, tokenizer = load_model(args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device)
     names = select_layers(model, args.layers)
-    _log(f"{len(names)} linears to prune with {args.method} {args.pattern}; calibrating on "
-         f"{args.n_calib}×{args.seq_len} tokens of {args.calib}")
-    windows = calibration_windows(args.calib, tokenizer, n_windows=args.n_calib, seq_len=args.seq_len,
-                                  seed=args.seed)
-    t = time.perf_counter()
-    stats = calibration_statistics(model, windows, names, track_xtx=args.method == "sparsegpt",
-                                   batch_size=args.batch_size, progress=not args.no_progress)
-    calib_s = time.perf_counter() - t
+
+    def windows():
+        if rank == 0:
+            _log(f"{len(names)} linears to prune with {args.method} {args.pattern}; calibrating on "
+                 f"{args.n_calib}×{args.seq_len} tokens of {args.calib}")
+        return calibration_windows(args.calib, tokenizer, n_windows=args.n_calib, seq_len=args.seq_len,
+                                   seed=args.seed)
+
+    factors = None
+    if armor:
+        if world > 1 and rank == 0:
+            _log(f"{world} ranks share the layers; finished layers go to {run_dir}")
+        stats, factors, calib_s, factorize_s = _armor_factors(args, model, names, windows, cfg, run_dir)
+        if rank != 0:
+            return 0
+    else:
+        t = time.perf_counter()
+        stats = calibration_statistics(model, windows(), names, track_xtx=args.method == "sparsegpt",
+                                       batch_size=args.batch_size, progress=not args.no_progress)
+        calib_s = time.perf_counter() - t
     report = prune(model, args.method, stats, names, args.pattern, cfg,
-                   block_size=args.block_size if args.method == "armor" else None,
+                   block_size=args.block_size if armor else None,
                    max_overhead=args.max_overhead, sparsegpt_block_size=args.sparsegpt_block_size,
                    damp=args.damp, storage=args.storage or ("dense" if _on_cpu(model) else "auto"),
-                   progress=not args.no_progress)
+                   progress=False if armor else not args.no_progress, factors=factors)
+    if armor:  # wall time of the factorization (this run's part of it, on all ranks), not the conversion
+        report.seconds = factorize_s
     _log(f"saving to {out} …")
+    out.mkdir(parents=True, exist_ok=True)
     save_pretrained(model, out)
     tokenizer.save_pretrained(str(out))
     meta = {
         "command": "torch-armor " + shlex.join(args.argv),
         "model": args.model,
+        "ranks": world,
         "calibration": {"source": args.calib, "n_windows": args.n_calib, "seq_len": args.seq_len,
                         "seed": args.seed, "seconds": calib_s},
     }
     report.save_json(out / REPORT_JSON, **meta)
     report.save_plot(out / REPORT_PNG, title=None)
+    if armor and not args.run_dir and not args.keep_run_dir:
+        shutil.rmtree(run_dir, ignore_errors=True)
     total = time.perf_counter() - start
     print(f"pruned {len(report.layers)} linears of {args.model} with {args.method} {report.pattern}: "
           f"mean relative proxy loss {report.mean_relative_proxy_loss:.4f} (NoWag-P = 1)"
