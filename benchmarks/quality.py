@@ -7,7 +7,7 @@ Dense, magnitude, Wanda, SparseGPT, NoWag-P and one ARMOR row per (block size ×
 (perplexity, gap closed vs NoWag-P, wrapper overhead, mean relative proxy loss, prune and eval
 wall time) and the phase timings.
 
-Run:  python benchmarks/quality.py                                  # demo defaults (ARMOR d_b=16, 2.5 s/layer)
+Run:  python benchmarks/quality.py                                  # demo defaults (ARMOR d_b=16, 30 bcd sweeps)
       python benchmarks/quality.py --armor-blocks 16 32 --budgets 2.5 10
       python benchmarks/quality.py --methods dense nowag armor --layers 0-3 --n-eval 8   # quick look
       python benchmarks/quality.py --json benchmarks/out/quality.json
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", nargs="+", choices=DEMO_METHODS, default=list(DEMO_METHODS))
     parser.add_argument("--armor-blocks", nargs="+", type=int, default=[DEMO_ARMOR_CONFIG.block_size],
                         help="one ARMOR row per block size (× per budget)")
-    parser.add_argument("--budgets", nargs="+", type=float, default=[DEMO_ARMOR_CONFIG.time_budget_s],
+    parser.add_argument("--budgets", nargs="+", type=float, default=[DEMO_ARMOR_CONFIG.time_budget_s or 0],
                         help="ARMOR time budgets in seconds per layer (0 = no budget)")
     parser.add_argument("--optimizer", choices=("bcd", "adam"), default=DEMO_ARMOR_CONFIG.optimizer)
     parser.add_argument("--iters", type=int, default=None, help="ARMOR iterations per layer (default: config's)")

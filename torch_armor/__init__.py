@@ -35,9 +35,11 @@ def _import_torchao_quietly() -> None:
 _import_torchao_quietly()
 
 from .config import ArmorConfig, SparsityPattern, parse_pattern  # noqa: E402
+from .distributed import distributed_factorize, shared_statistics  # noqa: E402
 from .factorize import factorize  # noqa: E402
 from .factors import ArmorFactors  # noqa: E402
 from .proxy import nowag_prune, proxy_loss, relative_proxy_loss  # noqa: E402
+from .runstore import RunMismatchError, RunStore, factorize_layers, hash_statistics  # noqa: E402
 from .quant import ArmorCoreConfig, dequantize_armor_core, quantize_armor_core  # noqa: E402  (registers the handler)
 from .serialization import load_pretrained, save_pretrained  # noqa: E402
 from .sparsifier import ArmorSparsifier, PruningSparsifier  # noqa: E402
@@ -50,10 +52,15 @@ __all__ = [
     "ArmorSparsifier",
     "ArmorTensor",
     "PruningSparsifier",
+    "RunMismatchError",
+    "RunStore",
     "SparsityPattern",
     "armor_linear_from_factors",
     "dequantize_armor_core",
+    "distributed_factorize",
     "factorize",
+    "factorize_layers",
+    "hash_statistics",
     "load_pretrained",
     "nowag_prune",
     "parse_pattern",
@@ -61,5 +68,6 @@ __all__ = [
     "quantize_armor_core",
     "relative_proxy_loss",
     "save_pretrained",
+    "shared_statistics",
 ]
 __version__ = "0.1.0"

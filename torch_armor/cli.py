@@ -95,9 +95,9 @@ def _add_armor(p: argparse.ArgumentParser, block_default, optimizer_default: str
                    help=f"per-layer optimizer (default {optimizer_default})")
     g.add_argument("--iters", type=int, default=None,
                    help="iterations per layer; given alone it also lifts the default time budget "
-                        "(default: BCD sweeps until the 2 s/layer budget; 1000 Adam steps)")
+                        "(default: 30 BCD sweeps; 1000 Adam steps)")
     g.add_argument("--time-budget", type=_positive_float, default=budget_default,
-                   help="wall seconds per layer (default 2 with the default iterations, none with --iters)")
+                   help="stop each layer after this many wall seconds (default: no limit)")
     g.add_argument("--seed", type=int, default=0, help="seed of calibration windows and group selection")
 
 
