@@ -6,7 +6,15 @@ from hypothesis import given, settings, strategies as st
 
 from torch_armor.factorize import reconstruct_normalized
 from torch_armor.proxy import check_mask
-from torch_armor.sparse_core import block_grams, core_gradient, select_groups, solve_psd, solve_psd_2x2, sparse_core_step
+from torch_armor.sparse_core import (
+    block_grams,
+    core_gradient,
+    select_groups,
+    solve_psd,
+    solve_psd_2x2,
+    sparse_core_step,
+    sparse_core_steps,
+)
 
 from _helpers import random_factors, random_layer
 
@@ -160,3 +168,36 @@ def test_incremental_gradient_matches_autograd(nm, d_b_mult, seed):
     loss = ((w_bar - reconstruct_normalized(a, leaf, b)) ** 2 * h).sum()
     (auto,) = torch.autograd.grad(loss, leaf)
     assert torch.allclose(grad, auto, rtol=1e-8, atol=1e-8)
+
+
+@settings(max_examples=20, deadline=None)
+@given(nm=st.sampled_from([(2, 4), (1, 4), (4, 8)]), d_b_mult=st.integers(1, 2), k_steps=st.integers(1, 12),
+       selection=st.sampled_from(["l1-random", "random", "l1-greedy"]), seed=st.integers(0, 1000))
+def test_batched_steps_equal_sequential_steps_with_exact_gradient(nm, d_b_mult, k_steps, selection, seed):
+    """K steps chosen up front, each corrected to the exact gradient on its group, give what K
+    plain steps with a fully updated gradient give (repeated groups included)."""
+    n, m = nm
+    d_b = m * d_b_mult * 2
+    w_bar, h = random_layer(2 * d_b, 3 * d_b, seed=seed)
+    a, b, core, mask = random_factors(2 * d_b, 3 * d_b, d_b, n, m, seed=seed + 1)
+    a_gram, b_gram = block_grams(a, b, h)
+    grad = core_gradient(w_bar - reconstruct_normalized(a, core, b), a, b, h)
+    rows, groups = select_groups(grad, d_b, m, selection, torch.Generator().manual_seed(seed), num=k_steps)
+    assert rows.shape == groups.shape == (k_steps, 2, 3)
+
+    start_core = core.clone()
+    ref_core, ref_mask, ref_grad = core.clone(), mask.clone(), grad.clone()
+    ref_gain = torch.zeros(2, 3, dtype=core.dtype)
+    for k in range(k_steps):
+        ref_gain += sparse_core_step(ref_core, ref_mask, a_gram, b_gram, ref_grad, n, m, rows[k], groups[k],
+                                     update_grad=True)
+    stale = grad.clone()
+    gain = sparse_core_steps(core, mask, a_gram, b_gram, grad, n, m, rows, groups)
+    assert torch.equal(grad, stale)  # the input gradient is not touched
+    assert torch.equal(mask, ref_mask)
+    assert torch.allclose(core, ref_core, rtol=1e-9, atol=1e-10)
+    assert torch.allclose(gain, ref_gain, rtol=1e-7, atol=1e-9)
+    # and the reported gains are the true decrease of the proxy loss
+    decrease = _loss(w_bar, a, start_core, b, h) - _loss(w_bar, a, core, b, h)
+    assert float(decrease) == pytest.approx(float(gain.sum()), rel=1e-6, abs=1e-9)
+    assert float(gain.min()) >= 0

@@ -29,6 +29,7 @@ __all__ = [
     "solve_psd",
     "select_groups",
     "sparse_core_step",
+    "sparse_core_steps",
     "core_gradient",
     "block_grams",
 ]
@@ -96,18 +97,22 @@ def select_groups(
     m: int,
     selection: str = "l1-random",
     generator: Optional[torch.Generator] = None,
+    num: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Pick one group per tile; return its tile row and group index, each ``(P, Q)``.
 
     ``"l1-random"``/``"l2-random"`` draw with probability ∝ the L1/L2 norm of ``grad`` on the
     group (uniform in a tile whose gradient is all zero), ``"l1-greedy"`` takes the largest
-    L1 norm, ``"random"`` draws uniformly.
+    L1 norm, ``"random"`` draws uniformly. With ``num``, ``num`` independent draws per tile
+    (``"l1-greedy"``: the ``num`` largest, repeating if ``num`` exceeds the groups), returned
+    as ``(num, P, Q)``.
     """
     d_out, d_in = grad.shape
     d_b, n_grp = block_size, block_size // m
     p, q = d_out // d_b, d_in // d_b
+    draws = 1 if num is None else num
     if selection == "random":
-        flat_idx = torch.randint(0, d_b * n_grp, (p * q,), generator=generator, device=grad.device)
+        flat_idx = torch.randint(0, d_b * n_grp, (p * q, draws), generator=generator, device=grad.device)
     else:
         grouped = grad.reshape(d_out, d_in // m, m)
         if selection in ("l1-random", "l1-greedy"):
@@ -118,16 +123,19 @@ def select_groups(
             raise ValueError(f"unknown selection {selection!r}")
         flat = norms.reshape(p, d_b, q, n_grp).transpose(1, 2).reshape(p * q, d_b * n_grp)
         if selection == "l1-greedy":
-            flat_idx = flat.argmax(-1)
+            top = flat.topk(min(draws, d_b * n_grp), dim=-1).indices
+            flat_idx = top.repeat(1, -(-draws // top.shape[1]))[:, :draws]
         else:
             # Inverse-CDF sampling (an order of magnitude faster than torch.multinomial here);
             # a group with zero norm has an empty CDF interval and is never drawn.
             empty = flat.sum(-1, keepdim=True) <= 0
             flat = torch.where(empty, torch.ones_like(flat), flat)
             cdf = flat.cumsum(-1)
-            draw = torch.rand(p * q, 1, generator=generator, device=grad.device, dtype=cdf.dtype) * cdf[:, -1:]
-            flat_idx = torch.searchsorted(cdf, draw, right=True).squeeze(-1).clamp_max(d_b * n_grp - 1)
-    flat_idx = flat_idx.reshape(p, q)
+            draw = torch.rand(p * q, draws, generator=generator, device=grad.device, dtype=cdf.dtype) * cdf[:, -1:]
+            flat_idx = torch.searchsorted(cdf, draw, right=True).clamp_max(d_b * n_grp - 1)
+    flat_idx = flat_idx.reshape(p, q, draws).permute(2, 0, 1)
+    if num is None:
+        flat_idx = flat_idx[0]
     return flat_idx // n_grp, flat_idx % n_grp
 
 
@@ -151,6 +159,7 @@ def sparse_core_step(
     groups: torch.Tensor,
     update_grad: bool = False,
     return_delta: bool = False,
+    group_grad: Optional[torch.Tensor] = None,
 ):
     """Re-solve the chosen group of every tile over all ``C(M, N)`` supports, in place.
 
@@ -163,12 +172,16 @@ def sparse_core_step(
         rows, groups: ``(P, Q)`` tile row and group index of each tile's chosen group.
         update_grad: also update ``grad`` in place so that it stays exact after the step
             (a rank-one change per tile: ``ΔG = 2 A_iᵀA_i ΔS B_j D_j B_jᵀ``).
+        group_grad: ``(P, Q, M)`` the exact gradient on the chosen groups, used instead of
+            reading it from ``grad`` (which may then be ``None``; see :func:`sparse_core_steps`).
 
     Returns:
         ``(P, Q)`` decrease of the proxy loss in each tile (≥ 0); with ``return_delta``, also
         the ``(P, Q, M)`` change of each chosen group's values.
     """
-    if not (core.is_contiguous() and mask.is_contiguous() and grad.is_contiguous()):
+    if update_grad and grad is None:
+        raise ValueError("update_grad=True needs grad")
+    if not (core.is_contiguous() and mask.is_contiguous() and (grad is None or grad.is_contiguous())):
         raise ValueError("core, mask and grad must be contiguous: the step writes through views")
     p, d_b, _ = a_gram.shape
     q = b_gram.shape[0]
@@ -185,7 +198,7 @@ def sparse_core_step(
     mask_groups = _tile_groups(mask, d_b, m)
     cur = core_groups[p_idx, q_idx, rows, groups]  # (P, Q, M)
     cur_mask = mask_groups[p_idx, q_idx, rows, groups]
-    g = _tile_groups(grad, d_b, m)[p_idx, q_idx, rows, groups]
+    g = group_grad if group_grad is not None else _tile_groups(grad, d_b, m)[p_idx, q_idx, rows, groups]
     u = -0.5 * g + a_sq[..., None] * (gram @ cur[..., None])[..., 0]
 
     sup = supports(n, m, core.device)  # (C, N)
@@ -219,3 +232,52 @@ def sparse_core_step(
         grad.view(p, d_b, q, d_b).add_(2.0 * torch.einsum("pqr,pqc->prqc", left, right))
     decrease = torch.where(accept, best_gain - cur_gain, torch.zeros_like(cur_gain))
     return (decrease, delta) if return_delta else decrease
+
+
+def sparse_core_steps(
+    core: torch.Tensor,
+    mask: torch.Tensor,
+    a_gram: torch.Tensor,
+    b_gram: torch.Tensor,
+    grad: torch.Tensor,
+    n: int,
+    m: int,
+    rows: torch.Tensor,
+    groups: torch.Tensor,
+) -> torch.Tensor:
+    """``K`` exact sparse-core steps per tile in sequence, chosen in advance: ``rows`` and
+    ``groups`` are ``(K, P, Q)`` (e.g. ``select_groups(..., num=K)`` on ``grad``).
+
+    Each step uses the exact gradient at its group *after* the previous steps — ``grad`` (the
+    gradient before the first step) plus the rank-one changes the earlier steps of its tile made,
+    evaluated only on that group: ``2 Σ_k (A_iᵀA_i)[r, r_k] · δ_kᵀ (B_j D_j B_jᵀ)[G_k, G]``. So the
+    result equals ``K`` calls of :func:`sparse_core_step` with ``update_grad=True``, but no step
+    touches the whole gradient: per step the work is ``O(P·Q·(M² + K·M))`` instead of
+    ``O(d_out·d_in)``. ``grad`` is left unchanged (stale); ``core`` and ``mask`` are updated in place.
+
+    Returns:
+        ``(P, Q)`` total decrease of the proxy loss in each tile (≥ 0).
+    """
+    k_steps, p, q = rows.shape
+    d_b = a_gram.shape[-1]
+    p_idx = torch.arange(p, device=core.device)[:, None].expand(p, q)
+    q_idx = torch.arange(q, device=core.device)[None, :].expand(p, q)
+    arange_m = torch.arange(m, device=core.device)
+    grad_groups = _tile_groups(grad, d_b, m)
+    left = torch.empty(k_steps, p, q, d_b, dtype=core.dtype, device=core.device)  # (A_iᵀA_i)[:, r_k]
+    right = torch.empty_like(left)  # δ_kᵀ (B_j D_j B_jᵀ)[G_k, :]
+    total = torch.zeros(p, q, dtype=core.dtype, device=core.device)
+    for k in range(k_steps):
+        r, grp = rows[k], groups[k]
+        cols = grp[..., None] * m + arange_m  # (P, Q, M)
+        g = grad_groups[p_idx, q_idx, r, grp]
+        if k:
+            at_row = left[:k].gather(-1, r[None, ..., None].expand(k, p, q, 1))  # (k, P, Q, 1)
+            at_cols = right[:k].gather(-1, cols[None].expand(k, p, q, m))  # (k, P, Q, M)
+            g = g + 2.0 * (at_row * at_cols).sum(0)
+        gain, delta = sparse_core_step(core, mask, a_gram, b_gram, None, n, m, r, grp,
+                                       return_delta=True, group_grad=g)
+        total += gain
+        left[k] = a_gram[p_idx, :, r]
+        right[k] = (delta[..., None] * b_gram[q_idx[..., None], cols]).sum(-2)
+    return total
