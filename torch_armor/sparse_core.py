@@ -91,6 +91,16 @@ def _tile_groups(t: torch.Tensor, block_size: int, m: int) -> torch.Tensor:
     return t.reshape(p, block_size, q, block_size // m, m).permute(0, 2, 1, 3, 4)
 
 
+def _group_positions(rows: torch.Tensor, groups: torch.Tensor, block_size: int, d_in: int, m: int) -> torch.Tensor:
+    """``(..., P, Q, M)`` flat indices into a contiguous ``(d_out, d_in)`` matrix of the ``M``
+    entries of group ``groups`` in row ``rows`` of every tile."""
+    p, q = rows.shape[-2:]
+    tile_row = torch.arange(p, device=rows.device)[:, None] * block_size
+    tile_col = torch.arange(q, device=rows.device)[None, :] * block_size
+    start = (tile_row + rows) * d_in + tile_col + groups * m
+    return start[..., None] + torch.arange(m, device=rows.device)
+
+
 def select_groups(
     grad: torch.Tensor,
     block_size: int,
@@ -194,11 +204,13 @@ def sparse_core_step(
     b_rows = b_gram[q_idx[..., None], cols]  # (P, Q, M, d_b): rows grp of B_j D_j B_jᵀ
     gram = b_rows.gather(-1, cols[..., None, :].expand(p, q, m, m))  # K: (P, Q, M, M)
 
-    core_groups = _tile_groups(core, d_b, m)
-    mask_groups = _tile_groups(mask, d_b, m)
-    cur = core_groups[p_idx, q_idx, rows, groups]  # (P, Q, M)
-    cur_mask = mask_groups[p_idx, q_idx, rows, groups]
-    g = group_grad if group_grad is not None else _tile_groups(grad, d_b, m)[p_idx, q_idx, rows, groups]
+    # flat positions of the chosen groups in the (d_out, d_in) matrices: one gather / scatter
+    # each, much cheaper than advanced indexing into the permuted tile view
+    flat = _group_positions(rows, groups, d_b, core.shape[1], m)  # (P, Q, M)
+    core_flat, mask_flat = core.view(-1), mask.view(-1)
+    cur = core_flat[flat]  # (P, Q, M)
+    cur_mask = mask_flat[flat]
+    g = group_grad if group_grad is not None else grad.view(-1)[flat]
     u = -0.5 * g + a_sq[..., None] * (gram @ cur[..., None])[..., 0]
 
     sup = supports(n, m, core.device)  # (C, N)
@@ -223,13 +235,13 @@ def sparse_core_step(
     best_mask.scatter_(-1, sup[best], True)
 
     new_vals = torch.where(accept[..., None], best_vals, cur)
-    core_groups[p_idx, q_idx, rows, groups] = new_vals
-    mask_groups[p_idx, q_idx, rows, groups] = torch.where(accept[..., None], best_mask, cur_mask)
+    core_flat[flat] = new_vals
+    mask_flat[flat] = torch.where(accept[..., None], best_mask, cur_mask)
     delta = new_vals - cur  # (P, Q, M)
     if update_grad:
-        left = a_gram[p_idx, :, rows]  # (P, Q, d_b): column i' of A_iᵀA_i
+        left = 2.0 * a_gram[p_idx, :, rows]  # (P, Q, d_b): twice column i' of A_iᵀA_i
         right = (delta[..., None] * b_rows).sum(-2)  # (P, Q, d_b): δᵀ (B D Bᵀ)[grp, :]
-        grad.view(p, d_b, q, d_b).add_(2.0 * torch.einsum("pqr,pqc->prqc", left, right))
+        grad.view(p, d_b, q, d_b).add_(torch.einsum("pqr,pqc->prqc", left, right))
     decrease = torch.where(accept, best_gain - cur_gain, torch.zeros_like(cur_gain))
     return (decrease, delta) if return_delta else decrease
 
@@ -263,14 +275,15 @@ def sparse_core_steps(
     p_idx = torch.arange(p, device=core.device)[:, None].expand(p, q)
     q_idx = torch.arange(q, device=core.device)[None, :].expand(p, q)
     arange_m = torch.arange(m, device=core.device)
-    grad_groups = _tile_groups(grad, d_b, m)
+    grad_flat = grad.reshape(-1)
+    d_in = grad.shape[1]
     left = torch.empty(k_steps, p, q, d_b, dtype=core.dtype, device=core.device)  # (A_iᵀA_i)[:, r_k]
     right = torch.empty_like(left)  # δ_kᵀ (B_j D_j B_jᵀ)[G_k, :]
     total = torch.zeros(p, q, dtype=core.dtype, device=core.device)
     for k in range(k_steps):
         r, grp = rows[k], groups[k]
         cols = grp[..., None] * m + arange_m  # (P, Q, M)
-        g = grad_groups[p_idx, q_idx, r, grp]
+        g = grad_flat[_group_positions(r, grp, d_b, d_in, m)]
         if k:
             at_row = left[:k].gather(-1, r[None, ..., None].expand(k, p, q, 1))  # (k, P, Q, 1)
             at_cols = right[:k].gather(-1, cols[None].expand(k, p, q, m))  # (k, P, Q, M)
