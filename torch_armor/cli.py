@@ -250,7 +250,7 @@ def _armor_factors(args, model, names, windows_fn, cfg, run_dir: Path):
                                      max_overhead=args.max_overhead)
     store = RunStore(run_dir, cfg, model_id, hash_statistics(stats))
     done = len(store.finished(names))
-    if done:
+    if done and store.rank == 0:
         _log(f"resuming {run_dir}: {done} of {len(names)} layers already finished")
     layers = {n: (model.get_submodule(n).weight.detach(), stats[n]) for n in names}
     t = time.perf_counter()
