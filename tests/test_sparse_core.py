@@ -150,16 +150,22 @@ def test_l1_random_frequencies():
     assert set(picks) == {0, 2}
 
 
-@settings(max_examples=20, deadline=None)
-@given(nm=st.sampled_from([(2, 4), (1, 4), (4, 8)]), d_b_mult=st.integers(1, 2), seed=st.integers(0, 1000))
-def test_incremental_gradient_matches_autograd(nm, d_b_mult, seed):
-    """Many sequential group updates with rank-one gradient updates keep the gradient exact."""
-    n, m = nm
+def _two_by_three_tiles(n, m, d_b_mult, seed):
+    """A random 2×3-tile problem with its grams and exact core gradient (float64)."""
     d_b = m * d_b_mult * 2
     w_bar, h = random_layer(2 * d_b, 3 * d_b, seed=seed)
     a, b, core, mask = random_factors(2 * d_b, 3 * d_b, d_b, n, m, seed=seed + 1)
     a_gram, b_gram = block_grams(a, b, h)
     grad = core_gradient(w_bar - reconstruct_normalized(a, core, b), a, b, h)
+    return d_b, w_bar, h, a, b, core, mask, a_gram, b_gram, grad
+
+
+@settings(max_examples=20, deadline=None)
+@given(nm=st.sampled_from([(2, 4), (1, 4), (4, 8)]), d_b_mult=st.integers(1, 2), seed=st.integers(0, 1000))
+def test_incremental_gradient_matches_autograd(nm, d_b_mult, seed):
+    """Many sequential group updates with rank-one gradient updates keep the gradient exact."""
+    n, m = nm
+    d_b, w_bar, h, a, b, core, mask, a_gram, b_gram, grad = _two_by_three_tiles(n, m, d_b_mult, seed)
     gen = torch.Generator().manual_seed(seed)
     for _ in range(25):
         rows, groups = select_groups(grad, d_b, m, "l1-random", gen)
@@ -177,11 +183,7 @@ def test_batched_steps_equal_sequential_steps_with_exact_gradient(nm, d_b_mult, 
     """K steps chosen up front, each corrected to the exact gradient on its group, give what K
     plain steps with a fully updated gradient give (repeated groups included)."""
     n, m = nm
-    d_b = m * d_b_mult * 2
-    w_bar, h = random_layer(2 * d_b, 3 * d_b, seed=seed)
-    a, b, core, mask = random_factors(2 * d_b, 3 * d_b, d_b, n, m, seed=seed + 1)
-    a_gram, b_gram = block_grams(a, b, h)
-    grad = core_gradient(w_bar - reconstruct_normalized(a, core, b), a, b, h)
+    d_b, w_bar, h, a, b, core, mask, a_gram, b_gram, grad = _two_by_three_tiles(n, m, d_b_mult, seed)
     rows, groups = select_groups(grad, d_b, m, selection, torch.Generator().manual_seed(seed), num=k_steps)
     assert rows.shape == groups.shape == (k_steps, 2, 3)
 
