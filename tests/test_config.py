@@ -46,7 +46,8 @@ def test_config_rejects(kwargs):
 
 def test_config_defaults():
     cfg = ArmorConfig()
-    assert (cfg.block_size, cfg.pattern, cfg.optimizer, cfg.selection) == (128, "2:4", "bcd", "l1-random")
+    assert (cfg.block_size, cfg.pattern, cfg.optimizer, cfg.selection) == (128, "2:4", "bcd", "mixed")
     assert cfg.num_iters == 200 and cfg.group_updates == 64
     paper = ArmorConfig(optimizer="adam")
-    assert (paper.lr, paper.num_iters) == (1e-4, 1000)
+    assert (paper.lr, paper.num_iters, paper.selection) == (1e-4, 1000, "l1-random")
+    assert ArmorConfig(optimizer="adam", selection="mixed").selection == "mixed"

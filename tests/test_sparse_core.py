@@ -9,6 +9,7 @@ from torch_armor.proxy import check_mask
 from torch_armor.sparse_core import (
     block_grams,
     core_gradient,
+    group_decrease,
     select_groups,
     solve_psd,
     solve_psd_2x2,
@@ -96,6 +97,39 @@ def test_step_never_increases_loss(p, q, d_b_mult, nm, selection, seed):
         before = after
     assert check_mask(mask, f"{n}:{m}")
 
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    p=st.integers(1, 3), q=st.integers(1, 3), d_b_mult=st.integers(1, 3),
+    nm=st.sampled_from([(2, 4), (1, 4), (3, 4), (1, 2), (4, 8), (2, 8)]),
+    selection=st.sampled_from(["decrease-greedy", "mixed", "l1-random"]),
+    k_steps=st.integers(1, 6),
+    seed=st.integers(0, 10_000),
+)
+def test_batched_steps_never_increase_loss(p, q, d_b_mult, nm, selection, k_steps, seed):
+    """bcd's group phase: groups chosen from the sweep's gradient and decreases, K exact steps."""
+    n, m = nm
+    d_b = m * d_b_mult
+    w_bar, h = random_layer(p * d_b, q * d_b, seed=seed)
+    a, b, core, mask = random_factors(p * d_b, q * d_b, d_b, n, m, seed=seed + 1)
+    a_gram, b_gram = block_grams(a, b, h)
+    before = _loss(w_bar, a, core, b, h)
+    for sweep in range(2):
+        grad = core_gradient(w_bar - reconstruct_normalized(a, core, b), a, b, h)
+        decrease = group_decrease(core, grad, a_gram, b_gram, n, m)
+        rows, groups = select_groups(grad, d_b, m, selection, torch.Generator().manual_seed(seed + sweep),
+                                     num=k_steps, decrease=decrease)
+        gain = sparse_core_steps(core, mask, a_gram, b_gram, grad, n, m, rows, groups)
+        after = _loss(w_bar, a, core, b, h)
+        assert (gain >= 0).all()
+        assert after <= before + 1e-9 * max(1.0, before)
+        assert after == pytest.approx(before - float(gain.sum()), rel=1e-7, abs=1e-9)
+        if selection == "decrease-greedy":  # the first step alone takes at least the best decrease
+            assert float(gain.sum()) >= float(
+                decrease.reshape(p, d_b, q, d_b // m).amax((1, 3)).sum()) * (1 - 1e-7) - 1e-9
+        before = after
+    assert check_mask(mask, f"{n}:{m}")
 
 def test_core_gradient_matches_autograd():
     w_bar, h = random_layer(16, 24, seed=2)
@@ -203,3 +237,52 @@ def test_batched_steps_equal_sequential_steps_with_exact_gradient(nm, d_b_mult, 
     decrease = _loss(w_bar, a, start_core, b, h) - _loss(w_bar, a, core, b, h)
     assert float(decrease) == pytest.approx(float(gain.sum()), rel=1e-6, abs=1e-9)
     assert float(gain.min()) >= 0
+
+
+@settings(max_examples=15, deadline=None)
+@given(nm=st.sampled_from([(2, 4), (1, 4), (4, 8)]), seed=st.integers(0, 1000))
+def test_group_decrease_is_each_groups_own_step(nm, seed):
+    """The decrease predicted for every group equals what a sparse-core step on that group
+    alone (one tile at a time, all others untouched) actually removes from the loss."""
+    n, m = nm
+    d_b, w_bar, h, a, b, core, mask, a_gram, b_gram, grad = _two_by_three_tiles(n, m, 1, seed)
+    predicted = group_decrease(core, grad, a_gram, b_gram, n, m)
+    assert predicted.shape == (2 * d_b, 3 * d_b // m) and float(predicted.min()) >= 0
+    start = _loss(w_bar, a, core, b, h)
+    actual = torch.zeros_like(predicted)
+    for row in range(2 * d_b):
+        for grp in range(3 * d_b // m):
+            i, j = row // d_b, (grp * m) // d_b
+            rows = torch.zeros(2, 3, dtype=torch.long)
+            groups = torch.zeros(2, 3, dtype=torch.long)
+            rows[i, j], groups[i, j] = row % d_b, grp % (d_b // m)
+            c, mk = core.clone(), mask.clone()
+            sparse_core_step(c, mk, a_gram, b_gram, grad.clone(), n, m, rows, groups)
+            # only tile (i, j) is meant to move: undo the others (they re-solved group 0, row 0)
+            keep = torch.zeros_like(mk)
+            keep[i * d_b:(i + 1) * d_b, j * d_b:(j + 1) * d_b] = True
+            c = torch.where(keep, c, core)
+            actual[row, grp] = start - _loss(w_bar, a, c, b, h)
+    assert torch.allclose(predicted, actual, rtol=1e-6, atol=1e-9)
+
+
+def test_decrease_greedy_and_mixed_selection():
+    # block 8, M = 4: a 8×16 matrix is two tiles, each row of a tile holds 2 groups
+    decrease = torch.zeros(8, 4, dtype=torch.float64)
+    decrease[3, 1], decrease[6, 0], decrease[0, 1] = 5.0, 4.0, 3.0  # tile 0
+    decrease[2, 3] = 1.0  # tile 1: row 2, its group 1
+    grad = torch.zeros(8, 16, dtype=torch.float64)
+    grad[7, 12:16] = 1.0  # tile 1's gradient sits in row 7, group 1; tile 0 has none
+    gen = torch.Generator().manual_seed(0)
+    rows, groups = select_groups(grad, 8, 4, "decrease-greedy", gen, num=3, decrease=decrease)
+    assert rows.shape == groups.shape == (3, 1, 2)
+    assert [(int(r), int(g)) for r, g in zip(rows[:, 0, 0], groups[:, 0, 0])] == [(3, 1), (6, 0), (0, 1)]
+    assert (int(rows[0, 0, 1]), int(groups[0, 0, 1])) == (2, 1)
+    rows, groups = select_groups(grad, 8, 4, "mixed", gen, num=3, decrease=decrease)
+    assert (int(rows[0, 0, 0]), int(groups[0, 0, 0])) == (3, 1)  # 3 // 2 = 1 greedy pick first
+    assert (int(rows[0, 0, 1]), int(groups[0, 0, 1])) == (2, 1)
+    assert rows[1:, 0, 1].tolist() == [7, 7] and groups[1:, 0, 1].tolist() == [1, 1]  # then l1-random
+    rows, groups = select_groups(grad, 8, 4, "mixed", gen, decrease=decrease)  # one draw: l1-random
+    assert (int(rows[0, 1]), int(groups[0, 1])) == (7, 1)
+    with pytest.raises(ValueError, match="decrease"):
+        select_groups(grad, 8, 4, "mixed", gen, num=2)

@@ -10,7 +10,8 @@ import torch
 
 __all__ = ["SparsityPattern", "ArmorConfig", "parse_pattern"]
 
-_SELECTIONS = ("l1-random", "l2-random", "l1-greedy", "random")
+_SELECTIONS = ("l1-random", "l2-random", "l1-greedy", "random", "decrease-greedy", "mixed")
+_DEFAULT_SELECTION = {"adam": "l1-random", "bcd": "mixed"}
 _OPTIMIZERS = ("adam", "bcd")
 _FLOAT_DTYPES = (torch.float32, torch.float64)
 _DEFAULT_ITERS = {"adam": 1000, "bcd": 200}
@@ -94,8 +95,12 @@ class ArmorConfig:
         group_updates: sparse-core group updates per tile per ``"bcd"`` sweep
             (``None``: ``block_size // 2``).
         ridge: relative proximal ridge of the ``"bcd"`` closed-form solves.
-        selection: how each tile picks the group its sparse-core step updates:
-            ``"l1-random"`` (paper), ``"l2-random"``, ``"l1-greedy"``, ``"random"``.
+        selection: how each tile picks the groups its sparse-core steps update (see
+            :func:`~torch_armor.sparse_core.select_groups`): ``"l1-random"`` (paper; default
+            for ``"adam"``), ``"l2-random"``, ``"l1-greedy"``, ``"random"``,
+            ``"decrease-greedy"`` (the groups whose step alone would lower the loss most) or
+            ``"mixed"`` (half each of ``"decrease-greedy"`` and ``"l1-random"``; default for
+            ``"bcd"``, measured by ``python benchmarks/optimizer.py selection``).
         seed: seed of the group selection; the same seed gives bit-identical factors on CPU.
         device: where to optimize (``None``: the weight's device).
         dtype: optimization dtype, ``torch.float32`` (default) or ``torch.float64``.
@@ -119,7 +124,7 @@ class ArmorConfig:
     cg_steps: int = 2
     group_updates: Optional[int] = None
     ridge: float = 1e-6
-    selection: str = "l1-random"
+    selection: Optional[str] = None
     seed: int = 0
     device: Optional[Union[str, torch.device]] = None
     dtype: torch.dtype = torch.float32
@@ -155,6 +160,8 @@ class ArmorConfig:
             raise ValueError(f"ridge must be in [0, 1), got {self.ridge!r}")
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a positive finite number, got {self.lr!r}")
+        if self.selection is None and self.optimizer in _DEFAULT_SELECTION:
+            self.selection = _DEFAULT_SELECTION[self.optimizer]
         if self.selection not in _SELECTIONS:
             raise ValueError(f"selection must be one of {_SELECTIONS}, got {self.selection!r}")
         if not isinstance(self.seed, int):

@@ -13,13 +13,16 @@ from .blockdiag import block_diag_left, block_diag_right
 from .config import ArmorConfig, SparsityPattern
 from .factors import ArmorFactors
 from .proxy import mask_from_scores, normalize_weight, nowag_scores, validate_layer
-from .sparse_core import block_grams, core_gradient, select_groups, sparse_core_step
+from .sparse_core import (block_grams, core_gradient, group_decrease, select_groups, sparse_core_step,
+                          sparse_core_steps)
 
 __all__ = ["factorize", "reconstruct_normalized"]
 
 #: Clock behind ``time_budget_s`` and ``ArmorFactors.history_time_s`` (wall time). Benchmarks
 #: on a shared machine may set it to ``time.process_time`` (CPU seconds of this process).
 clock = time.perf_counter
+
+_NEEDS_DECREASE = ("decrease-greedy", "mixed")
 
 
 def reconstruct_normalized(a: torch.Tensor, core: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -139,8 +142,10 @@ def _run_adam(problem: _Problem, config: ArmorConfig, log: _Log, a, b, core, mas
         grad = block_diag_left(a.transpose(1, 2), t_mat).contiguous()  # ∂L/∂S = −2·grad
         if structured:
             neg = -2.0 * grad
-            rows, groups = select_groups(neg, d_b, m, config.selection, generator)
             a_gram, b_gram = block_grams(a, b, h)
+            decrease = (group_decrease(s, neg, a_gram, b_gram, pattern.n, m)
+                        if config.selection in _NEEDS_DECREASE else None)
+            rows, groups = select_groups(neg, d_b, m, config.selection, generator, decrease=decrease)
             _, delta = sparse_core_step(s, mask, a_gram, b_gram, neg, pattern.n, m, rows, groups,
                                         update_grad=True, return_delta=True)
             grad = -0.5 * neg
@@ -175,7 +180,13 @@ def _run_adam(problem: _Problem, config: ArmorConfig, log: _Log, a, b, core, mas
 
 
 def _run_bcd(problem: _Problem, config: ArmorConfig, log: _Log, a, b, core, mask) -> dict:
-    """Exact block-coordinate sweeps; every sub-step is monotone, so the last iterate is the best."""
+    """Exact block-coordinate sweeps; every sub-step is monotone, so the last iterate is the best.
+
+    A sweep: ``A`` and ``B`` by their closed forms, ``cg_steps`` of preconditioned CG on the
+    kept core values, then ``group_updates`` exact sparse-core steps per tile, chosen from the
+    sweep's gradient (and, for ``"decrease-greedy"``/``"mixed"``, every group's exact decrease)
+    and run in sequence by :func:`~torch_armor.sparse_core.sparse_core_steps`.
+    """
     w_bar, h, pattern = problem.w_bar, problem.h, problem.pattern
     generator = torch.Generator(device=w_bar.device).manual_seed(config.seed)
     best = {"a": a.clone(), "b": b.clone(), "core": core.clone(), "mask": mask.clone()}
@@ -188,11 +199,12 @@ def _run_bcd(problem: _Problem, config: ArmorConfig, log: _Log, a, b, core, mask
         if pattern.structured and config.group_updates > 0:
             grad = core_gradient(residual, a, b, h).contiguous()
             a_gram, b_gram = block_grams(a, b, h)
-            for _ in range(config.group_updates):
-                rows, groups = select_groups(grad, problem.d_b, pattern.m, config.selection, generator)
-                gain = sparse_core_step(core, mask, a_gram, b_gram, grad, pattern.n, pattern.m, rows, groups,
-                                        update_grad=True)
-                loss = loss - gain.sum()
+            decrease = (group_decrease(core, grad, a_gram, b_gram, pattern.n, pattern.m)
+                        if config.selection in _NEEDS_DECREASE else None)
+            rows, groups = select_groups(grad, problem.d_b, pattern.m, config.selection, generator,
+                                         num=config.group_updates, decrease=decrease)
+            gain = sparse_core_steps(core, mask, a_gram, b_gram, grad, pattern.n, pattern.m, rows, groups)
+            loss = loss - gain.sum()
         log.keep_best(it, loss, best, {"a": a, "b": b, "core": core, "mask": mask})
         if log.is_log_point(it) or log.out_of_time():
             log.record(it, loss)

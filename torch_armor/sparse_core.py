@@ -27,6 +27,8 @@ __all__ = [
     "supports",
     "solve_psd_2x2",
     "solve_psd",
+    "psd_pinv",
+    "group_decrease",
     "select_groups",
     "sparse_core_step",
     "sparse_core_steps",
@@ -74,6 +76,29 @@ def solve_psd(k: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (torch.linalg.pinv(k, hermitian=True) @ u[..., None])[..., 0]
 
 
+def psd_pinv(k: torch.Tensor, rel_tol: float = 1e-6) -> torch.Tensor:
+    """Pseudo-inverse of batched symmetric PSD ``N×N`` matrices; closed form for ``N ≤ 2``
+    with the same regular / rank-one rule as :func:`solve_psd_2x2`."""
+    n = k.shape[-1]
+    if n == 1:
+        d = k[..., 0, 0]
+        return torch.where(d > 0, 1.0 / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(d))[..., None, None]
+    if n > 2:
+        return torch.linalg.pinv(k, hermitian=True)
+    k11, k12, k22 = k[..., 0, 0], k[..., 0, 1], k[..., 1, 1]
+    det = k11 * k22 - k12 * k12
+    regular = det > rel_tol * k11 * k22
+    trace_sq = (k11 + k22).square()
+    # regular: adj(K)/det; rank one: K/tr(K)²; zero: 0
+    scale = torch.where(regular, 1.0 / torch.where(regular, det, torch.ones_like(det)),
+                        torch.where(trace_sq > 0, 1.0 / torch.where(trace_sq > 0, trace_sq, torch.ones_like(trace_sq)),
+                                    torch.zeros_like(trace_sq)))
+    off = torch.where(regular, -k12, k12)
+    first = torch.stack([torch.where(regular, k22, k11), off], -1)
+    second = torch.stack([off, torch.where(regular, k11, k22)], -1)
+    return torch.stack([first, second], -2) * scale[..., None, None]
+
+
 def core_gradient(
     residual: torch.Tensor, a: torch.Tensor, b: torch.Tensor, act_sq_norm: torch.Tensor
 ) -> torch.Tensor:
@@ -101,6 +126,46 @@ def _group_positions(rows: torch.Tensor, groups: torch.Tensor, block_size: int, 
     return start[..., None] + torch.arange(m, device=rows.device)
 
 
+def group_decrease(
+    core: torch.Tensor, grad: torch.Tensor, a_gram: torch.Tensor, b_gram: torch.Tensor, n: int, m: int
+) -> torch.Tensor:
+    """``(d_out, d_in // M)``: how much the proxy loss would drop if each group alone took its
+    sparse-core step now (best support and values, or no change) — ``≥ 0``.
+
+    Elementwise work of a few passes over the matrix per support (no tile matmuls): the same
+    ``u``, ``K`` and ``‖a‖²`` as :func:`sparse_core_step`, for every group at once; the gain of a
+    support at its best values is ``u_sᵀ K_ss⁺ u_s / ‖a‖²``.
+    """
+    d_out, d_in = core.shape
+    q, d_b, _ = b_gram.shape
+    n_grp = d_b // m
+    a_sq = a_gram.diagonal(dim1=-2, dim2=-1).reshape(d_out)  # ‖A_i[:, r]‖² of every row
+    # K of every column group: the diagonal M×M blocks of B_j D_j B_jᵀ
+    k_grp = b_gram.view(q, n_grp, m, n_grp, m).diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(q * n_grp, m, m)
+    cur = core.reshape(d_out, q * n_grp, m)
+    k_cur = (k_grp @ cur.permute(1, 2, 0)).permute(2, 0, 1)  # K s_cur of every group
+    u = -0.5 * grad.reshape(d_out, q * n_grp, m) + a_sq[:, None, None] * k_cur
+    cur_gain = 2.0 * (cur * u).sum(-1) - a_sq[:, None] * (cur * k_cur).sum(-1)
+    sup = supports(n, m, core.device)
+    n_sup = sup.shape[0]
+    k_pinv = psd_pinv(k_grp[:, sup[:, :, None], sup[:, None, :]])  # (G, C, N, N)
+    best = None
+    if n == 2:  # u_sᵀ K_ss⁺ u_s written out on column views: no gathers, no tiny matmuls
+        u_sq = u.square()
+        for c, (i, j) in enumerate(_supports_list(n, m)):
+            gain = (k_pinv[:, c, 0, 0] * u_sq[..., i] + k_pinv[:, c, 1, 1] * u_sq[..., j]
+                    + 2.0 * k_pinv[:, c, 0, 1] * (u[..., i] * u[..., j]))
+            best = gain if best is None else torch.maximum(best, gain)
+    else:
+        for c in range(n_sup):
+            u_s = u.index_select(-1, sup[c])  # (R, G, N)
+            gain = (u_s * (k_pinv[:, c] * u_s[..., None, :]).sum(-1)).sum(-1)
+            best = gain if best is None else torch.maximum(best, gain)
+    safe_a_sq = torch.where(a_sq > 0, a_sq, torch.ones_like(a_sq))
+    best = torch.where((a_sq > 0)[:, None], best / safe_a_sq[:, None], torch.zeros_like(best))
+    return (best - cur_gain).clamp_min(0)
+
+
 def select_groups(
     grad: torch.Tensor,
     block_size: int,
@@ -108,19 +173,39 @@ def select_groups(
     selection: str = "l1-random",
     generator: Optional[torch.Generator] = None,
     num: Optional[int] = None,
+    decrease: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Pick one group per tile; return its tile row and group index, each ``(P, Q)``.
 
     ``"l1-random"``/``"l2-random"`` draw with probability ∝ the L1/L2 norm of ``grad`` on the
     group (uniform in a tile whose gradient is all zero), ``"l1-greedy"`` takes the largest
-    L1 norm, ``"random"`` draws uniformly. With ``num``, ``num`` independent draws per tile
-    (``"l1-greedy"``: the ``num`` largest, repeating if ``num`` exceeds the groups), returned
-    as ``(num, P, Q)``.
+    L1 norm, ``"random"`` draws uniformly. ``"decrease-greedy"`` takes the group with the
+    largest ``decrease`` (see :func:`group_decrease`, required for it and for ``"mixed"``).
+    With ``num``, ``num`` draws per tile, returned as ``(num, P, Q)``: independent for the
+    random rules; the ``num`` largest for the greedy ones (distinct, repeating only if ``num``
+    exceeds the groups of a tile); ``"mixed"`` = the ``num // 2`` largest decreases, then
+    ``num − num // 2`` ``"l1-random"`` draws (with one draw, plain ``"l1-random"``).
     """
     d_out, d_in = grad.shape
     d_b, n_grp = block_size, block_size // m
     p, q = d_out // d_b, d_in // d_b
     draws = 1 if num is None else num
+    if selection in ("decrease-greedy", "mixed"):
+        if decrease is None:
+            raise ValueError(f"selection {selection!r} needs decrease= (see group_decrease)")
+        n_greedy = draws if selection == "decrease-greedy" else draws // 2
+        parts = []
+        if n_greedy:
+            flat = decrease.reshape(p, d_b, q, n_grp).transpose(1, 2).reshape(p * q, d_b * n_grp)
+            top = flat.topk(min(n_greedy, d_b * n_grp), dim=-1).indices
+            parts.append(top.repeat(1, -(-n_greedy // top.shape[1]))[:, :n_greedy])
+        if draws > n_greedy:
+            r, g = select_groups(grad, block_size, m, "l1-random", generator, num=draws - n_greedy)
+            parts.append((r * n_grp + g).reshape(draws - n_greedy, p * q).transpose(0, 1))
+        flat_idx = torch.cat(parts, 1).reshape(p, q, draws).permute(2, 0, 1)
+        if num is None:
+            flat_idx = flat_idx[0]
+        return flat_idx // n_grp, flat_idx % n_grp
     if selection == "random":
         flat_idx = torch.randint(0, d_b * n_grp, (p * q, draws), generator=generator, device=grad.device)
     else:
@@ -262,35 +347,70 @@ def sparse_core_steps(
 
     Each step uses the exact gradient at its group *after* the previous steps — ``grad`` (the
     gradient before the first step) plus the rank-one changes the earlier steps of its tile made,
-    evaluated only on that group: ``2 Σ_k (A_iᵀA_i)[r, r_k] · δ_kᵀ (B_j D_j B_jᵀ)[G_k, G]``. So the
+    evaluated only on the later groups: ``2 (A_iᵀA_i)[r_k, r] · δᵀ (B_j D_j B_jᵀ)[G, G_k]``. So the
     result equals ``K`` calls of :func:`sparse_core_step` with ``update_grad=True``, but no step
-    touches the whole gradient: per step the work is ``O(P·Q·(M² + K·M))`` instead of
-    ``O(d_out·d_in)``. ``grad`` is left unchanged (stale); ``core`` and ``mask`` are updated in place.
+    touches the whole gradient. Everything that does not depend on the order — the groups'
+    ``K``, their supports' pseudo-inverses, ``‖a‖²``, the cross terms of ``A_iᵀA_i`` — is
+    gathered once for all ``K`` steps, so a step is a few dozen small ``(P, Q, ·)`` operations.
+    Extra memory: about twice the layer. ``grad`` is left unchanged (stale); ``core`` and
+    ``mask`` are updated in place.
 
     Returns:
         ``(P, Q)`` total decrease of the proxy loss in each tile (≥ 0).
     """
+    if not (core.is_contiguous() and mask.is_contiguous()):
+        raise ValueError("core and mask must be contiguous: the steps write through views")
     k_steps, p, q = rows.shape
     d_b = a_gram.shape[-1]
-    p_idx = torch.arange(p, device=core.device)[:, None].expand(p, q)
-    q_idx = torch.arange(q, device=core.device)[None, :].expand(p, q)
-    arange_m = torch.arange(m, device=core.device)
-    grad_flat = grad.reshape(-1)
-    d_in = grad.shape[1]
-    left = torch.empty(k_steps, p, q, d_b, dtype=core.dtype, device=core.device)  # (A_iᵀA_i)[:, r_k]
-    right = torch.empty_like(left)  # δ_kᵀ (B_j D_j B_jᵀ)[G_k, :]
-    total = torch.zeros(p, q, dtype=core.dtype, device=core.device)
+    d_in = core.shape[1]
+    device, dtype = core.device, core.dtype
+    # flat-index gathers (take / index_select) throughout: far cheaper than advanced indexing
+    tile_p = torch.arange(p, device=device)[:, None].expand(p, q)
+    tile_q = torch.arange(q, device=device)[None, :].expand(p, q)
+    a_sq = a_gram.take(tile_p * d_b * d_b + rows * (d_b + 1))  # (K, P, Q): (A_iᵀA_i)[r, r]
+    inv_a_sq = torch.where(a_sq > 0, 1.0 / torch.where(a_sq > 0, a_sq, torch.ones_like(a_sq)), torch.zeros_like(a_sq))
+    cols = groups[..., None] * m + torch.arange(m, device=device)  # (K, P, Q, M)
+    b_rows = b_gram.reshape(q * d_b, d_b).index_select(0, (tile_q[..., None] * d_b + cols).reshape(-1))
+    b_rows = b_rows.view(k_steps, p, q, m, d_b)  # rows G_k of B_j D_j B_jᵀ
+    gram = b_rows.gather(-1, cols[..., None, :].expand(k_steps, p, q, m, m))  # (K, P, Q, M, M)
+    # (K, K, P, Q): 2 (A_iᵀA_i)[r_k, r_l]
+    a_cross = 2.0 * a_gram.take((tile_p * d_b * d_b + rows * d_b)[:, None] + rows[None, :])
+    flat = _group_positions(rows, groups, d_b, d_in, m)  # (K, P, Q, M)
+    group_grad = grad.take(flat)  # corrected in place as the steps go
+
+    sup = supports(n, m, device)  # (C, N)
+    n_sup = sup.shape[0]
+    pick = torch.zeros(m, n_sup * n, dtype=dtype, device=device)  # u @ pick = u on every support
+    pick[sup.reshape(-1), torch.arange(n_sup * n, device=device)] = 1.0
+    sup_mask = torch.zeros(n_sup, m, dtype=torch.bool, device=device).scatter_(-1, sup, True)
+    ss_idx = (sup[:, :, None] * m + sup[:, None, :]).reshape(-1)  # K_ss entries inside K
+    k_ss = gram.reshape(k_steps, p, q, m * m).index_select(-1, ss_idx).view(k_steps, p, q, n_sup, n, n)
+    k_pinv = psd_pinv(k_ss)
+    core_flat, mask_flat = core.view(-1), mask.view(-1)
+    total = torch.zeros(p, q, dtype=dtype, device=device)
     for k in range(k_steps):
-        r, grp = rows[k], groups[k]
-        cols = grp[..., None] * m + arange_m  # (P, Q, M)
-        g = grad_flat[_group_positions(r, grp, d_b, d_in, m)]
-        if k:
-            at_row = left[:k].gather(-1, r[None, ..., None].expand(k, p, q, 1))  # (k, P, Q, 1)
-            at_cols = right[:k].gather(-1, cols[None].expand(k, p, q, m))  # (k, P, Q, M)
-            g = g + 2.0 * (at_row * at_cols).sum(0)
-        gain, delta = sparse_core_step(core, mask, a_gram, b_gram, None, n, m, r, grp,
-                                       return_delta=True, group_grad=g)
-        total += gain
-        left[k] = a_gram[p_idx, :, r]
-        right[k] = (delta[..., None] * b_gram[q_idx[..., None], cols]).sum(-2)
+        pos = flat[k].reshape(-1)
+        cur = core_flat.index_select(0, pos).view(p, q, m)
+        a_k = a_sq[k][..., None]
+        k_cur = (gram[k] @ cur[..., None])[..., 0]
+        u = -0.5 * group_grad[k] + a_k * k_cur
+        u_s = (u @ pick).view(p, q, n_sup, n)
+        x_s = (k_pinv[k] @ u_s[..., None])[..., 0] * inv_a_sq[k][..., None, None]
+        k_x = (k_ss[k] @ x_s[..., None])[..., 0]
+        cand_gain = (x_s * (2.0 * u_s - a_k[..., None] * k_x)).sum(-1)  # (P, Q, C)
+        cur_gain = (cur * (2.0 * u - a_k * k_cur)).sum(-1)
+        best_gain, best = cand_gain.max(-1)
+        accept = best_gain > cur_gain
+        best_vals = x_s.gather(2, best[..., None, None].expand(p, q, 1, n))[:, :, 0]
+        new = torch.zeros_like(cur).scatter_(-1, sup.index_select(0, best.view(-1)).view(p, q, n), best_vals)
+        new = torch.where(accept[..., None], new, cur)
+        core_flat.index_copy_(0, pos, new.view(-1))
+        new_mask = torch.where(accept[..., None], sup_mask.index_select(0, best.view(-1)).view(p, q, m),
+                               mask_flat.index_select(0, pos).view(p, q, m))
+        mask_flat.index_copy_(0, pos, new_mask.view(-1))
+        total += torch.where(accept, best_gain - cur_gain, torch.zeros_like(cur_gain))
+        if k + 1 < k_steps:
+            right = ((new - cur)[..., None] * b_rows[k]).sum(-2)  # (P, Q, d_b): δᵀ (B_j D_j B_jᵀ)[G_k, :]
+            later = right.expand(k_steps - k - 1, p, q, d_b).gather(-1, cols[k + 1:])
+            group_grad[k + 1:] += a_cross[k + 1:, k, ..., None] * later
     return total
