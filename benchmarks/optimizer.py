@@ -7,12 +7,15 @@ process by default (``--clock cpu``), which other load on a shared machine barel
   reference trajectory the issue gives (relative proxy loss = loss / NoWag-P loss).
 * ``sweep``: ms per Adam iteration and relative loss at 100 / 300 / 1000 / 3000 iterations for
   each block size.
+* ``selection``: ``bcd`` with each group-selection rule at block 32: CPU time to reach the
+  reference Adam losses at 1000 / 3000 iterations, and the loss at the end of the budget.
 * ``compare``: ``bcd`` against ``adam``, interleaved and repeated: wall time for ``bcd`` to
   reach the loss ``adam`` reaches at 1000 / 3000 (/ 20,000 with ``--long``) iterations, as a
   ratio of ``adam``'s time, and both losses at equal time.
 
 Run:  python benchmarks/optimizer.py paper
       python benchmarks/optimizer.py sweep --blocks 16 32 64 --iters 3000
+      python benchmarks/optimizer.py selection --budget 20
       python benchmarks/optimizer.py compare --blocks 16 32 64 --repeats 2 [--long]
 """
 
@@ -105,6 +108,24 @@ def loss_at_time(traj, t_query):
     return best
 
 
+def cmd_selection(args, problems):
+    rules = ("l1-random", "decrease-greedy", "mixed")
+    print(f"\nbcd group selection, block 32, {args.budget:g} CPU s per run: time (s) to reach the reference "
+          "adam loss at 1000 / 3000 iterations, and the final relative loss")
+    print("| layer | " + " | ".join(rules) + " |")
+    print("|---|" + "---|" * len(rules))
+    for name in LAYERS:
+        w, h = problems[name]
+        cells = []
+        for rule in rules:
+            f, _ = run(w, h, block_size=32, num_iters=100000, optimizer="bcd", selection=rule,
+                       time_budget_s=args.budget)
+            traj = trajectory(f)
+            t1, t3 = (time_to_reach(traj, PAPER[name][k]) for k in (1000, 3000))
+            cells.append(f"{t1:.2f} / {t3:.2f} / {float(f.history.min()):.3f}")
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+
+
 def cmd_compare(args, problems):
     rows = []
     for name in LAYERS:
@@ -145,11 +166,12 @@ def cmd_compare(args, problems):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("table", choices=["paper", "sweep", "compare"])
+    parser.add_argument("table", choices=["paper", "sweep", "selection", "compare"])
     parser.add_argument("--blocks", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--iters", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--bcd-fraction", type=float, default=0.25)
+    parser.add_argument("--budget", type=float, default=20.0, help="selection: CPU seconds per bcd run")
     parser.add_argument("--long", action="store_true", help="also run adam 20,000 iterations on q_proj, block 32")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
@@ -159,7 +181,7 @@ def main():
     factorize_module.clock = time.process_time if args.clock == "cpu" else time.perf_counter
     print(f"# python benchmarks/optimizer.py {' '.join(sys.argv[1:])}  (threads={args.threads}, clock={args.clock})")
     problems = layer_problem(names=LAYERS)
-    {"paper": cmd_paper, "sweep": cmd_sweep, "compare": cmd_compare}[args.table](args, problems)
+    {"paper": cmd_paper, "sweep": cmd_sweep, "selection": cmd_selection, "compare": cmd_compare}[args.table](args, problems)
 
 
 if __name__ == "__main__":

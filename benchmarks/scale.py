@@ -23,7 +23,7 @@ Three parts (``all`` runs them in this order and prints one report):
 Measured on the 2-core shared dev VM (full report: ``benchmarks/out/scale.txt``): factorize's
 peak memory above its inputs is about 14x the layer's fp32 size with ``bcd`` and 18-20x with
 ``adam`` (4096x4096 and 4096x11008); small layers add a fixed ~50-100 MB of allocator overhead.
-One bcd sweep costs ~10-16 ns per ``d_out·d_in·d_b``, one adam step ~1.1 ns (1 thread).
+One bcd sweep costs ~3-4 ns per ``d_out·d_in·d_b``, one adam step ~1.1-1.2 ns (1 thread).
 
 Run:  python benchmarks/scale.py [all|memory|ranks] [--threads 2] [--out benchmarks/out/scale.txt]
 """
