@@ -13,17 +13,14 @@ from .blockdiag import block_diag_left, block_diag_right
 from .config import ArmorConfig, SparsityPattern
 from .factors import ArmorFactors
 from .proxy import mask_from_scores, normalize_weight, nowag_scores, validate_layer
-from .sparse_core import (block_grams, core_gradient, group_decrease, select_groups, sparse_core_step,
-                          sparse_core_steps)
+from .sparse_core import (DECREASE_SELECTIONS, block_grams, core_gradient, group_decrease, select_groups,
+                          sparse_core_step, sparse_core_steps)
 
 __all__ = ["factorize", "reconstruct_normalized"]
 
 #: Clock behind ``time_budget_s`` and ``ArmorFactors.history_time_s`` (wall time). Benchmarks
 #: on a shared machine may set it to ``time.process_time`` (CPU seconds of this process).
 clock = time.perf_counter
-
-_NEEDS_DECREASE = ("decrease-greedy", "mixed")
-
 
 def reconstruct_normalized(a: torch.Tensor, core: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``A · core · B`` with block-diagonal ``A``, ``B`` given as block stacks."""
@@ -91,6 +88,14 @@ class _Log:
         self.best_loss = torch.minimum(loss, self.best_loss)
 
 
+def _choose_groups(config: ArmorConfig, pattern: SparsityPattern, core, grad, a_gram, b_gram, generator,
+                   num: Optional[int] = None):
+    """``select_groups`` for ``config.selection``, computing every group's decrease if the rule needs it."""
+    decrease = (group_decrease(core, grad, a_gram, b_gram, pattern.n, pattern.m)
+                if config.selection in DECREASE_SELECTIONS else None)
+    return select_groups(grad, config.block_size, pattern.m, config.selection, generator, num=num, decrease=decrease)
+
+
 def _tile_outer(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     """``(P, Q, d)`` × ``(P, Q, d)`` → the ``(P·d, Q·d)`` matrix whose tile ``(i, j)`` is ``l rᵀ``."""
     p, q, d_b = left.shape
@@ -143,9 +148,7 @@ def _run_adam(problem: _Problem, config: ArmorConfig, log: _Log, a, b, core, mas
         if structured:
             neg = -2.0 * grad
             a_gram, b_gram = block_grams(a, b, h)
-            decrease = (group_decrease(s, neg, a_gram, b_gram, pattern.n, m)
-                        if config.selection in _NEEDS_DECREASE else None)
-            rows, groups = select_groups(neg, d_b, m, config.selection, generator, decrease=decrease)
+            rows, groups = _choose_groups(config, pattern, s, neg, a_gram, b_gram, generator)
             _, delta = sparse_core_step(s, mask, a_gram, b_gram, neg, pattern.n, m, rows, groups,
                                         update_grad=True, return_delta=True)
             grad = -0.5 * neg
@@ -199,10 +202,8 @@ def _run_bcd(problem: _Problem, config: ArmorConfig, log: _Log, a, b, core, mask
         if pattern.structured and config.group_updates > 0:
             grad = core_gradient(residual, a, b, h).contiguous()
             a_gram, b_gram = block_grams(a, b, h)
-            decrease = (group_decrease(core, grad, a_gram, b_gram, pattern.n, pattern.m)
-                        if config.selection in _NEEDS_DECREASE else None)
-            rows, groups = select_groups(grad, problem.d_b, pattern.m, config.selection, generator,
-                                         num=config.group_updates, decrease=decrease)
+            rows, groups = _choose_groups(config, pattern, core, grad, a_gram, b_gram, generator,
+                                          num=config.group_updates)
             gain = sparse_core_steps(core, mask, a_gram, b_gram, grad, pattern.n, pattern.m, rows, groups)
             loss = loss - gain.sum()
         log.keep_best(it, loss, best, {"a": a, "b": b, "core": core, "mask": mask})

@@ -30,6 +30,7 @@ __all__ = [
     "psd_pinv",
     "group_decrease",
     "select_groups",
+    "DECREASE_SELECTIONS",
     "sparse_core_step",
     "sparse_core_steps",
     "core_gradient",
@@ -47,38 +48,9 @@ def supports(n: int, m: int, device: Optional[torch.device] = None) -> torch.Ten
     return torch.tensor(_supports_list(n, m), dtype=torch.long, device=device)
 
 
-def solve_psd_2x2(k: torch.Tensor, u: torch.Tensor, rel_tol: float = 1e-6) -> torch.Tensor:
-    """Least-squares solution ``K⁺ u`` of batched symmetric PSD 2×2 systems in closed form.
-
-    Regular systems use Cramer's rule; (near-)singular ones, where ``det ≤ rel_tol·k11·k22``,
-    use the rank-one pseudo-inverse ``K⁺ = K / tr(K)²``.
-    """
-    k11, k12, k22 = k[..., 0, 0], k[..., 0, 1], k[..., 1, 1]
-    u1, u2 = u[..., 0], u[..., 1]
-    det = k11 * k22 - k12 * k12
-    regular = det > rel_tol * k11 * k22
-    safe_det = torch.where(regular, det, torch.ones_like(det))
-    x_regular = torch.stack([(k22 * u1 - k12 * u2) / safe_det, (k11 * u2 - k12 * u1) / safe_det], -1)
-    trace_sq = (k11 + k22).square()
-    safe_trace_sq = torch.where(trace_sq > 0, trace_sq, torch.ones_like(trace_sq))
-    x_rank1 = torch.stack([k11 * u1 + k12 * u2, k12 * u1 + k22 * u2], -1) / safe_trace_sq[..., None]
-    x_rank1 = torch.where((trace_sq > 0)[..., None], x_rank1, torch.zeros_like(x_rank1))
-    return torch.where(regular[..., None], x_regular, x_rank1)
-
-
-def solve_psd(k: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Least-squares solution ``K⁺ u`` of batched symmetric PSD ``N×N`` systems."""
-    if k.shape[-1] == 1:
-        d = k[..., 0, 0]
-        return torch.where(d > 0, u[..., 0] / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(d))[..., None]
-    if k.shape[-1] == 2:
-        return solve_psd_2x2(k, u)
-    return (torch.linalg.pinv(k, hermitian=True) @ u[..., None])[..., 0]
-
-
 def psd_pinv(k: torch.Tensor, rel_tol: float = 1e-6) -> torch.Tensor:
-    """Pseudo-inverse of batched symmetric PSD ``N×N`` matrices; closed form for ``N ≤ 2``
-    with the same regular / rank-one rule as :func:`solve_psd_2x2`."""
+    """Pseudo-inverse of batched symmetric PSD ``N×N`` matrices; closed form for ``N ≤ 2``:
+    ``adj(K)/det`` when regular, ``K / tr(K)²`` when ``det ≤ rel_tol·k11·k22`` (rank one)."""
     n = k.shape[-1]
     if n == 1:
         d = k[..., 0, 0]
@@ -99,6 +71,18 @@ def psd_pinv(k: torch.Tensor, rel_tol: float = 1e-6) -> torch.Tensor:
     return torch.stack([first, second], -2) * scale[..., None, None]
 
 
+def solve_psd_2x2(k: torch.Tensor, u: torch.Tensor, rel_tol: float = 1e-6) -> torch.Tensor:
+    """Least-squares solution ``K⁺ u`` of batched symmetric PSD 2×2 systems in closed form:
+    regular systems by ``adj(K)/det``; (near-)singular ones, where ``det ≤ rel_tol·k11·k22``,
+    by the rank-one pseudo-inverse ``K⁺ = K / tr(K)²`` (see :func:`psd_pinv`)."""
+    return (psd_pinv(k, rel_tol) @ u[..., None])[..., 0]
+
+
+def solve_psd(k: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Least-squares solution ``K⁺ u`` of batched symmetric PSD ``N×N`` systems."""
+    return (psd_pinv(k) @ u[..., None])[..., 0]
+
+
 def core_gradient(
     residual: torch.Tensor, a: torch.Tensor, b: torch.Tensor, act_sq_norm: torch.Tensor
 ) -> torch.Tensor:
@@ -107,13 +91,6 @@ def core_gradient(
 
     weighted = residual * act_sq_norm
     return -2.0 * block_diag_right(block_diag_left(a.transpose(1, 2), weighted), b.transpose(1, 2))
-
-
-def _tile_groups(t: torch.Tensor, block_size: int, m: int) -> torch.Tensor:
-    """View ``(d_out, d_in)`` as ``(P, Q, d_b, d_b/M, M)`` tiles of groups (no copy)."""
-    d_out, d_in = t.shape
-    p, q = d_out // block_size, d_in // block_size
-    return t.reshape(p, block_size, q, block_size // m, m).permute(0, 2, 1, 3, 4)
 
 
 def _group_positions(rows: torch.Tensor, groups: torch.Tensor, block_size: int, d_in: int, m: int) -> torch.Tensor:
@@ -166,6 +143,22 @@ def group_decrease(
     return (best - cur_gain).clamp_min(0)
 
 
+#: selection rules that rank groups by :func:`group_decrease` (pass it to :func:`select_groups`)
+DECREASE_SELECTIONS = ("decrease-greedy", "mixed")
+
+
+def _per_tile(x: torch.Tensor, p: int, q: int, d_b: int, n_grp: int) -> torch.Tensor:
+    """``(d_out, d_in/M)`` per-group values → ``(P·Q, d_b·d_b/M)``, one row per tile."""
+    return x.reshape(p, d_b, q, n_grp).transpose(1, 2).reshape(p * q, d_b * n_grp)
+
+
+def _largest(flat: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the ``count`` largest entries of each row, distinct, cycling if ``count``
+    exceeds the row length."""
+    top = flat.topk(min(count, flat.shape[1]), dim=-1).indices
+    return top.repeat(1, -(-count // top.shape[1]))[:, :count]
+
+
 def select_groups(
     grad: torch.Tensor,
     block_size: int,
@@ -190,15 +183,13 @@ def select_groups(
     d_b, n_grp = block_size, block_size // m
     p, q = d_out // d_b, d_in // d_b
     draws = 1 if num is None else num
-    if selection in ("decrease-greedy", "mixed"):
+    if selection in DECREASE_SELECTIONS:
         if decrease is None:
             raise ValueError(f"selection {selection!r} needs decrease= (see group_decrease)")
         n_greedy = draws if selection == "decrease-greedy" else draws // 2
         parts = []
         if n_greedy:
-            flat = decrease.reshape(p, d_b, q, n_grp).transpose(1, 2).reshape(p * q, d_b * n_grp)
-            top = flat.topk(min(n_greedy, d_b * n_grp), dim=-1).indices
-            parts.append(top.repeat(1, -(-n_greedy // top.shape[1]))[:, :n_greedy])
+            parts.append(_largest(_per_tile(decrease, p, q, d_b, n_grp), n_greedy))
         if draws > n_greedy:
             r, g = select_groups(grad, block_size, m, "l1-random", generator, num=draws - n_greedy)
             parts.append((r * n_grp + g).reshape(draws - n_greedy, p * q).transpose(0, 1))
@@ -216,10 +207,9 @@ def select_groups(
             norms = grouped.square().sum(-1).sqrt()
         else:
             raise ValueError(f"unknown selection {selection!r}")
-        flat = norms.reshape(p, d_b, q, n_grp).transpose(1, 2).reshape(p * q, d_b * n_grp)
+        flat = _per_tile(norms, p, q, d_b, n_grp)
         if selection == "l1-greedy":
-            top = flat.topk(min(draws, d_b * n_grp), dim=-1).indices
-            flat_idx = top.repeat(1, -(-draws // top.shape[1]))[:, :draws]
+            flat_idx = _largest(flat, draws)
         else:
             # Inverse-CDF sampling (an order of magnitude faster than torch.multinomial here);
             # a group with zero norm has an empty CDF interval and is never drawn.
@@ -254,7 +244,6 @@ def sparse_core_step(
     groups: torch.Tensor,
     update_grad: bool = False,
     return_delta: bool = False,
-    group_grad: Optional[torch.Tensor] = None,
 ):
     """Re-solve the chosen group of every tile over all ``C(M, N)`` supports, in place.
 
@@ -267,16 +256,12 @@ def sparse_core_step(
         rows, groups: ``(P, Q)`` tile row and group index of each tile's chosen group.
         update_grad: also update ``grad`` in place so that it stays exact after the step
             (a rank-one change per tile: ``ΔG = 2 A_iᵀA_i ΔS B_j D_j B_jᵀ``).
-        group_grad: ``(P, Q, M)`` the exact gradient on the chosen groups, used instead of
-            reading it from ``grad`` (which may then be ``None``; see :func:`sparse_core_steps`).
 
     Returns:
         ``(P, Q)`` decrease of the proxy loss in each tile (≥ 0); with ``return_delta``, also
         the ``(P, Q, M)`` change of each chosen group's values.
     """
-    if update_grad and grad is None:
-        raise ValueError("update_grad=True needs grad")
-    if not (core.is_contiguous() and mask.is_contiguous() and (grad is None or grad.is_contiguous())):
+    if not (core.is_contiguous() and mask.is_contiguous() and grad.is_contiguous()):
         raise ValueError("core, mask and grad must be contiguous: the step writes through views")
     p, d_b, _ = a_gram.shape
     q = b_gram.shape[0]
@@ -295,7 +280,7 @@ def sparse_core_step(
     core_flat, mask_flat = core.view(-1), mask.view(-1)
     cur = core_flat[flat]  # (P, Q, M)
     cur_mask = mask_flat[flat]
-    g = group_grad if group_grad is not None else grad.view(-1)[flat]
+    g = grad.view(-1)[flat]
     u = -0.5 * g + a_sq[..., None] * (gram @ cur[..., None])[..., 0]
 
     sup = supports(n, m, core.device)  # (C, N)
