@@ -156,3 +156,35 @@ def test_lean_adam_matches_autograd_reference():
     ref = _reference_adam(w, h, cfg)
     ours = f.history[1:-1] * f.nowag_loss  # post-sparse losses at iterations 1..n-1
     assert torch.allclose(ours, ref[1:], rtol=1e-9)
+
+
+def test_adam_decrease_greedy_takes_each_tiles_best_group_first():
+    """adam with "decrease-greedy": the sparse step of iteration 2 (after one Adam step from
+    NoWag-P, replayed here with autograd and torch.optim.Adam) removes exactly each tile's
+    largest group decrease at that point."""
+    from torch_armor.factorize import reconstruct_normalized
+    from torch_armor.proxy import mask_from_scores, nowag_scores
+    from torch_armor.sparse_core import block_grams, core_gradient, group_decrease
+
+    w, h = random_layer(16, 24, seed=5)
+    cfg = ArmorConfig(block_size=8, optimizer="adam", selection="decrease-greedy", num_iters=2, lr=1e-2,
+                      dtype=torch.float64)
+    f = factorize(w, h, cfg)
+
+    w_bar, _, _ = normalize_weight(w.double())
+    mask = mask_from_scores(nowag_scores(w_bar, h), cfg.sparsity)
+    eye = torch.eye(8, dtype=torch.float64)
+    a, b, w_prime = (eye.repeat(2, 1, 1).requires_grad_(), eye.repeat(3, 1, 1).requires_grad_(),
+                     (w_bar * mask).requires_grad_())
+    loss = ((w_bar - reconstruct_normalized(a, w_prime * mask, b)) ** 2 * h).sum()
+    nowag = float(loss)
+    loss.backward()
+    torch.optim.Adam([a, b, w_prime], lr=cfg.lr).step()  # iteration 1's sparse step is a no-op at NoWag-P
+    a, b, core = a.detach(), b.detach(), (w_prime * mask).detach()
+    residual = w_bar - reconstruct_normalized(a, core, b)
+    decrease = group_decrease(core, core_gradient(residual, a, b, h), *block_grams(a, b, h), 2, 4)
+    best_per_tile = float(decrease.reshape(2, 8, 3, 2).amax((1, 3)).sum())
+    assert best_per_tile > 1e-4 * nowag  # the step does something
+    expected = (float((residual ** 2 * h).sum()) - best_per_tile) / nowag
+    recorded = dict(zip(f.history_iters.tolist(), f.history.tolist()))
+    assert recorded[1] == pytest.approx(expected, rel=1e-8)
