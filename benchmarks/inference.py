@@ -67,11 +67,11 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, quantize_
 
-from torch_armor.assets import load_smollm2, sotu_text, wiki_text
-from torch_armor.data import calibration_windows, eval_windows, tokenize_text
-from torch_armor.quant import ArmorCoreConfig
+from torch_armor.recipes.assets import load_smollm2, sotu_text, wiki_text
+from torch_armor.recipes.data import calibration_windows, eval_windows, tokenize_text
+from torch_armor.tensor.quant import ArmorCoreConfig
 from torch_armor.sparsifier import ArmorSparsifier
-from torch_armor.tensor import ArmorTensor
+from torch_armor.tensor.armor_tensor import ArmorTensor
 
 LAYER = "model.layers.0.mlp.up_proj"
 Variant = Tuple[str, nn.Module, Callable[[torch.Tensor], torch.Tensor]]

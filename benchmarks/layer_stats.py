@@ -28,9 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torch_armor.assets import load_smollm2  # noqa: E402
-from torch_armor.data import calibration_windows  # noqa: E402
-from torch_armor.observer import collect_statistics  # noqa: E402
+from torch_armor.recipes.assets import load_smollm2  # noqa: E402
+from torch_armor.recipes.data import calibration_windows  # noqa: E402
+from torch_armor.calibration.observer import collect_statistics  # noqa: E402
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
 ALL_SHORT_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from layer_stats import layer_problem  # noqa: E402
 
-factorize_module = importlib.import_module("torch_armor.factorize")  # the module, not the function
+factorize_module = importlib.import_module("torch_armor.core.factorize")  # the module, not the function
 from torch_armor import ArmorConfig, factorize  # noqa: E402
 
 LAYERS = ("q_proj", "k_proj", "up_proj", "down_proj")

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torch_armor.pipeline import DEMO_ARMOR_CONFIG, DEMO_METHODS, run_quality, with_block_size  # noqa: E402
+from torch_armor.recipes.pipeline import DEMO_ARMOR_CONFIG, DEMO_METHODS, run_quality, with_block_size  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -15,7 +15,7 @@ Three parts (``all`` runs them in this order and prints one report):
   ``O(d_b)``-per-entry group updates) and memory by the layer size.
 * ``ranks``: a SmolLM2-135M prune (all 210 decoder linears, real sotu statistics, short budget
   ``ArmorConfig(block_size=16, optimizer="bcd", num_iters=3)``) through
-  :func:`torch_armor.distributed.distributed_factorize` with 1 rank × 1 thread, 1 rank ×
+  :func:`torch_armor.engine.distributed.distributed_factorize` with 1 rank × 1 thread, 1 rank ×
   2 threads, and ``torchrun --nproc-per-node 2`` × 1 thread, from the same cached weights and
   statistics (``benchmarks/out/``), timing the factorization (all ranks started) and the whole
   process, and checking that the factors are bit-identical.
@@ -242,10 +242,10 @@ def smollm2_cache(report: Report) -> Path:
     if path.exists():
         report(f"(SmolLM2 weights and statistics from the cache {path.relative_to(ROOT)})")
         return path
-    from torch_armor.assets import load_smollm2
-    from torch_armor.data import calibration_windows
-    from torch_armor.observer import collect_statistics, decoder_linear_names
-    from torch_armor.runstore import hash_statistics
+    from torch_armor.recipes.assets import load_smollm2
+    from torch_armor.recipes.data import calibration_windows
+    from torch_armor.calibration.observer import collect_statistics, decoder_linear_names
+    from torch_armor.engine.runstore import hash_statistics
 
     start = time.perf_counter()
     model, tokenizer = load_smollm2(torch.float32)
@@ -273,8 +273,8 @@ def cmd_prune_worker(args: argparse.Namespace) -> None:
     from safetensors import safe_open
 
     from torch_armor import ArmorConfig
-    from torch_armor.distributed import distributed_factorize, init_distributed, layer_cost
-    from torch_armor.runstore import RunStore, hash_tensors
+    from torch_armor.engine.distributed import distributed_factorize, init_distributed, layer_cost
+    from torch_armor.engine.runstore import RunStore, hash_tensors
 
     topo = init_distributed()
     cfg = ArmorConfig(**SMOL_CONFIG)

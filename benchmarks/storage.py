@@ -40,10 +40,10 @@ import torch
 from safetensors.torch import save_file
 from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
-from torch_armor.assets import load_smollm2
-from torch_armor.observer import decoder_linear_names
-from torch_armor.quant import ArmorCoreConfig
-from torch_armor.serialization import WEIGHTS_NAME, load_pretrained, save_pretrained
+from torch_armor.recipes.assets import load_smollm2
+from torch_armor.calibration.observer import decoder_linear_names
+from torch_armor.tensor.quant import ArmorCoreConfig
+from torch_armor.tensor.serialization import WEIGHTS_NAME, load_pretrained, save_pretrained
 from torch_armor.sparsifier import ArmorSparsifier
 
 TARGET_RATIO = 0.60

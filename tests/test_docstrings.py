@@ -9,9 +9,9 @@ import pytest
 import torch_armor
 
 SKIP = {"torch_armor.cli", "torch_armor.__main__"}
-SLOW = {"torch_armor.assets"}  # its examples load the real model
+SLOW = {"torch_armor.recipes.assets"}  # its examples load the real model
 MODULES = sorted(
-    m.name for m in pkgutil.iter_modules(torch_armor.__path__, "torch_armor.") if m.name not in SKIP
+    m.name for m in pkgutil.walk_packages(torch_armor.__path__, "torch_armor.") if m.name not in SKIP
 ) + ["torch_armor"]
 
 

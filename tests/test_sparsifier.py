@@ -15,12 +15,12 @@ import torch
 from torch import nn
 
 import torch_armor.sparsifier as sparsifier_module
-from torch_armor import baselines
+from torch_armor.core import baselines
 from torch_armor.config import ArmorConfig
-from torch_armor.factors import ArmorFactors
-from torch_armor.proxy import nowag_prune
+from torch_armor.core.factors import ArmorFactors
+from torch_armor.core.proxy import nowag_prune
 from torch_armor.sparsifier import ArmorSparsifier, PruningSparsifier
-from torch_armor.tensor import ArmorTensor
+from torch_armor.tensor.armor_tensor import ArmorTensor
 
 FAST = dict(block_size=16, optimizer="bcd", num_iters=2, progress=False)
 LAYERS = ["0.weight", "2.weight", "4.weight", "6.weight"]

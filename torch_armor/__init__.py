@@ -34,16 +34,16 @@ def _import_torchao_quietly() -> None:
 
 _import_torchao_quietly()
 
-from .config import ArmorConfig, SparsityPattern, parse_pattern  # noqa: E402
-from .distributed import distributed_factorize, shared_statistics  # noqa: E402
-from .factorize import factorize  # noqa: E402
-from .factors import ArmorFactors  # noqa: E402
-from .proxy import nowag_prune, proxy_loss, relative_proxy_loss  # noqa: E402
-from .runstore import RunMismatchError, RunStore, factorize_layers, hash_statistics  # noqa: E402
-from .quant import ArmorCoreConfig, dequantize_armor_core, quantize_armor_core  # noqa: E402  (registers the handler)
-from .serialization import load_pretrained, save_pretrained  # noqa: E402
-from .sparsifier import ArmorSparsifier, PruningSparsifier  # noqa: E402
-from .tensor import ArmorTensor, armor_linear_from_factors  # noqa: E402
+from torch_armor.config import ArmorConfig, SparsityPattern, parse_pattern  # noqa: E402
+from torch_armor.engine.distributed import distributed_factorize, shared_statistics  # noqa: E402
+from torch_armor.core.factorize import factorize  # noqa: E402
+from torch_armor.core.factors import ArmorFactors  # noqa: E402
+from torch_armor.core.proxy import nowag_prune, proxy_loss, relative_proxy_loss  # noqa: E402
+from torch_armor.engine.runstore import RunMismatchError, RunStore, factorize_layers, hash_statistics  # noqa: E402
+from torch_armor.tensor.quant import ArmorCoreConfig, dequantize_armor_core, quantize_armor_core  # noqa: E402  (registers the handler)
+from torch_armor.tensor.serialization import load_pretrained, save_pretrained  # noqa: E402
+from torch_armor.sparsifier import ArmorSparsifier, PruningSparsifier  # noqa: E402
+from torch_armor.tensor.armor_tensor import ArmorTensor, armor_linear_from_factors  # noqa: E402
 
 __all__ = [
     "ArmorConfig",

@@ -183,7 +183,7 @@ def _armor_config(args: argparse.Namespace, base=None):
     """ArmorConfig from the ARMOR options (``base`` supplies defaults not given)."""
     import dataclasses
 
-    from .config import ArmorConfig, parse_pattern
+    from torch_armor.config import ArmorConfig, parse_pattern
 
     pat = parse_pattern(args.pattern)
     overrides = {"pattern": str(pat), "optimizer": args.optimizer, "seed": args.seed}
@@ -201,7 +201,7 @@ def _armor_config(args: argparse.Namespace, base=None):
         overrides["time_budget_s"] = args.time_budget
     if base is None:
         return ArmorConfig(**overrides)
-    from .pipeline import with_block_size
+    from torch_armor.recipes.pipeline import with_block_size
 
     block = overrides.pop("block_size", base.block_size)
     return dataclasses.replace(with_block_size(base, block), **overrides)
@@ -232,9 +232,9 @@ def _run_identity(args: argparse.Namespace) -> str:
 def _armor_factors(args, model, names, windows_fn, cfg, run_dir: Path):
     """Statistics (cached in ``run_dir``) and factors of every layer, sharded over the ranks of a
     ``torchrun`` job and resumable: finished layers in ``run_dir`` are not computed again."""
-    from .distributed import distributed_factorize, shared_statistics
-    from .pipeline import armor_layer_configs, calibration_statistics
-    from .runstore import RunStore, hash_statistics
+    from torch_armor.engine.distributed import distributed_factorize, shared_statistics
+    from torch_armor.recipes.pipeline import armor_layer_configs, calibration_statistics
+    from torch_armor.engine.runstore import RunStore, hash_statistics
 
     model_id = _run_identity(args)
 
@@ -260,7 +260,7 @@ def _armor_factors(args, model, names, windows_fn, cfg, run_dir: Path):
 
 
 def _cmd_prune(args: argparse.Namespace) -> int:
-    from .distributed import init_distributed
+    from torch_armor.engine.distributed import init_distributed
 
     out = Path(args.out)
     armor = args.method == "armor"
@@ -281,9 +281,9 @@ def _cmd_prune(args: argparse.Namespace) -> int:
 def _prune(args: argparse.Namespace, out: Path, run_dir: Path, topo) -> int:
     _setup(args)
     start = time.perf_counter()
-    from .data import calibration_windows
-    from .pipeline import DEFAULT_ARMOR_CONFIG, calibration_statistics, load_model, prune, select_layers
-    from .serialization import save_pretrained
+    from torch_armor.recipes.data import calibration_windows
+    from torch_armor.recipes.pipeline import DEFAULT_ARMOR_CONFIG, calibration_statistics, load_model, prune, select_layers
+    from torch_armor.tensor.serialization import save_pretrained
 
     armor = args.method == "armor"
     rank, world = (topo.rank, topo.world_size) if topo is not None else (0, 1)
@@ -345,9 +345,9 @@ def _prune(args: argparse.Namespace, out: Path, run_dir: Path, topo) -> int:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     _setup(args)
-    from .data import eval_windows
-    from .evaluate import perplexity
-    from .pipeline import load_model
+    from torch_armor.recipes.data import eval_windows
+    from torch_armor.recipes.evaluate import perplexity
+    from torch_armor.recipes.pipeline import load_model
 
     model, tokenizer = load_model(args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device)
     windows = eval_windows(args.data, tokenizer, n_windows=args.n_eval, seq_len=args.seq_len)
@@ -364,7 +364,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     _setup(args)
-    from .pipeline import DEMO_ARMOR_CONFIG, run_quality
+    from torch_armor.recipes.pipeline import DEMO_ARMOR_CONFIG, run_quality
 
     cfg = _armor_config(args, base=DEMO_ARMOR_CONFIG)
     result = run_quality(

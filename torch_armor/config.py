@@ -73,7 +73,7 @@ def parse_pattern(pattern: Union[str, SparsityPattern]) -> SparsityPattern:
 
 @dataclass
 class ArmorConfig:
-    """Settings for :func:`torch_armor.factorize` (one linear layer).
+    """Settings for :func:`torch_armor.core.factorize` (one linear layer).
 
     Args:
         block_size: size ``d_b`` of the diagonal blocks of ``A`` and ``B``; must divide
@@ -96,7 +96,7 @@ class ArmorConfig:
             (``None``: ``block_size // 2``).
         ridge: relative proximal ridge of the ``"bcd"`` closed-form solves.
         selection: how each tile picks the groups its sparse-core steps update (see
-            :func:`~torch_armor.sparse_core.select_groups`): ``"l1-random"`` (paper; default
+            :func:`~torch_armor.core.sparse_core.select_groups`): ``"l1-random"`` (paper; default
             for ``"adam"``), ``"l2-random"``, ``"l1-greedy"``, ``"random"``,
             ``"decrease-greedy"`` (the groups whose step alone would lower the loss most) or
             ``"mixed"`` (half each of ``"decrease-greedy"`` and ``"l1-random"``; default for

@@ -13,7 +13,7 @@ The protocol:
    stored.
 3. ``step()`` solves every layer not solved yet (progress bar, one log line per layer).
 4. ``convert(model)`` swaps the weights in place (ARMOR: an
-   :class:`~torch_armor.tensor.ArmorTensor`; baselines: the pruned dense weight) and removes
+   :class:`~torch_armor.tensor.armor_tensor.ArmorTensor`; baselines: the pruned dense weight) and removes
    the hooks; ``squash_mask()`` instead writes plain dense approximations.
 
 ``state_dict()`` holds only tensors, strings and numbers (``torch.load(weights_only=True)``
@@ -34,11 +34,11 @@ from torch import nn
 from torch.ao.pruning import BaseSparsifier
 from tqdm.auto import tqdm
 
-from .config import ArmorConfig, parse_pattern
-from .factorize import factorize
-from .factors import ArmorFactors
-from .observer import ActSqNormObserver, LayerStatistics, decoder_linear_names
-from .proxy import check_layer_shape
+from torch_armor.config import ArmorConfig, parse_pattern
+from torch_armor.core.factorize import factorize
+from torch_armor.core.factors import ArmorFactors
+from torch_armor.calibration.observer import ActSqNormObserver, LayerStatistics, decoder_linear_names
+from torch_armor.core.proxy import check_layer_shape
 
 __all__ = ["ArmorSparsifier", "PruningSparsifier"]
 
@@ -116,7 +116,7 @@ class _CalibratedSparsifier(BaseSparsifier):
                 ``nn.Linear`` weight; an unknown per-layer option; a layer whose shape the
                 pattern (or block size) cannot serve — the message names the layer and the fix.
         """
-        from .tensor import ArmorTensor
+        from torch_armor.tensor.armor_tensor import ArmorTensor
 
         if not isinstance(model, nn.Module):
             raise ValueError(f"prepare(model, ...) expects an nn.Module, got {type(model).__name__}")
@@ -322,7 +322,7 @@ class _CalibratedSparsifier(BaseSparsifier):
         return module
 
     def _check_not_converted(self) -> None:
-        from .tensor import ArmorTensor
+        from torch_armor.tensor.armor_tensor import ArmorTensor
 
         if self._converted:
             raise ValueError(
@@ -450,7 +450,7 @@ class ArmorSparsifier(_CalibratedSparsifier):
         config: an :class:`ArmorConfig`; its fields can also be given as keyword arguments,
             which override it (``ArmorSparsifier(cfg, num_iters=3)``). Unknown keywords raise.
         storage: how converted weights store the core (``"auto"``, ``"compact"``,
-            ``"dense"``, ``"semi_structured"``; see :class:`~torch_armor.tensor.ArmorTensor`).
+            ``"dense"``, ``"semi_structured"``; see :class:`~torch_armor.tensor.armor_tensor.ArmorTensor`).
         progress: show a tqdm progress bar in :meth:`step`.
         on_layer_done: called as ``on_layer_done(tensor_fqn, factors)`` after each layer is
             factorized in :meth:`step` (the factors are already stored), e.g. to checkpoint
@@ -482,7 +482,7 @@ class ArmorSparsifier(_CalibratedSparsifier):
         on_layer_done: Optional[Callable[[str, ArmorFactors], None]] = None,
         **overrides: Any,
     ) -> None:
-        from .tensor import STORAGES
+        from torch_armor.tensor.armor_tensor import STORAGES
 
         unknown = set(overrides) - set(_CONFIG_FIELDS)
         if unknown:
@@ -568,7 +568,7 @@ class ArmorSparsifier(_CalibratedSparsifier):
 
     def convert(self, module: Optional[nn.Module] = None, *, storage: Optional[str] = None,
                 inplace: bool = True) -> nn.Module:
-        """Swap every prepared weight for an :class:`~torch_armor.tensor.ArmorTensor`, in place.
+        """Swap every prepared weight for an :class:`~torch_armor.tensor.armor_tensor.ArmorTensor`, in place.
 
         Runs :meth:`step` first for layers not solved yet, removes the hooks and returns the
         model. Unlike ``BaseSparsifier.convert`` no copy is made (``inplace=False`` raises).
@@ -576,7 +576,7 @@ class ArmorSparsifier(_CalibratedSparsifier):
         Raises:
             ValueError: the model was already converted, or ``module`` was not prepared.
         """
-        from .tensor import armor_linear_from_factors
+        from torch_armor.tensor.armor_tensor import armor_linear_from_factors
 
         if not inplace:
             raise ValueError(
@@ -645,7 +645,7 @@ class PruningSparsifier(_CalibratedSparsifier):
         pattern: ``"N:M"`` or ``"unstructured:F"`` (per-layer override: ``"pattern"``).
         progress: show a progress bar in :meth:`step`.
         **method_kwargs: SparseGPT only: ``block_size``, ``damp``, ``compute_dtype``
-            (see :func:`torch_armor.baselines.sparsegpt_prune`); also overridable per layer.
+            (see :func:`torch_armor.core.baselines.sparsegpt_prune`); also overridable per layer.
 
     Example::
 
@@ -692,8 +692,8 @@ class PruningSparsifier(_CalibratedSparsifier):
 
     def update_mask(self, module: nn.Module, tensor_name: str, **kwargs: Any) -> None:
         """Prune one layer (called by :meth:`step`)."""
-        from . import baselines
-        from .proxy import nowag_prune
+        from torch_armor.core import baselines
+        from torch_armor.core.proxy import nowag_prune
 
         fqn = kwargs["tensor_fqn"]
         weight = getattr(module, tensor_name).detach()

@@ -3,7 +3,7 @@
 Runs end to end in well under a minute on a laptop CPU, with nothing to download: the model
 is a tiny Llama built from a config (random weights) and calibration uses random token ids,
 so no tokenizer or dataset is needed. Swap in your own ``LlamaForCausalLM`` and real text
-(see ``torch_armor.data``) for a real run; every call stays the same.
+(see ``torch_armor.recipes.data``) for a real run; every call stays the same.
 
     python tutorials/01_prune_compile_quantize.py [--output-dir DIR]
 
@@ -40,10 +40,10 @@ import torch
 from torchao.quantization import Int8WeightOnlyConfig, quantize_
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from torch_armor.quant import ArmorCoreConfig
-from torch_armor.serialization import load_pretrained, save_pretrained
+from torch_armor.tensor.quant import ArmorCoreConfig
+from torch_armor.tensor.serialization import load_pretrained, save_pretrained
 from torch_armor.sparsifier import ArmorSparsifier
-from torch_armor.tensor import ArmorTensor
+from torch_armor.tensor.armor_tensor import ArmorTensor
 
 
 def build_model(seed: int = 0) -> LlamaForCausalLM:

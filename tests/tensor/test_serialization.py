@@ -1,0 +1,292 @@
+"""Tests for torch_armor.tensor.serialization: safetensors save/load, integrity checks, pickle refusal."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from torch_armor.core.factors import ArmorFactors
+from torch_armor.tensor.serialization import (
+    ARMOR_CONFIG_NAME,
+    WEIGHTS_NAME,
+    flatten_armor_state,
+    load_pretrained,
+    save_pretrained,
+    unflatten_armor_state,
+)
+from torch_armor.tensor.armor_tensor import ArmorTensor, armor_linear_from_factors
+
+
+def random_factors(d_out: int, d_in: int, d_b: int, pattern: str = "2:4", seed: int = 0) -> ArmorFactors:
+    gen = torch.Generator().manual_seed(seed)
+    if pattern.startswith("unstructured"):
+        mask = torch.rand(d_out, d_in, generator=gen) < 0.5
+    else:
+        n, m = (int(v) for v in pattern.split(":"))
+        ranks = torch.rand(d_out, d_in // m, m, generator=gen).argsort(-1).argsort(-1)
+        mask = (ranks < n).reshape(d_out, d_in)
+    core = torch.randn(d_out, d_in, generator=gen) * mask
+    a = torch.randn(d_out // d_b, d_b, d_b, generator=gen) / d_b**0.5
+    b = torch.randn(d_in // d_b, d_b, d_b, generator=gen) / d_b**0.5
+    return ArmorFactors(a, core, b, mask, pattern)
+
+
+def make_sequential() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 32))
+
+
+def converted_sequential() -> nn.Sequential:
+    model = make_sequential()
+    armor_linear_from_factors(model[0], random_factors(128, 64, 16, seed=1), storage="compact")
+    armor_linear_from_factors(model[2], random_factors(64, 128, 32, pattern="4:8", seed=2), storage="dense")
+    # model[4] stays a plain nn.Linear
+    return model.eval()
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model = converted_sequential()
+    save_pretrained(model, tmp_path)
+    return model, tmp_path
+
+
+def test_sequential_roundtrip_bit_identical(saved):
+    model, path = saved
+    assert sorted(os.listdir(path)) == [ARMOR_CONFIG_NAME, WEIGHTS_NAME]
+    loaded = load_pretrained(path, make_sequential())
+    x = torch.randn(4, 9, 64)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+    assert isinstance(loaded[0].weight, ArmorTensor) and loaded[0].weight.storage == "compact"
+    assert isinstance(loaded[2].weight, ArmorTensor) and loaded[2].weight.storage == "dense"
+    assert loaded[2].weight.pattern == "4:8"
+    assert type(loaded[4].weight) is nn.Parameter
+    # a factory works too, and storage can be overridden
+    other = load_pretrained(path, make_sequential, storage="dense")
+    assert other[0].weight.storage == "dense"
+    with torch.no_grad():
+        assert torch.equal(other(x), model(x))
+    other = load_pretrained(path, make_sequential, storage="auto", device="cpu")
+    assert other[0].weight.storage == "compact" and other[2].weight.storage == "compact"
+    with torch.no_grad():
+        assert torch.equal(other(x), model(x))
+
+
+def test_bf16_and_unstructured_roundtrip(tmp_path):
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 16))
+    armor_linear_from_factors(model[0], random_factors(32, 32, 8, pattern="unstructured:0.5", seed=3))
+    armor_linear_from_factors(model[1], random_factors(16, 32, 8, seed=4), storage="dense")
+    model = model.bfloat16()
+    save_pretrained(model, tmp_path)
+    meta = json.loads((tmp_path / ARMOR_CONFIG_NAME).read_text())
+    assert meta["layers"]["0.weight"]["storage"] == "dense"  # unstructured: dense core
+    assert meta["layers"]["1.weight"]["storage"] == "compact"
+    assert meta["layers"]["1.weight"]["dtype"] == "bfloat16"
+    loaded = load_pretrained(tmp_path, nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 16)))  # fp32 skeleton
+    assert loaded[1].weight.dtype == torch.bfloat16 and loaded[1].bias.dtype == torch.bfloat16
+    x = torch.randn(5, 32, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+
+
+def test_flatten_unflatten_inverse():
+    model = converted_sequential()
+    tensors, meta = flatten_armor_state(model)
+    assert {"0.weight.a_blocks", "0.weight.b_blocks", "0.weight.values", "0.weight.indices"} <= set(tensors)
+    assert "2.weight.values" in tensors and "2.weight.core" not in tensors  # always compact on disk
+    assert "4.weight" in tensors and "0.weight" not in tensors
+    assert tensors["0.weight.indices"].dtype == torch.uint8
+    layer = meta["layers"]["0.weight"]
+    assert layer["shape"] == [128, 64] and layer["block_size"] == 16 and layer["pattern"] == "2:4"
+    assert layer["storage"] == "compact" and layer["runtime_storage"] == "compact" and layer["dtype"] == "float32"
+    json.dumps(meta)  # JSON-able
+    rebuilt = unflatten_armor_state(make_sequential(), tensors, meta)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        assert torch.equal(rebuilt(x), model(x))
+
+
+def test_shared_tensors_saved_once(tmp_path):
+    emb = nn.Embedding(16, 8)
+    head = nn.Linear(8, 16, bias=False)
+    head.weight = emb.weight  # tied
+    model = nn.Sequential(emb, head)
+    tensors, meta = flatten_armor_state(model)
+    assert meta["aliases"] == {"1.weight": "0.weight"} and "1.weight" not in tensors
+    save_pretrained(model, tmp_path)
+    fresh = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16, bias=False))
+    loaded = load_pretrained(tmp_path, fresh)
+    ids = torch.randint(0, 16, (2, 5))
+    assert torch.equal(loaded(ids), model(ids))
+
+
+def test_compact_core_bytes_smaller_than_dense(tmp_path):
+    model = nn.Sequential(nn.Linear(256, 256, bias=False)).half()
+    armor_linear_from_factors(model[0], random_factors(256, 256, 16, seed=5))
+    save_pretrained(model, tmp_path / "armor")
+    tensors, _ = flatten_armor_state(model)
+    core_bytes = sum(tensors[f"0.weight.{k}"].numel() * tensors[f"0.weight.{k}"].element_size()
+                     for k in ("values", "indices"))
+    dense_core = 256 * 256 * 2
+    assert core_bytes == dense_core // 2 + 256 * 256 // 8
+    # the whole file vs a plain dense fp16 checkpoint of the same layer
+    save_file({"0.weight": torch.zeros(256, 256, dtype=torch.half)}, str(tmp_path / "dense.safetensors"))
+    armor_size = (tmp_path / "armor" / WEIGHTS_NAME).stat().st_size
+    wrapper_bytes = 2 * 16 * 256 * 2  # a_blocks + b_blocks
+    assert armor_size < (tmp_path / "dense.safetensors").stat().st_size
+    assert armor_size < dense_core // 2 + 256 * 256 // 8 + wrapper_bytes + 4096  # + header
+
+
+@pytest.mark.parametrize("name", ["pytorch_model.bin", "model.pt", "extra.pkl"])
+def test_pickle_refused(saved, name):
+    _, path = saved
+    (path / name).write_bytes(b"\x80\x04K\x01.")
+    with pytest.raises(ValueError, match="pickle"):
+        load_pretrained(path, make_sequential())
+
+
+def test_truncated_file(saved):
+    _, path = saved
+    data = (path / WEIGHTS_NAME).read_bytes()
+    (path / WEIGHTS_NAME).write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="truncated"):
+        load_pretrained(path, make_sequential())
+
+
+def test_truncated_file_with_matching_hash_still_caught(saved):
+    _, path = saved
+    data = (path / WEIGHTS_NAME).read_bytes()
+    (path / WEIGHTS_NAME).write_bytes(data[:100])
+    meta = json.loads((path / ARMOR_CONFIG_NAME).read_text())
+    import hashlib
+
+    meta["weights_sha256"] = hashlib.sha256(data[:100]).hexdigest()  # forge the hash too
+    (path / ARMOR_CONFIG_NAME).write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="cannot be read as safetensors"):
+        load_pretrained(path, make_sequential())
+
+
+def test_modified_weights_detected(saved):
+    _, path = saved
+    data = bytearray((path / WEIGHTS_NAME).read_bytes())
+    data[-3] ^= 0xFF  # flip bits in tensor data
+    (path / WEIGHTS_NAME).write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="sha256"):
+        load_pretrained(path, make_sequential())
+
+
+def test_tampered_json(saved):
+    _, path = saved
+    cfg = path / ARMOR_CONFIG_NAME
+    original = cfg.read_text()
+    meta = json.loads(original)
+    meta["layers"]["0.weight"]["pattern"] = "1:4"
+    cfg.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="edited"):
+        load_pretrained(path, make_sequential())
+    cfg.write_text(original[: len(original) // 2])
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_pretrained(path, make_sequential())
+    cfg.write_text(original)
+    assert load_pretrained(path, make_sequential()) is not None
+
+
+def test_metadata_validation_against_tensors():
+    model = converted_sequential()
+    tensors, meta = flatten_armor_state(model)
+    bad = json.loads(json.dumps(meta))
+    bad["layers"]["0.weight"]["block_size"] = 32
+    with pytest.raises(ValueError, match="a_blocks should be"):
+        unflatten_armor_state(make_sequential(), tensors, bad)
+    bad = json.loads(json.dumps(meta))
+    bad["tensors"]["4.bias"]["shape"] = [31]
+    with pytest.raises(ValueError, match="4.bias"):
+        unflatten_armor_state(make_sequential(), tensors, bad)
+    bad = json.loads(json.dumps(meta))
+    bad["layers"]["0.weight"]["dtype"] = "complex128"
+    with pytest.raises(ValueError, match="unknown dtype"):
+        unflatten_armor_state(make_sequential(), tensors, bad)
+
+
+def test_architecture_mismatch(saved):
+    _, path = saved
+    with pytest.raises(ValueError, match="has no module '2'"):
+        load_pretrained(path, nn.Sequential(nn.Linear(64, 128)))
+    with pytest.raises(ValueError, match=r"do not match the model's architecture: missing \['5.weight'"):
+        load_pretrained(path, nn.Sequential(*make_sequential(), nn.Linear(32, 8)))
+    assert load_pretrained(path, nn.Sequential(*make_sequential(), nn.Linear(32, 8)), strict=False) is not None
+    wrong = make_sequential()
+    wrong[0] = nn.Linear(32, 128)
+    before = wrong[4].weight
+    with pytest.raises(ValueError, match="converted layer '0.weight'"):
+        load_pretrained(path, wrong)
+    assert wrong[4].weight is before  # checked before anything was loaded
+    wrong = make_sequential()
+    wrong[4] = nn.Linear(64, 16)
+    with pytest.raises(ValueError, match=r"tensor '4.(weight|bias)' is"):
+        load_pretrained(path, wrong)
+    with pytest.raises(ValueError, match="config.json"):
+        load_pretrained(path)
+
+
+def test_not_a_checkpoint(tmp_path):
+    with pytest.raises(ValueError, match="armor_config.json"):
+        load_pretrained(tmp_path, make_sequential())
+    with pytest.raises(ValueError, match="not a directory"):
+        load_pretrained(tmp_path / "missing", make_sequential())
+
+
+def test_tiny_llama_roundtrip(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=128, max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    seed = 10
+    for name, module in model.model.layers.named_modules():
+        if isinstance(module, nn.Linear):
+            seed += 1
+            storage = "dense" if "mlp" in name else "compact"
+            f = random_factors(module.out_features, module.in_features, 16, seed=seed)
+            armor_linear_from_factors(module, f, storage=storage)
+    ids = torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        ref = model(ids).logits
+    save_pretrained(model, tmp_path)
+    assert {"config.json", WEIGHTS_NAME, ARMOR_CONFIG_NAME} <= set(os.listdir(tmp_path))
+    meta = json.loads((tmp_path / ARMOR_CONFIG_NAME).read_text())
+    assert len(meta["layers"]) == 2 * 7
+    for spec in (None, cfg):  # from config.json, then from a config object
+        loaded = load_pretrained(tmp_path, spec)
+        assert type(loaded) is type(model)
+        w = loaded.model.layers[1].self_attn.q_proj.weight
+        assert isinstance(w, ArmorTensor) and w.storage == "compact"
+        assert loaded.model.layers[0].mlp.up_proj.weight.storage == "dense"
+        with torch.no_grad():
+            assert torch.equal(loaded(ids).logits, ref)
+
+
+def test_tied_llama_roundtrip(tmp_path, tiny_llama_factory):
+    pytest.importorskip("transformers")
+    model = tiny_llama_factory(seed=1, tie=True)
+    for i, module in enumerate(m for m in model.model.layers.modules() if isinstance(m, nn.Linear)):
+        armor_linear_from_factors(module, random_factors(module.out_features, module.in_features, 16, seed=40 + i))
+    ids = torch.randint(0, 128, (2, 9))
+    with torch.no_grad():
+        ref = model(ids).logits
+    save_pretrained(model, tmp_path)
+    meta = json.loads((tmp_path / ARMOR_CONFIG_NAME).read_text())
+    tensors = meta["tensors"]
+    # a tied embedding is stored once
+    assert not ("lm_head.weight" in tensors and "model.embed_tokens.weight" in tensors)
+    loaded = load_pretrained(tmp_path)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, ref)

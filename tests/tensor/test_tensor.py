@@ -1,0 +1,270 @@
+"""Tests for torch_armor.tensor.armor_tensor.ArmorTensor: linear correctness, conversions, compile, CUDA storage."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torch_armor.core.factors import ArmorFactors
+from torch_armor.tensor.armor_tensor import ArmorTensor, armor_linear_from_factors
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def assert_half_close(out: torch.Tensor, ref: torch.Tensor, rel: float = 1e-2) -> None:
+    """Half-precision check relative to the output's scale (elementwise tolerances are too noisy)."""
+    out, ref = out.float(), ref.float()
+    assert (out - ref).norm() <= rel * ref.norm(), float((out - ref).norm() / ref.norm())
+    assert (out - ref).abs().max() <= 5 * rel * ref.abs().max()
+
+
+def random_factors(
+    d_out: int, d_in: int, d_b: int, pattern: str = "2:4", seed: int = 0, dtype: torch.dtype = torch.float32
+) -> ArmorFactors:
+    """Random block-diagonal wrappers and a random core with a valid N:M (or random unstructured) mask."""
+    gen = torch.Generator().manual_seed(seed)
+    if pattern.startswith("unstructured"):
+        mask = torch.rand(d_out, d_in, generator=gen) < 0.5
+    else:
+        n, m = (int(v) for v in pattern.split(":"))
+        ranks = torch.rand(d_out, d_in // m, m, generator=gen).argsort(-1).argsort(-1)
+        mask = (ranks < n).reshape(d_out, d_in)
+    core = torch.randn(d_out, d_in, generator=gen) * mask
+    a = torch.randn(d_out // d_b, d_b, d_b, generator=gen) / d_b**0.5
+    b = torch.randn(d_in // d_b, d_b, d_b, generator=gen) / d_b**0.5
+    return ArmorFactors(a.to(dtype), core.to(dtype), b.to(dtype), mask, pattern)
+
+
+@pytest.mark.parametrize("storage", ["compact", "dense"])
+@pytest.mark.parametrize("lead", [(), (3,), (2, 5), (2, 3, 4)])
+def test_linear_matches_dense_fp32(storage, lead):
+    f = random_factors(32, 64, 16)
+    w = ArmorTensor.from_factors(f, storage=storage)
+    x = torch.randn(*lead, 64)
+    bias = torch.randn(32)
+    ref = x @ f.dense().T + bias
+    out = F.linear(x, w, bias)
+    assert out.shape == (*lead, 32)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(F.linear(x, w), x @ f.dense().T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pattern, storage", [("4:8", "compact"), ("1:4", "dense"), ("unstructured:0.5", "dense")])
+def test_linear_other_patterns(pattern, storage):
+    f = random_factors(24, 48, 8, pattern=pattern, seed=1)
+    w = ArmorTensor.from_factors(f, storage=storage)
+    assert w.pattern == pattern and w.storage == storage
+    x = torch.randn(4, 7, 48)
+    torch.testing.assert_close(F.linear(x, w), x @ f.dense().T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("storage", ["compact", "dense"])
+def test_linear_bf16(storage):
+    f = random_factors(64, 128, 32, seed=2)
+    w = ArmorTensor.from_factors(f, storage=storage, dtype=torch.bfloat16)
+    assert w.dtype == torch.bfloat16 and w.a_blocks.dtype == torch.bfloat16
+    x = torch.randn(2, 6, 128)
+    ref = x @ f.dense().T  # fp32 reference from the fp32 factors
+    out = F.linear(x.bfloat16(), w, torch.zeros(64, dtype=torch.bfloat16))
+    assert out.dtype == torch.bfloat16
+    assert_half_close(out, ref)
+
+
+def test_core_and_dense_weight_are_exact():
+    f = random_factors(32, 64, 16, seed=3)
+    for storage in ("compact", "dense"):
+        w = ArmorTensor.from_factors(f, storage=storage)
+        assert torch.equal(w.core_dense(), f.core)
+        assert torch.equal(w.dense_weight(), f.dense())
+        assert w.block_size == 16 and w.nm == (2, 4) and w.shape == (32, 64)
+
+
+def test_with_storage_roundtrip_exact():
+    f = random_factors(32, 64, 16, seed=4)
+    w = ArmorTensor.from_factors(f, storage="compact")
+    d = w.with_storage("dense")
+    assert d.storage == "dense" and d.core is not None and d.values is None
+    back = d.with_storage("compact")
+    assert torch.equal(back.values, w.values) and torch.equal(back.indices, w.indices)
+    assert w.with_storage("compact") is w
+    assert w.with_storage("auto").storage == "compact"  # CPU N:M
+
+
+def test_auto_storage_on_cpu():
+    assert ArmorTensor.from_factors(random_factors(16, 32, 8)).storage == "compact"
+    assert ArmorTensor.from_factors(random_factors(16, 32, 8, pattern="unstructured:0.5")).storage == "dense"
+
+
+def test_compact_storage_is_smaller():
+    f = random_factors(64, 128, 16, seed=5, dtype=torch.float16)
+    w = ArmorTensor.from_factors(f, storage="compact")
+    compact = w.values.numel() * w.values.element_size() + w.indices.numel()
+    dense = f.core.numel() * f.core.element_size()
+    assert compact == dense // 2 + f.core.numel() // 8
+
+
+@pytest.mark.parametrize("storage", ["compact", "dense"])
+def test_to_dtype_really_converts(storage):
+    f = random_factors(32, 64, 16, seed=6)
+    w = ArmorTensor.from_factors(f, storage=storage)
+    for conv, dtype in [
+        (lambda t: t.to(torch.bfloat16), torch.bfloat16),
+        (lambda t: t.half(), torch.float16),
+        (lambda t: t.bfloat16(), torch.bfloat16),
+        (lambda t: t.to(dtype=torch.float64), torch.float64),
+        (lambda t: t.to("cpu", torch.float16), torch.float16),
+    ]:
+        c = conv(w)
+        assert isinstance(c, ArmorTensor) and c.dtype == dtype and c.storage == storage
+        assert c.a_blocks.dtype == dtype and c.b_blocks.dtype == dtype
+        if storage == "compact":
+            assert c.values.dtype == dtype and c.indices.dtype == torch.uint8
+            assert torch.equal(c.indices, w.indices)
+        else:
+            assert c.core.dtype == dtype
+        torch.testing.assert_close(c.core_dense(), f.core.to(dtype))
+        torch.testing.assert_close(c.a_blocks, f.a_blocks.to(dtype))
+    assert w.to("cpu") is w and w.cpu().storage == storage
+    assert torch.equal(w.float().dense_weight(), w.dense_weight())
+    with pytest.raises(ValueError, match="cannot be cast to torch.int8"):
+        w.to(torch.int8)
+
+
+def test_repr():
+    w = ArmorTensor.from_factors(random_factors(32, 64, 16), storage="compact")
+    text = repr(w)
+    for part in ("ArmorTensor", "shape=(32, 64)", "block_size=16", "pattern=2:4", "storage=compact", "float32"):
+        assert part in text
+    assert "storage=dense" in repr(w.with_storage("dense"))
+
+
+def test_nn_linear_swap_and_module_conversions():
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32)
+    bias = lin.bias
+    f = random_factors(32, 64, 16, seed=7)
+    assert armor_linear_from_factors(lin, f, storage="compact") is lin
+    assert isinstance(lin.weight, nn.Parameter) and isinstance(lin.weight, ArmorTensor)
+    assert not lin.weight.requires_grad
+    assert lin.bias is bias
+    x = torch.randn(3, 5, 64)
+    torch.testing.assert_close(lin(x), x @ f.dense().T + bias, rtol=1e-5, atol=1e-5)
+    # gradients still flow to the input (needed when calibrating later layers)
+    xg = x.clone().requires_grad_(True)
+    lin(xg).sum().backward()
+    torch.testing.assert_close(xg.grad, f.dense().sum(0).expand_as(x), rtol=1e-4, atol=1e-4)
+    # module-level dtype conversions convert the inner tensors
+    lin.bfloat16()
+    assert lin.weight.dtype == torch.bfloat16 and lin.weight.values.dtype == torch.bfloat16
+    assert isinstance(lin.weight, nn.Parameter) and lin.bias.dtype == torch.bfloat16
+    assert lin(x.bfloat16()).dtype == torch.bfloat16
+    lin.to(torch.float32)
+    assert lin.weight.dtype == torch.float32 and lin.weight.a_blocks.dtype == torch.float32
+    assert_half_close(lin(x), x @ f.dense().T + bias.float())
+    # state_dict, deepcopy, clone, detach keep the subclass
+    assert isinstance(lin.state_dict()["weight"], ArmorTensor)
+    dup = copy.deepcopy(lin)
+    assert torch.equal(dup(x), lin(x))
+    assert torch.equal(lin.weight.clone().values, lin.weight.values)
+    assert isinstance(lin.weight.detach(), ArmorTensor)
+
+
+def test_errors():
+    f = random_factors(32, 64, 16)
+    with pytest.raises(ValueError, match="storage must be one of"):
+        ArmorTensor.from_factors(f, storage="csr")
+    with pytest.raises(ValueError, match="CUDA"):
+        ArmorTensor.from_factors(f, storage="semi_structured")
+    with pytest.raises(ValueError, match="needs an N:M pattern"):
+        ArmorTensor.from_factors(random_factors(16, 32, 8, pattern="unstructured:0.5"), storage="compact")
+    bad = ArmorFactors(f.a_blocks[:1], f.core, f.b_blocks, f.mask, "2:4")
+    with pytest.raises(ValueError, match="a_blocks must be"):
+        ArmorTensor.from_factors(bad)
+    off = f.core.clone()
+    off[~f.mask] = 1.0
+    with pytest.raises(ValueError, match="outside factors.mask"):
+        ArmorTensor.from_factors(ArmorFactors(f.a_blocks, off, f.b_blocks, f.mask, "2:4"))
+    full = torch.ones_like(f.mask)
+    with pytest.raises(ValueError, match="2:4 pattern"):
+        ArmorTensor.from_factors(ArmorFactors(f.a_blocks, f.core, f.b_blocks, full, "2:4"))
+    w = ArmorTensor.from_factors(f)
+    with pytest.raises(ValueError, match="d_in=64"):
+        F.linear(torch.randn(2, 63), w)
+    with pytest.raises(ValueError, match="factors are for"):
+        armor_linear_from_factors(nn.Linear(32, 64), f)
+
+
+class _TwoLayer(nn.Module):
+    def __init__(self, storage_1: str, storage_2: str):
+        super().__init__()
+        self.fc1 = nn.Linear(64, 32)
+        self.fc2 = nn.Linear(32, 64)
+        armor_linear_from_factors(self.fc1, random_factors(32, 64, 16, seed=8), storage=storage_1)
+        armor_linear_from_factors(self.fc2, random_factors(64, 32, 16, seed=9), storage=storage_2)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+@pytest.mark.parametrize("storages", [("compact", "dense"), ("dense", "compact")])
+def test_compile_fullgraph_aot_eager(storages):
+    torch._dynamo.reset()
+    model = _TwoLayer(*storages).eval()
+    x = torch.randn(2, 7, 64)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_compile_fullgraph_inductor():
+    torch._dynamo.reset()
+    model = _TwoLayer("compact", "dense").eval()
+    x = torch.randn(3, 64)
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------- CUDA
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_semi_structured(dtype):
+    f = random_factors(128, 256, 64, seed=10)
+    w = ArmorTensor.from_factors(f, storage="auto", dtype=dtype, device="cuda")
+    assert w.storage == "semi_structured" and w.device.type == "cuda"
+    x = torch.randn(4, 16, 256, device="cuda", dtype=dtype)
+    ref = x.float() @ f.dense().cuda().T
+    assert_half_close(F.linear(x, w), ref)
+    assert torch.equal(w.core_dense().cpu(), f.core.to(dtype))
+    cpu = w.to("cpu")
+    assert cpu.storage == "compact" and torch.equal(cpu.core_dense(), f.core.to(dtype))
+    back = cpu.to("cuda").with_storage("semi_structured")
+    assert back.storage == "semi_structured"
+
+
+@needs_cuda
+def test_cuda_small_shape_falls_back_to_dense():
+    f = random_factors(16, 16, 8, seed=11)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        w = ArmorTensor.from_factors(f, storage="semi_structured", dtype=torch.float16, device="cuda")
+    assert w.storage == "dense"
+    x = torch.randn(3, 16, device="cuda", dtype=torch.float16)
+    assert_half_close(F.linear(x, w), x.float() @ f.dense().cuda().T)
+
+
+@needs_cuda
+@pytest.mark.parametrize("storage", ["compact", "dense"])
+def test_cuda_compact_dense(storage):
+    f = random_factors(64, 128, 32, seed=12)
+    w = ArmorTensor.from_factors(f, storage=storage).to("cuda")
+    assert w.storage == storage and w.a_blocks.is_cuda
+    x = torch.randn(5, 128, device="cuda")
+    torch.testing.assert_close(F.linear(x, w), x @ f.dense().cuda().T, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,911 @@
+"""Resumable factorization runs: every finished layer goes to disk atomically, with a manifest.
+
+A run directory holds::
+
+    manifest.json                   identity (format, model id, statistics hash, config) and
+                                    per-layer status ("pending" / "done" / "failed"), file,
+                                    sha256, size, shape, seconds, relative loss
+    manifest.rank-<r>.json          (distributed runs only) the entries written by rank r ≥ 1,
+                                    merged into manifest.json by rank 0 at the end
+    layers/<fqn>.safetensors        one finished layer: a_blocks, core, b_blocks, mask, history,
+                                    history_iters, history_time_s; JSON metadata in the header
+    statistics.safetensors          (optional) cached calibration statistics
+                                    (:func:`save_statistics`), so a resumed run skips calibration
+
+Every file is written to a temporary name in the same directory, flushed and ``fsync``-ed,
+renamed over the final name with ``os.replace`` (atomic on POSIX and Windows) and the directory
+is ``fsync``-ed, so a crash (even ``SIGKILL`` or a power cut) leaves either the old or the new
+file, never a torn one. A layer counts as done only when its manifest entry says so *and* the
+file's size and sha256 match the entry; anything else (a file without an entry, a truncated or
+edited file) is recomputed, with a warning for the damaged ones.
+
+Re-running the same command resumes: :func:`factorize_layers` skips the layers the store
+holds. Factorization with the same seed and the same number of threads is bit-identical on CPU,
+so a resumed run gives exactly the factors of an uninterrupted one (another thread count changes
+the order of floating-point reductions: equally good factors, different last bits). A directory
+started with a different config, model id or statistics hash is refused with :class:`RunMismatchError` naming what differs, never mixed.
+
+Writers: one process per run directory, or the ranks of one distributed run (rank 0 writes
+``manifest.json``, rank ``r ≥ 1`` only ``manifest.rank-<r>.json`` and its own layer files; see
+:mod:`torch_armor.engine.distributed`).
+
+Example::
+
+    >>> import tempfile, torch
+    >>> from torch_armor import ArmorConfig
+    >>> g = torch.Generator().manual_seed(0)
+    >>> layers = {f"fc{i}": (torch.randn(32, 32, generator=g), torch.rand(32, generator=g) + 0.1)
+    ...           for i in range(3)}
+    >>> cfg = ArmorConfig(block_size=16, num_iters=3)
+    >>> stats_hash = hash_statistics({k: h for k, (w, h) in layers.items()})
+    >>> with tempfile.TemporaryDirectory() as run_dir:
+    ...     store = RunStore(run_dir, cfg, model_id="toy", stats_hash=stats_hash)
+    ...     first = factorize_layers(layers, cfg, store, progress=False)
+    ...     again = RunStore(run_dir, cfg, model_id="toy", stats_hash=stats_hash)  # e.g. after a crash
+    ...     second = factorize_layers(layers, cfg, again, progress=False)  # nothing is recomputed
+    ...     sorted(again.finished()), torch.equal(first["fc1"].core, second["fc1"].core)
+    (['fc0', 'fc1', 'fc2'], True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from urllib.parse import quote
+
+import torch
+from tqdm.auto import tqdm
+
+from torch_armor.config import ArmorConfig
+from torch_armor.core.factorize import factorize
+from torch_armor.core.factors import ArmorFactors
+from torch_armor.calibration.observer import LayerStatistics
+
+__all__ = [
+    "RunStore",
+    "RunMismatchError",
+    "factorize_layers",
+    "layer_configs",
+    "hash_statistics",
+    "hash_tensors",
+    "config_to_dict",
+    "save_statistics",
+    "load_statistics",
+    "MANIFEST_NAME",
+    "STATISTICS_NAME",
+]
+
+logger = logging.getLogger("torch_armor")
+
+FORMAT_NAME = "torch_armor.run"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+STATISTICS_NAME = "statistics.safetensors"
+LAYERS_DIR = "layers"
+_SHARD_PREFIX = "manifest.rank-"
+_TMP_MARK = ".tmp-"
+_FACTOR_TENSORS = ("a_blocks", "core", "b_blocks", "mask", "history", "history_iters", "history_time_s")
+#: Config fields that do not define a run: where a layer was optimized may change between
+#: resumes (a GPU run finished on CPU, ``cuda:0`` and ``cuda:1`` ranks); it is recorded per layer.
+_NOT_IDENTITY = ("device",)
+_STATUS_RANK = {"pending": 0, "failed": 1, "done": 2}
+
+#: A layer: ``(weight, act_sq_norm)``, or a callable returning it (called only if the layer
+#: still has to be computed). ``act_sq_norm`` may also be a :class:`LayerStatistics`.
+LayerInput = Union[Tuple[torch.Tensor, Any], Callable[[], Tuple[torch.Tensor, Any]]]
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+class RunMismatchError(ValueError):
+    """A run directory belongs to another run (config, model or statistics differ)."""
+
+
+# --------------------------------------------------------------------------- hashing
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+
+
+def hash_tensors(tensors: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over ``tensors`` in sorted key order: each key, dtype, shape and raw bytes.
+
+    Independent of the mapping's order and of devices; any change of a value, dtype or shape
+    changes it.
+
+    Example::
+
+        >>> a = hash_tensors({"x": torch.ones(2), "y": torch.zeros(3)})
+        >>> a == hash_tensors({"y": torch.zeros(3), "x": torch.ones(2)})
+        True
+        >>> a == hash_tensors({"x": torch.ones(2, dtype=torch.float64), "y": torch.zeros(3)})
+        False
+    """
+    digest = hashlib.sha256()
+    for key in sorted(tensors):
+        t = tensors[key]
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"hash_tensors: {key!r} is a {type(t).__name__}, expected a torch.Tensor")
+        head = json.dumps([key, str(t.dtype), list(t.shape)])
+        digest.update(len(head).to_bytes(8, "little") + head.encode())
+        data = _tensor_bytes(t)
+        digest.update(len(data).to_bytes(8, "little") + data)
+    return digest.hexdigest()
+
+
+def _act_sq_norm(value: Any, fqn: str) -> torch.Tensor:
+    if isinstance(value, LayerStatistics):
+        return value.act_sq_norm
+    if isinstance(value, torch.Tensor):
+        return value
+    raise ValueError(
+        f"layer {fqn!r}: expected its act_sq_norm tensor or a LayerStatistics, got {type(value).__name__}"
+    )
+
+
+def hash_statistics(stats: Mapping[str, Union[torch.Tensor, LayerStatistics]]) -> str:
+    """The statistics hash of a run: :func:`hash_tensors` of every layer's ``act_sq_norm``.
+
+    Values may be tensors or :class:`~torch_armor.calibration.observer.LayerStatistics` (only
+    ``act_sq_norm``, the input ARMOR factorizes with, is hashed).
+
+    Example::
+
+        >>> h = torch.tensor([1.0, 2.0])
+        >>> hash_statistics({"fc": h}) == hash_statistics({"fc": LayerStatistics(h, num_tokens=7)})
+        True
+    """
+    return hash_tensors({fqn: _act_sq_norm(v, fqn) for fqn, v in stats.items()})
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------- config identity
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (torch.dtype, torch.device)):
+        return str(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def config_to_dict(config: ArmorConfig) -> Dict[str, Any]:
+    """The fields of an :class:`ArmorConfig` as JSON-ready values (dtypes/devices as strings).
+
+    Example::
+
+        >>> d = config_to_dict(ArmorConfig(block_size=32))
+        >>> d["block_size"], d["dtype"], d["num_iters"]
+        (32, 'torch.float32', 200)
+    """
+    if not isinstance(config, ArmorConfig):
+        raise ValueError(f"expected an ArmorConfig, got {type(config).__name__}")
+    return {f.name: _plain(getattr(config, f.name)) for f in dataclasses.fields(ArmorConfig)}
+
+
+def _config_diff(stored: Mapping[str, Any], current: Mapping[str, Any]) -> List[str]:
+    keys = sorted((set(stored) | set(current)) - set(_NOT_IDENTITY))
+    return [f"{k}: run has {stored.get(k)!r}, now {current.get(k)!r}" for k in keys
+            if stored.get(k) != current.get(k)]
+
+
+def _resolve_layer_config(base: ArmorConfig, override: Any, fqn: str) -> ArmorConfig:
+    if override is None:
+        return base
+    if isinstance(override, ArmorConfig):
+        return override
+    if isinstance(override, Mapping):
+        from torch_armor.sparsifier import _derive_config  # fields derived from others are re-derived
+
+        unknown = set(override) - {f.name for f in dataclasses.fields(ArmorConfig)}
+        if unknown:
+            raise ValueError(f"layer {fqn!r}: unknown ArmorConfig fields in per_layer_overrides: {sorted(unknown)}")
+        try:
+            return _derive_config(base, dict(override))
+        except ValueError as err:
+            raise ValueError(f"layer {fqn!r}: invalid per-layer setting: {err}") from None
+    raise ValueError(
+        f"layer {fqn!r}: per_layer_overrides values must be an ArmorConfig or a dict of ArmorConfig "
+        f"fields, got {type(override).__name__}"
+    )
+
+
+def layer_configs(
+    names: Iterable[str],
+    config: ArmorConfig,
+    per_layer_overrides: Optional[Mapping[str, Any]] = None,
+) -> Dict[str, ArmorConfig]:
+    """The config of every layer: ``config`` with its per-layer override applied.
+
+    Example::
+
+        >>> cfgs = layer_configs(["a", "b"], ArmorConfig(block_size=16), {"b": {"block_size": 32}})
+        >>> cfgs["a"].block_size, cfgs["b"].block_size, cfgs["b"].group_updates
+        (16, 32, 16)
+    """
+    if not isinstance(config, ArmorConfig):
+        raise ValueError(f"config must be an ArmorConfig, got {type(config).__name__}")
+    overrides = dict(per_layer_overrides or {})
+    names = list(names)
+    stray = sorted(set(overrides) - set(names))
+    if stray:
+        raise ValueError(f"per_layer_overrides names layers that are not being factorized: {stray[:5]}")
+    return {n: _resolve_layer_config(config, overrides.get(n), n) for n in names}
+
+
+# --------------------------------------------------------------------------- atomic files
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # e.g. Windows: directories cannot be opened; the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path``: temp file in the same directory, fsync, rename, fsync dir."""
+    tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+    _fsync_dir(path.parent)
+
+
+def _read_json(path: Path) -> Dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError) as err:
+        raise RunMismatchError(
+            f"{path} cannot be read ({err}); it is not a torch_armor run manifest. Use another run "
+            "directory, or delete this one to start over"
+        ) from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
+        raise RunMismatchError(
+            f"{path} is not a torch_armor run manifest (format {data.get('format') if isinstance(data, dict) else None!r}); "
+            "use another run directory"
+        )
+    if data.get("version") != FORMAT_VERSION:
+        raise RunMismatchError(
+            f"{path} has run format version {data.get('version')!r}, this torch_armor writes {FORMAT_VERSION}; "
+            "finish it with the torch_armor version that started it, or start a new run directory"
+        )
+    return data
+
+
+def _layer_filename(fqn: str) -> str:
+    if not isinstance(fqn, str) or not fqn:
+        raise ValueError(f"layer names must be non-empty strings, got {fqn!r}")
+    safe = quote(fqn, safe="")
+    if safe.startswith("."):
+        safe = "%2E" + safe[1:]
+    if len(safe) > 180:  # file-name limits: keep a readable prefix and make it unique
+        safe = f"{safe[:140]}-{hashlib.sha256(fqn.encode()).hexdigest()[:24]}"
+    return f"{safe}.safetensors"
+
+
+# --------------------------------------------------------------------------- the store
+
+
+def _default_rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+class RunStore:
+    """A run directory: finished layers as safetensors files plus an atomically written manifest.
+
+    Args:
+        directory: the run directory (created if missing).
+        config: the run's base :class:`ArmorConfig`; an existing run with another config is
+            refused (``device`` excepted: it may change between resumes and is kept per layer).
+        model_id: identifies the model (and anything else that must not change, e.g. the
+            calibration settings); any string.
+        stats_hash: :func:`hash_statistics` of the calibration statistics.
+        rank: the writer's rank in a distributed run (``None``: ``torch.distributed``'s rank
+            if initialized, else ``$RANK``, else 0). Rank 0 writes ``manifest.json``; rank
+            ``r ≥ 1`` writes only ``manifest.rank-<r>.json`` (merged by :meth:`finalize`).
+
+    Raises:
+        RunMismatchError: the directory holds a run with another config, model id, statistics
+            hash or format; the message names what differs.
+
+    Example::
+
+        >>> import tempfile
+        >>> from torch_armor import ArmorConfig, factorize
+        >>> w, h = torch.randn(16, 32), torch.rand(32) + 0.1
+        >>> cfg = ArmorConfig(block_size=16, num_iters=2)
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     store = RunStore(d, cfg, model_id="toy", stats_hash=hash_statistics({"fc": h}))
+        ...     path = store.save("fc", factorize(w, h, cfg))
+        ...     store.done("fc"), path.name, store.load("fc").core.shape
+        ...     try:
+        ...         RunStore(d, ArmorConfig(block_size=16, num_iters=5), "toy", store.stats_hash)
+        ...     except RunMismatchError as err:
+        ...         print(str(err).splitlines()[1])
+        (True, 'fc.safetensors', torch.Size([16, 32]))
+          num_iters: run has 2, now 5
+    """
+
+    def __init__(
+        self,
+        directory: PathLike,
+        config: ArmorConfig,
+        model_id: str,
+        stats_hash: str,
+        *,
+        rank: Optional[int] = None,
+    ) -> None:
+        if not isinstance(model_id, str) or not model_id:
+            raise ValueError(f"model_id must be a non-empty string naming the model, got {model_id!r}")
+        if not isinstance(stats_hash, str) or not stats_hash:
+            raise ValueError(
+                f"stats_hash must be a non-empty string, e.g. hash_statistics(stats), got {stats_hash!r}"
+            )
+        self.directory = Path(directory)
+        if self.directory.exists() and not self.directory.is_dir():
+            raise ValueError(f"run directory {self.directory} exists and is not a directory")
+        self.config = config
+        self.config_dict = config_to_dict(config)
+        self.model_id = model_id
+        self.stats_hash = stats_hash
+        self.rank = _default_rank() if rank is None else int(rank)
+        if self.rank < 0:
+            raise ValueError(f"rank must be >= 0, got {rank!r}")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        (self.directory / LAYERS_DIR).mkdir(exist_ok=True)
+        self.created = time.time()
+        self._own: Dict[str, Dict[str, Any]] = {}  # entries this writer's manifest file holds
+        self._known: Dict[str, Dict[str, Any]] = {}  # every entry seen (all manifest files)
+        self._verified: Dict[str, Tuple[int, int, str]] = {}
+        self._read_existing()
+
+    # -- identity / reading --------------------------------------------------------------------
+    @property
+    def manifest_path(self) -> Path:
+        """The manifest file this writer writes (``manifest.json`` for rank 0)."""
+        name = MANIFEST_NAME if self.rank == 0 else f"{_SHARD_PREFIX}{self.rank}.json"
+        return self.directory / name
+
+    def _shard_paths(self) -> List[Path]:
+        def rank_of(p: Path) -> int:
+            try:
+                return int(p.name[len(_SHARD_PREFIX):-len(".json")])
+            except ValueError:
+                return -1
+        shards = [p for p in self.directory.glob(f"{_SHARD_PREFIX}*.json") if rank_of(p) >= 1]
+        return sorted(shards, key=rank_of)
+
+    def _check_identity(self, data: Mapping[str, Any], path: Path) -> None:
+        problems = []
+        if data.get("model_id") != self.model_id:
+            problems.append(f"  model_id: run has {data.get('model_id')!r}, now {self.model_id!r}")
+        if data.get("stats_hash") != self.stats_hash:
+            problems.append(
+                f"  stats_hash: run has {str(data.get('stats_hash'))[:16]}…, now {self.stats_hash[:16]}… "
+                "(the calibration statistics differ: other data, windows, seed or model)"
+            )
+        problems += [f"  {d}" for d in _config_diff(data.get("config") or {}, self.config_dict)]
+        if problems:
+            raise RunMismatchError(
+                f"run directory {self.directory} belongs to a different run ({path.name}):\n"
+                + "\n".join(problems)
+                + "\nResume it with the same model, statistics and settings, use a new run directory, "
+                "or delete this one to start over."
+            )
+
+    def _read_existing(self) -> None:
+        sources = []
+        manifest = self.directory / MANIFEST_NAME
+        if manifest.exists():
+            sources.append(manifest)
+        sources += self._shard_paths()
+        for path in sources:
+            data = _read_json(path)
+            self._check_identity(data, path)
+            layers = data.get("layers") or {}
+            if not isinstance(layers, dict):
+                raise RunMismatchError(f"{path}: 'layers' is not a mapping; the manifest was edited or is corrupt")
+            for fqn, entry in layers.items():
+                if isinstance(entry, dict):
+                    self._merge_entry(fqn, entry)
+                    if path == self.manifest_path:
+                        self._own[fqn] = entry
+            if path == self.manifest_path:
+                self.created = float(data.get("created", self.created))
+        # what this writer's file will carry: its own entries plus, for rank 0, all finished ones
+        if self.rank == 0:
+            self._own.update({k: v for k, v in self._known.items() if v.get("status") == "done"})
+
+    def _merge_entry(self, fqn: str, entry: Dict[str, Any]) -> None:
+        old = self._known.get(fqn)
+        if old is None:
+            self._known[fqn] = entry
+            return
+        # done (the newest write wins) > failed > pending
+        rank_old, rank_new = (_STATUS_RANK.get(e.get("status"), -1) for e in (old, entry))
+        if rank_new > rank_old or (rank_new == rank_old == 2 and entry.get("written_at", 0) >= old.get("written_at", 0)):
+            self._known[fqn] = entry
+
+    def _write_manifest(self) -> None:
+        data = {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "model_id": self.model_id,
+            "stats_hash": self.stats_hash,
+            "config": self.config_dict,
+            "rank": self.rank,
+            "created": self.created,
+            "updated": time.time(),
+            "torch_version": torch.__version__,
+            "layers": {k: self._own[k] for k in sorted(self._own)},
+        }
+        _atomic_write(self.manifest_path, json.dumps(data, indent=1, sort_keys=True).encode())
+
+    def with_rank(self, rank: int) -> "RunStore":
+        """The same run directory opened as writer ``rank`` (``self`` if it already is)."""
+        if rank == self.rank:
+            return self
+        return RunStore(self.directory, self.config, self.model_id, self.stats_hash, rank=rank)
+
+    # -- per layer -----------------------------------------------------------------------------
+    def layer_path(self, fqn: str) -> Path:
+        """Where layer ``fqn`` is (or will be) stored."""
+        return self.directory / LAYERS_DIR / _layer_filename(fqn)
+
+    def layer_info(self, fqn: str) -> Dict[str, Any]:
+        """The manifest entry of a layer (status, file, sha256, shape, seconds, …); ``{}`` if unknown."""
+        return dict(self._known.get(fqn, {}))
+
+    def _verify(self, fqn: str, entry: Mapping[str, Any]) -> bool:
+        if not isinstance(entry.get("file"), str):
+            self._damaged(fqn, self.directory, "entry has no file name")
+            return False
+        path = self.directory / entry["file"]
+        try:
+            st = path.stat()
+        except OSError:
+            self._damaged(fqn, path, "is missing")
+            return False
+        key = (st.st_size, st.st_mtime_ns, str(entry.get("sha256")))
+        if self._verified.get(fqn) == key:
+            return True
+        if st.st_size != entry.get("bytes"):
+            self._damaged(fqn, path, f"has {st.st_size} bytes, the manifest recorded {entry.get('bytes')}")
+            return False
+        if _file_sha256(path) != entry.get("sha256"):
+            self._damaged(fqn, path, "does not match the sha256 the manifest recorded (corrupt or edited)")
+            return False
+        self._verified[fqn] = key
+        return True
+
+    def _damaged(self, fqn: str, path: Path, what: str) -> None:
+        warnings.warn(f"run {self.directory}: layer {fqn!r}: {path.name} {what}; the layer will be recomputed",
+                      RuntimeWarning, stacklevel=4)
+        self._known[fqn] = {"status": "pending", "note": f"file {what}"}
+        self._own.pop(fqn, None)
+        self._verified.pop(fqn, None)
+
+    def done(self, fqn: str) -> bool:
+        """Whether layer ``fqn`` is finished: a ``done`` entry whose file's size and sha256 match.
+
+        A damaged file warns (``RuntimeWarning``) and counts as not done. The sha256 of each file
+        is computed once per store (again only if the file changes).
+        """
+        entry = self._known.get(fqn)
+        return bool(entry) and entry.get("status") == "done" and self._verify(fqn, entry)
+
+    def finished(self, names: Optional[Iterable[str]] = None) -> List[str]:
+        """The finished (verified) layers among ``names`` (default: all the manifests know)."""
+        return [n for n in (self._known if names is None else names) if self.done(n)]
+
+    def plan(self, names: Iterable[str]) -> None:
+        """Record ``names`` as ``pending`` in this writer's manifest (finished ones are kept)."""
+        changed = False
+        for fqn in names:
+            if self._known.get(fqn, {}).get("status") != "done" and fqn not in self._own:
+                self._own[fqn] = self._known[fqn] = {"status": "pending"}
+                changed = True
+        if changed or not self.manifest_path.exists():
+            self._write_manifest()
+
+    def check_layer_config(self, fqn: str, config: ArmorConfig) -> None:
+        """Raise :class:`RunMismatchError` if finished layer ``fqn`` was computed with another config."""
+        entry = self._known.get(fqn, {})
+        stored = entry.get("config")
+        if entry.get("status") != "done" or stored is None:
+            return
+        diff = _config_diff(stored, config_to_dict(config))
+        if diff:
+            raise RunMismatchError(
+                f"run directory {self.directory}: finished layer {fqn!r} was computed with other settings:\n  "
+                + "\n  ".join(diff)
+                + "\nUse the same per-layer settings to resume, a new run directory, or delete this one."
+            )
+
+    def save(
+        self,
+        fqn: str,
+        factors: ArmorFactors,
+        *,
+        config: Optional[ArmorConfig] = None,
+        seconds: Optional[float] = None,
+    ) -> Path:
+        """Write one finished layer atomically, then record it in the manifest (atomically too).
+
+        Args:
+            fqn: the layer name.
+            factors: its :class:`ArmorFactors` (moved to CPU for writing).
+            config: the config it was computed with (default: the run's); kept per layer.
+            seconds: how long it took (kept in the manifest).
+
+        Returns:
+            The layer file's path.
+        """
+        from safetensors.torch import save as st_save
+
+        if not isinstance(factors, ArmorFactors):
+            raise ValueError(f"layer {fqn!r}: save() expects ArmorFactors, got {type(factors).__name__}")
+        cfg = config or self.config
+        tensors = {k: getattr(factors, k).detach().to("cpu").contiguous() for k in _FACTOR_TENSORS}
+        meta = {
+            "format": FORMAT_NAME,
+            "version": str(FORMAT_VERSION),
+            "fqn": fqn,
+            "pattern": str(factors.pattern),
+            "nowag_loss": repr(float(factors.nowag_loss)),
+            "best_iter": str(int(factors.best_iter)),
+            "model_id": self.model_id,
+            "stats_hash": self.stats_hash,
+            "config": json.dumps(config_to_dict(cfg), sort_keys=True),
+        }
+        data = st_save(tensors, metadata=meta)
+        path = self.layer_path(fqn)
+        _atomic_write(path, data)
+        st = path.stat()
+        sha = hashlib.sha256(data).hexdigest()
+        del data
+        entry = {
+            "status": "done",
+            "file": f"{LAYERS_DIR}/{path.name}",
+            "sha256": sha,
+            "bytes": st.st_size,
+            "shape": list(factors.core.shape),
+            "block_size": int(factors.block_size),
+            "pattern": str(factors.pattern),
+            "relative_loss": float(factors.relative_loss),
+            "seconds": None if seconds is None else float(seconds),
+            "device": str(factors.core.device) if cfg.device is None else str(cfg.device),
+            "config": config_to_dict(cfg),
+            "rank": self.rank,
+            "written_at": time.time(),
+        }
+        self._own[fqn] = self._known[fqn] = entry
+        self._verified[fqn] = (st.st_size, st.st_mtime_ns, sha)
+        self._write_manifest()
+        return path
+
+    def mark_failed(self, fqn: str, error: BaseException) -> None:
+        """Record that layer ``fqn`` failed (kept as ``failed`` with the message; retried on resume)."""
+        if self._known.get(fqn, {}).get("status") == "done":
+            return
+        self._own[fqn] = self._known[fqn] = {"status": "failed", "error": f"{type(error).__name__}: {error}"}
+        self._write_manifest()
+
+    def load(self, fqn: str) -> ArmorFactors:
+        """Read a finished layer back (CPU tensors, bit-identical to what :meth:`save` got)."""
+        from safetensors import safe_open
+
+        if not self.done(fqn):
+            raise KeyError(
+                f"layer {fqn!r} is not finished in run {self.directory} (status "
+                f"{self._known.get(fqn, {}).get('status', 'unknown')!r}); factorize it first"
+            )
+        path = self.directory / self._known[fqn]["file"]
+        with safe_open(str(path), framework="pt") as fh:
+            meta = fh.metadata() or {}
+            missing = [k for k in _FACTOR_TENSORS if k not in fh.keys()]
+            if meta.get("fqn") != fqn or missing:
+                raise ValueError(
+                    f"{path} holds layer {meta.get('fqn')!r} with tensors {sorted(fh.keys())}, expected layer "
+                    f"{fqn!r} with {list(_FACTOR_TENSORS)}; the run directory was edited: delete the file to recompute it"
+                )
+            tensors = {k: fh.get_tensor(k) for k in _FACTOR_TENSORS}
+        return ArmorFactors(**tensors, pattern=meta.get("pattern", "2:4"),
+                            nowag_loss=float(meta.get("nowag_loss", "nan")),
+                            best_iter=int(meta.get("best_iter", "0")))
+
+    def finalize(self) -> None:
+        """Merge the rank manifests into ``manifest.json`` and remove them and stale temp files.
+
+        Rank 0 only, once every rank has finished writing (after a barrier). Single-process
+        runs call it at the end of :func:`factorize_layers`.
+        """
+        if self.rank != 0:
+            raise ValueError(f"finalize() merges the rank manifests and must run on rank 0, not rank {self.rank}")
+        shards = self._shard_paths()
+        for path in shards:
+            data = _read_json(path)
+            self._check_identity(data, path)
+            for fqn, entry in (data.get("layers") or {}).items():
+                if isinstance(entry, dict):
+                    self._merge_entry(fqn, entry)
+        self._own.update(self._known)
+        self._write_manifest()
+        for path in shards:
+            path.unlink(missing_ok=True)
+        for pattern in (f".*{_TMP_MARK}*", f"{LAYERS_DIR}/.*{_TMP_MARK}*"):
+            for tmp in self.directory.glob(pattern):
+                tmp.unlink(missing_ok=True)
+
+    def __repr__(self) -> str:
+        done = sum(1 for e in self._known.values() if e.get("status") == "done")
+        return f"RunStore({str(self.directory)!r}, model_id={self.model_id!r}, rank={self.rank}, done={done})"
+
+
+# --------------------------------------------------------------------------- statistics cache
+
+
+def save_statistics(
+    directory: PathLike,
+    stats: Mapping[str, Union[torch.Tensor, LayerStatistics]],
+    model_id: str,
+) -> str:
+    """Cache calibration statistics in a run directory (atomically); returns their hash.
+
+    Stores every layer's ``act_sq_norm`` (and ``xtx`` and ``num_tokens`` when given
+    :class:`LayerStatistics` that have them), bound to ``model_id``. A resumed run loads them
+    with :func:`load_statistics` instead of calibrating again, which also keeps the statistics
+    hash stable when calibration is not bit-reproducible (e.g. another thread count).
+
+    Example::
+
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     digest = save_statistics(d, {"fc": LayerStatistics(torch.ones(4), 10)}, "toy")
+        ...     loaded = load_statistics(d, "toy")
+        ...     loaded["fc"].num_tokens, digest == hash_statistics(loaded)
+        (10, True)
+    """
+    from safetensors.torch import save as st_save
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors: Dict[str, torch.Tensor] = {}
+    tokens: Dict[str, int] = {}
+    seen: set = set()
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        # layers fed by one input (q/k/v, gate/up) share their statistics; safetensors refuses
+        # shared storage, so later users get a copy
+        t = t.detach().to("cpu").contiguous()
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key in seen:
+            return t.clone()
+        seen.add(key)
+        return t
+
+    for fqn, value in stats.items():
+        tensors[f"{fqn}::act_sq_norm"] = own(_act_sq_norm(value, fqn))
+        if isinstance(value, LayerStatistics):
+            tokens[fqn] = int(value.num_tokens)
+            if value.xtx is not None:
+                tensors[f"{fqn}::xtx"] = own(value.xtx)
+    digest = hash_statistics(stats)
+    meta = {"format": FORMAT_NAME, "model_id": model_id, "stats_hash": digest,
+            "layers": json.dumps(list(stats)), "num_tokens": json.dumps(tokens)}
+    _atomic_write(directory / STATISTICS_NAME, st_save(tensors, metadata=meta))
+    return digest
+
+
+def load_statistics(directory: PathLike, model_id: str) -> Optional[Dict[str, LayerStatistics]]:
+    """Statistics cached by :func:`save_statistics`, or ``None`` if the directory has none.
+
+    Raises:
+        RunMismatchError: they were cached for another ``model_id``, or the file is damaged.
+    """
+    from safetensors import safe_open
+
+    path = Path(directory) / STATISTICS_NAME
+    if not path.exists():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            meta = fh.metadata() or {}
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    except Exception as err:  # safetensors raises its own error types
+        raise RunMismatchError(f"{path} cannot be read ({err}); delete it to calibrate again") from None
+    if meta.get("model_id") != model_id:
+        raise RunMismatchError(
+            f"{path} holds statistics for model_id {meta.get('model_id')!r}, not {model_id!r}; "
+            "use another run directory or delete the file to calibrate again"
+        )
+    tokens = json.loads(meta.get("num_tokens", "{}"))
+    out = {}
+    for fqn in json.loads(meta.get("layers", "[]")):
+        out[fqn] = LayerStatistics(tensors[f"{fqn}::act_sq_norm"], tokens.get(fqn, 0), tensors.get(f"{fqn}::xtx"))
+    if hash_statistics(out) != meta.get("stats_hash"):
+        raise RunMismatchError(f"{path} does not match its recorded hash (corrupt); delete it to calibrate again")
+    return out
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+def _materialize(fqn: str, value: LayerInput) -> Tuple[torch.Tensor, torch.Tensor]:
+    if callable(value):
+        value = value()
+    if not (isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[0], torch.Tensor)):
+        raise ValueError(
+            f"layer {fqn!r}: expected (weight, act_sq_norm) or a callable returning it, got {type(value).__name__}"
+        )
+    return value[0], _act_sq_norm(value[1], fqn)
+
+
+def _check_layers(layers: Any) -> Mapping[str, LayerInput]:
+    if not isinstance(layers, Mapping):
+        raise ValueError(
+            "layers must be a mapping {name: (weight, act_sq_norm)} or {name: callable returning it}, "
+            f"got {type(layers).__name__}"
+        )
+    if not layers:
+        raise ValueError("layers is empty: nothing to factorize")
+    return layers
+
+
+def _compute_layers(
+    layers: Mapping[str, LayerInput],
+    todo: Sequence[str],
+    configs: Mapping[str, ArmorConfig],
+    store: Optional[RunStore],
+    *,
+    progress: bool,
+    on_layer_done: Optional[Callable[[str, ArmorFactors], None]],
+    keep: bool,
+    total: Optional[int] = None,
+    desc: str = "factorize",
+) -> Dict[str, ArmorFactors]:
+    """Factorize ``todo`` in order, saving each to ``store`` as soon as it is finished."""
+    total = len(todo) if total is None else total
+    out: Dict[str, ArmorFactors] = {}
+    bar = tqdm(total=total, initial=total - len(todo), desc=desc, unit="layer", disable=not progress)
+    try:
+        with torch.no_grad():
+            for fqn in todo:
+                bar.set_postfix_str(fqn[-40:])
+                weight, h = _materialize(fqn, layers[fqn])
+                start = time.perf_counter()
+                try:
+                    factors = factorize(weight, h, configs[fqn], name=fqn)
+                except Exception as err:
+                    if store is not None:
+                        store.mark_failed(fqn, err)
+                    raise
+                seconds = time.perf_counter() - start
+                del weight, h
+                if store is not None:
+                    store.save(fqn, factors, config=configs[fqn], seconds=seconds)
+                logger.info("%s: relative proxy loss %.4f (%.1fs)", fqn, factors.relative_loss, seconds)
+                if on_layer_done is not None:
+                    on_layer_done(fqn, factors)
+                if keep:
+                    out[fqn] = factors
+                bar.update(1)
+    finally:
+        bar.close()
+    return out
+
+
+def _pending(
+    layers: Mapping[str, LayerInput], configs: Mapping[str, ArmorConfig], store: RunStore
+) -> List[str]:
+    """Layers not finished in ``store``; raises if a finished one has other settings or shape."""
+    pending = []
+    for fqn in layers:
+        if not store.done(fqn):
+            pending.append(fqn)
+            continue
+        store.check_layer_config(fqn, configs[fqn])
+        value = layers[fqn]
+        shape = store.layer_info(fqn).get("shape")
+        if not callable(value) and isinstance(value, (tuple, list)) and isinstance(value[0], torch.Tensor):
+            if shape is not None and list(value[0].shape) != list(shape):
+                raise RunMismatchError(
+                    f"run directory {store.directory}: finished layer {fqn!r} has shape {tuple(shape)}, the "
+                    f"weight given now is {tuple(value[0].shape)}; this run is for another model"
+                )
+    return pending
+
+
+def factorize_layers(
+    layers: Mapping[str, LayerInput],
+    config: ArmorConfig,
+    store: Optional[RunStore] = None,
+    *,
+    progress: bool = True,
+    per_layer_overrides: Optional[Mapping[str, Any]] = None,
+    on_layer_done: Optional[Callable[[str, ArmorFactors], None]] = None,
+    return_factors: bool = True,
+) -> Dict[str, ArmorFactors]:
+    """Factorize many layers, skipping those ``store`` already holds; save each as it finishes.
+
+    Args:
+        layers: ``{name: (weight, act_sq_norm)}`` in the order to process them; a value may be a
+            zero-argument callable returning the pair, called only if the layer has to be
+            computed (so a resumed run loads only the weights it needs). ``act_sq_norm`` may be a
+            :class:`~torch_armor.calibration.observer.LayerStatistics`.
+        config: the :class:`ArmorConfig` for every layer.
+        store: a :class:`RunStore`; ``None`` computes everything and saves nothing.
+        progress: show a tqdm progress bar.
+        per_layer_overrides: ``{name: ArmorConfig or {field: value}}`` for layers that need other
+            settings (e.g. another ``block_size``); kept per layer in the store.
+        on_layer_done: ``on_layer_done(name, factors)`` after each computed layer is saved.
+        return_factors: return the factors of every layer (finished ones are loaded from the
+            store); ``False`` returns only the ones computed now (none are kept in memory).
+
+    Returns:
+        ``{name: ArmorFactors}`` in the order of ``layers``.
+
+    Raises:
+        RunMismatchError: a finished layer was computed with other per-layer settings or has
+            another shape (checked for every layer before any work starts).
+        ValueError: malformed ``layers`` or overrides.
+    """
+    layers = _check_layers(layers)
+    configs = layer_configs(layers, config, per_layer_overrides)
+    if store is not None and store.rank != 0:
+        raise ValueError(
+            f"this store writes as rank {store.rank}; factorize_layers runs a single process (rank 0). "
+            "Use torch_armor.engine.distributed.distributed_factorize for multi-rank runs"
+        )
+    todo = list(layers) if store is None else _pending(layers, configs, store)
+    if store is not None:
+        skipped = len(layers) - len(todo)
+        if skipped:
+            logger.info("run %s: %d of %d layers already finished, %d to compute",
+                        store.directory, skipped, len(layers), len(todo))
+        store.plan(todo)
+    computed = _compute_layers(layers, todo, configs, store, progress=progress, on_layer_done=on_layer_done,
+                               keep=return_factors, total=len(layers))
+    if store is not None:
+        store.finalize()
+    if not return_factors:
+        return computed
+    return {fqn: computed[fqn] if fqn in computed else store.load(fqn) for fqn in layers}

