@@ -173,3 +173,9 @@ class ArmorConfig:
             )
         if not isinstance(self.log_every, int) or self.log_every < 1:
             raise ValueError(f"log_every must be a positive integer, got {self.log_every!r}")
+
+    def for_layer(self, d_out: int, d_in: int, name: Optional[str] = None) -> "ArmorConfig":  # TEMP until the config branch merges
+        from torch_armor.core.proxy import check_layer_shape
+
+        check_layer_shape(d_out, d_in, self.sparsity, self.block_size, name=name)
+        return self

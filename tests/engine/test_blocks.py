@@ -1,0 +1,190 @@
+"""The block-by-block engine against independent references: one-shot statistics equal one dense
+pass of the whole model; sequential statistics equal a whole-model pass after pruning the blocks
+before; a SIGKILL mid-block or at a block boundary resumes bit-identically; other weights or
+calibration are refused."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_tiny_llama
+from torch_armor.calibration.blocks import block_statistics, capture_block_inputs, decoder_blocks
+from torch_armor.calibration.observer import collect_statistics, decoder_linear_names
+from torch_armor.config import ArmorConfig
+from torch_armor.core.proxy import nowag_prune
+from torch_armor.engine.runner import BaselineConfig
+from torch_armor.engine.runstore import RunMismatchError
+from torch_armor.recipes.prune import prune_model
+
+ROOT = Path(__file__).resolve().parents[2]
+CALIB = torch.randint(0, 128, (6, 24), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _weights(model) -> dict:
+    return {n: model.get_submodule(n).weight.detach().clone() for n in decoder_linear_names(model)}
+
+
+def _reference_nowag(model, sequential: bool) -> dict:
+    """NoWag-P the slow, obvious way: statistics from whole-model forward passes (the dense model's,
+    or — sequential — the model with every earlier block already pruned), one block at a time."""
+    names = decoder_linear_names(model)
+    dense_stats = collect_statistics(model, names, CALIB, batch_size=4, progress=False)
+    for i in range(len(model.model.layers)):
+        block_names = [n for n in names if n.startswith(f"model.layers.{i}.")]
+        stats = collect_statistics(model, block_names, CALIB, batch_size=4, progress=False) if sequential \
+            else dense_stats
+        for n in block_names:
+            module = model.get_submodule(n)
+            _, pruned = nowag_prune(module.weight.detach(), stats[n].act_sq_norm, "2:4")
+            module.weight = torch.nn.Parameter(pruned)
+    return _weights(model)
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_statistics_match_whole_model_passes(sequential):
+    reference = _reference_nowag(make_tiny_llama(), sequential)
+    model = make_tiny_llama()
+    report = prune_model(model, CALIB, "nowag", sequential=sequential, progress=False)
+    got = _weights(model)
+    assert [layer.name for layer in report.layers] == list(reference)
+    for name, w in reference.items():
+        torch.testing.assert_close(got[name], w, rtol=0, atol=0, msg=name)
+
+
+def test_sequential_changes_later_blocks_only():
+    one_shot, seq = make_tiny_llama(), make_tiny_llama()
+    prune_model(one_shot, CALIB, "wanda", sequential=False, progress=False)
+    prune_model(seq, CALIB, "wanda", sequential=True, progress=False)
+    a, b = _weights(one_shot), _weights(seq)
+    assert all(torch.equal(a[n], b[n]) for n in a if n.startswith("model.layers.0."))  # same inputs
+    assert any(not torch.equal(a[n], b[n]) for n in a if n.startswith("model.layers.1."))
+
+
+def test_shared_inputs_are_observed_once():
+    model = make_tiny_llama()
+    prefix, blocks = decoder_blocks(model)
+    inputs = capture_block_inputs(model, blocks[0], list(CALIB.split(4)))
+    layers = {n: model.get_submodule(n) for n in decoder_linear_names(model) if n.startswith(prefix + ".0.")}
+    stats, _ = block_statistics(blocks[0], layers, inputs, device=torch.device("cpu"))
+    attn, mlp = "model.layers.0.self_attn.", "model.layers.0.mlp."
+    assert stats[attn + "q_proj"].act_sq_norm is stats[attn + "v_proj"].act_sq_norm
+    assert stats[mlp + "gate_proj"].act_sq_norm is stats[mlp + "up_proj"].act_sq_norm
+    assert stats[attn + "o_proj"].act_sq_norm is not stats[attn + "q_proj"].act_sq_norm
+    assert stats[mlp + "down_proj"].act_sq_norm.shape == (128,)
+    assert stats[attn + "q_proj"].num_tokens == CALIB.numel()
+
+
+def test_sparsegpt_gets_xtx_and_armor_is_at_most_nowag():
+    model = make_tiny_llama()
+    report = prune_model(model, CALIB, "sparsegpt", BaselineConfig(block_size=32), progress=False)
+    assert len(report.layers) == 14
+    model = make_tiny_llama()
+    report = prune_model(model, CALIB, "armor", ArmorConfig(block_size=16, num_iters=2), progress=False)
+    assert all(layer.relative_proxy_loss <= 1.0 + 1e-6 for layer in report.layers)
+    assert report.overhead > 0
+
+
+def test_changed_weights_or_calibration_are_refused(tmp_path):
+    cfg = ArmorConfig(block_size=16, num_iters=1)
+    prune_model(make_tiny_llama(), CALIB, "armor", cfg, run_dir=tmp_path / "run", progress=False)
+    changed = make_tiny_llama()
+    with torch.no_grad():
+        changed.model.embed_tokens.weight[0, 0] += 1.0  # not even a pruned layer
+    with pytest.raises(RunMismatchError, match="model_id"):
+        prune_model(changed, CALIB, "armor", cfg, run_dir=tmp_path / "run", progress=False)
+    with pytest.raises(RunMismatchError):
+        prune_model(make_tiny_llama(), CALIB[:, :20], "armor", cfg, run_dir=tmp_path / "run", progress=False)
+    # the same weights and data resume (nothing to compute) and give the same model
+    again = make_tiny_llama()
+    prune_model(again, CALIB, "armor", cfg, run_dir=tmp_path / "run", progress=False)
+
+
+def test_layers_outside_blocks_are_refused():
+    model = make_tiny_llama()
+    with pytest.raises(ValueError, match="lm_head.*decoder block"):
+        prune_model(model, CALIB, "wanda", layers=["lm_head"], progress=False)
+
+
+_SCRIPT = textwrap.dedent("""
+    import os, signal, sys
+    import torch
+    sys.path.insert(0, {tests!r})
+    from conftest import make_tiny_llama
+    import torch_armor.engine.blocks as blocks
+    import torch_armor.engine.runstore as runstore
+    from torch_armor.config import ArmorConfig
+    from torch_armor.recipes.prune import prune_model
+
+    torch.set_num_threads(1)
+    kind, count = (os.environ.get("KILL_AT") or "none:0").split(":")
+    calls = {{"save": 0, "hidden": 0, "factorize": 0}}
+    real_save, real_hidden, real_fact = runstore.RunStore.save, blocks.BlockPipeline._save_hidden, runstore.factorize
+
+    def save(self, *a, **k):
+        path = real_save(self, *a, **k)
+        calls["save"] += 1
+        if kind == "layer" and calls["save"] == int(count):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return path
+
+    def hidden(self, *a, **k):
+        real_hidden(self, *a, **k)
+        calls["hidden"] += 1
+        if kind == "hidden" and calls["hidden"] == int(count):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def fact(*a, **k):
+        calls["factorize"] += 1
+        return real_fact(*a, **k)
+
+    runstore.RunStore.save, blocks.BlockPipeline._save_hidden, runstore.factorize = save, hidden, fact
+    calib = torch.randint(0, 128, (6, 24), generator=torch.Generator().manual_seed(1))
+    prune_model(make_tiny_llama(), calib, "armor", ArmorConfig(block_size=16, num_iters=3),
+                run_dir=sys.argv[1], out=sys.argv[2], progress=False)
+    print("factorized", calls["factorize"])
+""")
+
+
+def _run(script: Path, run_dir: Path, out: Path, kill_at: str = "") -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", KILL_AT=kill_at, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, str(script), str(run_dir), str(out)], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+def _same_files(a: Path, b: Path) -> None:
+    from safetensors.torch import load_file
+
+    ta, tb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert sorted(ta) == sorted(tb)
+    assert [k for k in ta if not torch.equal(ta[k], tb[k])] == []
+
+
+@pytest.mark.parametrize("kill_at, finished", [("layer:3", 3), ("hidden:1", 7)])
+def test_sigkill_then_resume_is_bit_identical(tmp_path, kill_at, finished):
+    script = tmp_path / "run.py"
+    script.write_text(_SCRIPT.format(tests=str(ROOT / "tests")))
+    reference = _run(script, tmp_path / "ref_run", tmp_path / "ref")
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    assert "factorized 14" in reference.stdout
+    killed = _run(script, tmp_path / "run", tmp_path / "out", kill_at)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    resumed = _run(script, tmp_path / "run", tmp_path / "out")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"factorized {14 - finished}" in resumed.stdout  # finished layers are not recomputed
+    _same_files(tmp_path / "out", tmp_path / "ref")

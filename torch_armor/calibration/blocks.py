@@ -1,0 +1,180 @@
+"""Decoder blocks: finding them, capturing their inputs, and block-local statistics.
+
+The block-by-block engine (:mod:`torch_armor.engine.blocks`) calibrates one decoder block at a
+time: the inputs of block 0 are captured from the embeddings (a forward pre-hook that stops the
+model there), and each block's linears are observed while the block runs on its inputs.
+
+Example::
+
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    ...                   num_attention_heads=4, num_key_value_heads=2, vocab_size=50)
+    >>> model = LlamaForCausalLM(cfg).eval()
+    >>> prefix, blocks = decoder_blocks(model)
+    >>> prefix, len(blocks)
+    ('model.layers', 2)
+    >>> inputs = capture_block_inputs(model, blocks[0], [torch.randint(0, 50, (2, 8))])
+    >>> inputs[0].hidden.shape
+    torch.Size([2, 8, 32])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from torch_armor.calibration.observer import ActSqNormObserver, LayerStatistics, _model_device
+
+__all__ = ["BlockInput", "decoder_blocks", "capture_block_inputs", "run_block", "block_statistics"]
+
+
+@dataclass
+class BlockInput:
+    """One calibration batch at a block boundary: the hidden states and the keyword arguments
+    the decoder layer is called with (attention mask, position embeddings, …)."""
+
+    hidden: torch.Tensor
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+
+
+def decoder_blocks(model: nn.Module) -> Tuple[str, nn.ModuleList]:
+    """``(prefix, blocks)``: the ``nn.ModuleList`` holding the decoder layers (the longest
+    ``ModuleList`` whose entries contain ``nn.Linear`` layers), e.g. ``("model.layers", …)``.
+
+    Raises:
+        ValueError: the model has no such list (not a decoder stack).
+    """
+    best: Optional[Tuple[str, nn.ModuleList]] = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        if not all(any(isinstance(m, nn.Linear) for m in child.modules()) for child in module):
+            continue
+        if best is None or len(module) > len(best[1]):
+            best = (name, module)
+    if best is None:
+        raise ValueError(
+            f"{type(model).__name__} has no list of decoder blocks (an nn.ModuleList of layers holding "
+            "nn.Linear modules); prune it with ArmorSparsifier instead of prune_model"
+        )
+    return best
+
+
+class _Captured(Exception):
+    pass
+
+
+def _to(value: Any, device: Optional[torch.device], dtype: Optional[torch.dtype] = None) -> Any:
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
+        if dtype is not None and value.is_floating_point():
+            value = value.to(dtype)
+        return value.to(device) if device is not None else value
+    if isinstance(value, tuple):
+        return tuple(_to(v, device, dtype) for v in value)
+    if isinstance(value, list):
+        return [_to(v, device, dtype) for v in value]
+    if isinstance(value, dict):
+        return {k: _to(v, device, dtype) for k, v in value.items()}
+    return value
+
+
+def capture_block_inputs(
+    model: nn.Module,
+    first_block: nn.Module,
+    batches: Sequence[torch.Tensor],
+    *,
+    hidden_dtype: Optional[torch.dtype] = None,
+    store_device: Optional[torch.device] = None,
+) -> List[BlockInput]:
+    """Run each batch of token ids through ``model`` up to ``first_block`` and return what the
+    block would receive. Nothing after the embeddings runs (later blocks may sit on the meta
+    device). ``hidden_dtype`` (default: as produced) and ``store_device`` (default: CPU) say how
+    the hidden states are kept; the keyword arguments are kept as produced."""
+    captured: List[BlockInput] = []
+
+    def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        captured.append(BlockInput(_to(hidden, store_device or torch.device("cpu"), hidden_dtype), rest))
+        raise _Captured
+
+    handle = first_block.register_forward_pre_hook(hook, with_kwargs=True)
+    device = _model_device(model)
+    extra = {"use_cache": False} if getattr(getattr(model, "config", None), "use_cache", None) is not None else {}
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                try:
+                    model(batch.to(device=device, dtype=torch.long), **extra)
+                except _Captured:
+                    continue
+                raise ValueError("the model's forward never reached its first decoder block")
+    finally:
+        handle.remove()
+    return captured
+
+
+def run_block(block: nn.Module, inp: BlockInput, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The block's output hidden states for one batch (computed on ``device`` in the block's dtype,
+    returned in ``dtype`` on the input's device)."""
+    param = next((p for p in block.parameters() if p.device.type != "meta"), None)
+    compute_dtype = param.dtype if param is not None else inp.hidden.dtype
+    out = block(inp.hidden.to(device=device, dtype=compute_dtype), **_to(inp.kwargs, device))
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    return out.detach().to(device=inp.hidden.device, dtype=dtype)
+
+
+def block_statistics(
+    block: nn.Module,
+    layers: Dict[str, nn.Linear],
+    inputs: Sequence[BlockInput],
+    *,
+    device: torch.device,
+    track_xtx: bool = False,
+    keep_outputs: bool = False,
+    on_batch: Optional[Callable[[], None]] = None,
+) -> Tuple[Dict[str, LayerStatistics], Optional[List[torch.Tensor]]]:
+    """Input statistics of ``layers`` (``{name: linear inside block}``) while ``block`` runs on
+    ``inputs``; with ``keep_outputs`` also the block's outputs (the dense stream).
+
+    Linears that read the very same input tensor (q/k/v, gate/up) are observed once and share
+    one :class:`LayerStatistics` (found from which tensors the first batch hands them)."""
+    seen: Dict[str, torch.Tensor] = {}  # first batch: the tensor each linear read (kept alive, so `is` is exact)
+    probes = []
+    for name, module in layers.items():
+        def probe(_m: nn.Module, args: tuple, _name: str = name) -> None:
+            seen.setdefault(_name, args[0])
+        probes.append(module.register_forward_pre_hook(probe))
+    observers = {name: ActSqNormObserver(track_xtx=track_xtx).attach(module, name) for name, module in layers.items()}
+    outputs: Optional[List[torch.Tensor]] = [] if keep_outputs else None
+    try:
+        for i, inp in enumerate(inputs):
+            out = run_block(block, inp, device, inp.hidden.dtype)
+            if outputs is not None:
+                outputs.append(out)
+            if i == 0:  # the first batch showed which linears share an input: observe each input once
+                for h in probes:
+                    h.remove()
+                probes = []
+                reps: List[str] = []
+                for name in layers:
+                    rep = next((r for r in reps if name in seen and seen.get(r) is seen[name]), None)
+                    if rep is None:
+                        reps.append(name)
+                    else:
+                        observers[name].remove()
+                        observers[name] = observers[rep]
+                seen.clear()
+            if on_batch is not None:
+                on_batch()
+    finally:
+        for h in probes:
+            h.remove()
+        for obs in observers.values():
+            obs.remove()
+    return {name: obs.statistics() for name, obs in observers.items()}, outputs

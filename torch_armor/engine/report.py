@@ -1,0 +1,146 @@
+"""What a prune did, layer by layer: :class:`PruneReport` (JSON and a PNG plot).
+
+Example::
+
+    >>> r = PruneReport("armor", "2:4", [LayerResult("fc", (16, 32), 0.5, 1.0, 16, 768, 3)])
+    >>> round(r.overhead, 3), r.mean_relative_proxy_loss
+    (1.5, 0.5)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+__all__ = ["LayerResult", "PruneReport", "block_index"]
+
+
+def block_index(name: str) -> Optional[int]:
+    """The first all-digit component of a dotted module name (the decoder layer index)."""
+    for part in name.split("."):
+        if part.isdigit():
+            return int(part)
+    return None
+
+
+@dataclass
+class LayerResult:
+    """One pruned linear: relative proxy loss (÷ NoWag-P's; < 1 is better) and wall time."""
+
+    name: str
+    shape: Tuple[int, int]
+    relative_proxy_loss: float
+    seconds: float
+    block_size: Optional[int] = None
+    wrapper_params: int = 0
+    iterations: Optional[int] = None
+
+
+@dataclass
+class PruneReport:
+    """What :func:`prune` did, layer by layer.
+
+    Attributes:
+        method: ``"armor"``, ``"nowag"``, ``"sparsegpt"``, ``"wanda"`` or ``"magnitude"``.
+        pattern: the sparsity pattern, e.g. ``"2:4"``.
+        layers: one :class:`LayerResult` per pruned linear, in pruning order.
+        seconds: total wall time of the pruning (per-layer times plus bookkeeping).
+        settings: method settings (ARMOR config, SparseGPT block size and damping).
+    """
+
+    method: str
+    pattern: str
+    layers: List[LayerResult] = field(default_factory=list)
+    seconds: float = 0.0
+    settings: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def wrapper_params(self) -> int:
+        return sum(layer.wrapper_params for layer in self.layers)
+
+    @property
+    def dense_params(self) -> int:
+        return sum(layer.shape[0] * layer.shape[1] for layer in self.layers)
+
+    @property
+    def overhead(self) -> float:
+        """Wrapper parameters ÷ dense parameters of the pruned linears (0 for baselines)."""
+        return self.wrapper_params / self.dense_params if self.dense_params else 0.0
+
+    @property
+    def mean_relative_proxy_loss(self) -> float:
+        return sum(layer.relative_proxy_loss for layer in self.layers) / max(len(self.layers), 1)
+
+    def to_dict(self, **extra: Any) -> Dict[str, Any]:
+        """JSON-able summary plus one entry per layer; ``extra`` keys are added at the top."""
+        out: Dict[str, Any] = dict(extra)
+        out.update(
+            method=self.method,
+            pattern=self.pattern,
+            settings=self.settings,
+            num_layers=len(self.layers),
+            seconds=self.seconds,
+            wrapper_params=self.wrapper_params,
+            dense_params=self.dense_params,
+            wrapper_overhead=self.overhead,
+            mean_relative_proxy_loss=self.mean_relative_proxy_loss,
+            layers=[{k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(layer).items()}
+                    for layer in self.layers],
+        )
+        return out
+
+    def save_json(self, path: Union[str, os.PathLike], **extra: Any) -> None:
+        """Write :meth:`to_dict` to ``path``."""
+        with open(path, "w") as fh:
+            json.dump(self.to_dict(**extra), fh, indent=2, default=str)
+
+    def save_plot(self, path: Union[str, os.PathLike], title: Optional[str] = None) -> None:
+        """PNG: relative proxy loss per layer (coloured by linear type) and time per layer."""
+        import matplotlib
+
+        matplotlib.use("Agg", force=True)
+        import matplotlib.pyplot as plt
+
+        kinds = [layer.name.rsplit(".", 1)[-1] for layer in self.layers]
+        palette = plt.get_cmap("tab10")
+        colour = {k: palette(i % 10) for i, k in enumerate(dict.fromkeys(kinds))}
+        xs = list(range(len(self.layers)))
+        width = max(7.0, min(18.0, 0.06 * len(xs) + 6))
+        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(width, 6.5), sharex=True)
+        for kind in colour:
+            idx = [i for i, k in enumerate(kinds) if k == kind]
+            ax1.scatter(idx, [self.layers[i].relative_proxy_loss for i in idx], s=14, color=colour[kind], label=kind)
+            ax2.scatter(idx, [self.layers[i].seconds for i in idx], s=14, color=colour[kind])
+        ax1.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax1.set_ylabel("relative proxy loss\n(÷ NoWag-P; < 1 better)")
+        ax1.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+        ax2.set_ylabel("time per layer (s)")
+        # ticks at the first linear of each decoder block, labelled by the block index
+        starts: Dict[int, int] = {}
+        for i, layer in enumerate(self.layers):
+            block = block_index(layer.name)
+            if block is not None:
+                starts.setdefault(block, i)
+        if starts:
+            step = max(1, math.ceil(len(starts) / 16))
+            ticks = sorted(starts.items())[::step]
+            ax2.set_xticks([i for _, i in ticks], [str(b) for b, _ in ticks])
+            ax2.set_xlabel("decoder layer")
+        else:
+            ax2.set_xlabel("layer (pruning order)")
+        label = _label(self.method)
+        ax1.set_title(title or f"{label} {self.pattern}: {len(xs)} linears, mean relative proxy loss "
+                      f"{self.mean_relative_proxy_loss:.3f}, {self.seconds:.0f} s")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+
+def _label(method: str) -> str:
+    from torch_armor.engine.runner import METHODS
+
+    return METHODS[method].label if method in METHODS else method

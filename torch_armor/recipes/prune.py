@@ -1,0 +1,249 @@
+"""``prune_model``: the one entry point — a model (or a checkpoint directory), calibration
+token ids, a method — to a pruned model and a :class:`~torch_armor.engine.report.PruneReport`.
+
+The command line (``torch-armor prune``) only parses its arguments and calls this.
+
+Example (a tiny random model; pruned in place)::
+
+    >>> import torch
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    ...                   num_attention_heads=4, num_key_value_heads=2, vocab_size=50)
+    >>> model = LlamaForCausalLM(cfg).eval()
+    >>> calib = torch.randint(0, 50, (4, 16), generator=torch.Generator().manual_seed(0))
+    >>> report = prune_model(model, calib, "armor", ArmorConfig(num_iters=2), progress=False)
+    >>> len(report.layers), type(model.model.layers[1].mlp.up_proj.weight).__name__
+    (14, 'ArmorTensor')
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any, List, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from torch_armor.calibration.blocks import decoder_blocks
+from torch_armor.calibration.observer import decoder_linear_names
+from torch_armor.config import ArmorConfig
+from torch_armor.engine.blocks import BLOCKS_DIR, BlockPipeline, hash_calibration, hash_model, identity_string
+from torch_armor.engine.report import PruneReport
+from torch_armor.engine.runner import method_config
+from torch_armor.engine.runstore import RunStore
+
+__all__ = ["prune_model", "calibration_batches"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+class _InMemory:
+    """A model already in memory: every block is there; pruned in place."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def prepare_inputs(self) -> None:
+        pass
+
+    def load_block(self, prefix: str) -> nn.Module:
+        return self.model.get_submodule(prefix)
+
+    def release_block(self, prefix: str) -> None:
+        pass
+
+    def content_hash(self) -> str:
+        return hash_model(self.model)
+
+
+class _Streamed:
+    """A local checkpoint built on the meta device; one block materialized at a time."""
+
+    def __init__(self, checkpoint: Any) -> None:
+        self.checkpoint = checkpoint
+        self.model = checkpoint.model
+
+    def prepare_inputs(self) -> None:
+        self.checkpoint.materialize_non_decoder()
+
+    def load_block(self, prefix: str) -> nn.Module:
+        return self.checkpoint.materialize(prefix)
+
+    def release_block(self, prefix: str) -> None:
+        self.checkpoint.release(prefix)
+
+    def content_hash(self) -> str:
+        return self.checkpoint.content_hash()
+
+
+def is_streamable_checkpoint(path: PathLike) -> bool:
+    """A local Hugging Face directory with ``config.json`` and safetensors weights (not an ARMOR one)."""
+    from torch_armor.tensor.serialization import ARMOR_CONFIG_NAME
+
+    p = Path(path)
+    return (p.is_dir() and (p / "config.json").is_file() and not (p / ARMOR_CONFIG_NAME).exists()
+            and any(p.glob("*.safetensors")))
+
+
+def calibration_batches(calibration: Any, batch_size: int = 4) -> List[torch.Tensor]:
+    """``(n, seq_len)`` token ids split into batches of ``batch_size`` windows, or a list of
+    ``(b, seq_len)`` batches checked and kept.
+
+    Example::
+
+        >>> [tuple(b.shape) for b in calibration_batches(torch.zeros(5, 8, dtype=torch.long), 2)]
+        [(2, 8), (2, 8), (1, 8)]
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    if isinstance(calibration, torch.Tensor):
+        if calibration.dim() != 2 or calibration.numel() == 0 or calibration.dtype.is_floating_point:
+            raise ValueError("calibration must be non-empty integer token ids of shape (n_windows, seq_len), got "
+                             f"{calibration.dtype} {tuple(calibration.shape)}; see torch_armor.recipes.data")
+        return list(calibration.split(batch_size))
+    batches = list(calibration) if calibration is not None else []
+    if not batches or not all(isinstance(b, torch.Tensor) and b.dim() == 2 and not b.dtype.is_floating_point
+                              for b in batches):
+        raise ValueError("calibration must be an (n_windows, seq_len) tensor of token ids or a list of "
+                         "(batch, seq_len) token-id tensors")
+    return batches
+
+
+def prune_model(
+    model_or_path: Union[nn.Module, PathLike],
+    calibration: Any,
+    method: str = "armor",
+    config: Any = None,
+    *,
+    sequential: bool = True,
+    run_dir: Optional[PathLike] = None,
+    device: Union[str, torch.device, None] = None,
+    progress: bool = True,
+    out: Optional[PathLike] = None,
+    layers: Optional[Sequence[str]] = None,
+    pattern: Optional[str] = None,
+    batch_size: int = 4,
+    hidden_dtype: Optional[torch.dtype] = None,
+    storage: Optional[str] = None,
+    dtype: Optional[torch.dtype] = None,
+) -> PruneReport:
+    """Prune every linear of the decoder blocks, block by block.
+
+    Args:
+        model_or_path: a model (pruned in place), or a local Hugging Face checkpoint directory
+            (``config.json`` + safetensors, sharded or not): built on the meta device and streamed
+            one decoder block at a time — peak memory about one block plus the calibration hidden
+            states; needs ``out``.
+        calibration: ``(n_windows, seq_len)`` token ids (:func:`torch_armor.recipes.data.calibration_windows`)
+            or a list of ``(batch, seq_len)`` tensors.
+        method: ``"armor"`` (default) or a baseline: ``"sparsegpt"``, ``"wanda"``, ``"nowag"``,
+            ``"magnitude"`` (:data:`~torch_armor.engine.runner.METHODS`).
+        config: an :class:`ArmorConfig` for ARMOR (default ``ArmorConfig()``), a
+            :class:`~torch_armor.engine.runner.BaselineConfig` otherwise.
+        sequential: calibrate each block on the outputs of the already-pruned blocks before it
+            (default, as SparseGPT and llm-compressor do); ``False``: on the dense model's.
+        run_dir: keep every finished ARMOR layer and the hidden states at each block boundary
+            there; rerunning resumes bit-identically; a directory of another run (other weights,
+            calibration or settings) is refused. Required under ``torchrun``.
+        device: where each block is calibrated and pruned (default: CPU, or the model's device).
+        progress: a progress bar over the blocks.
+        out: save the pruned model there (:func:`torch_armor.save_pretrained` format).
+        layers: names of the linears to prune (default: every decoder linear).
+        pattern: overrides the config's sparsity pattern.
+        batch_size: calibration windows per forward pass.
+        hidden_dtype: dtype the calibration hidden states are kept in (default: the model's).
+        storage: ARMOR core storage in the model (default ``"dense"`` on CPU, ``"auto"`` on CUDA).
+        dtype: streamed checkpoints only: load the weights in this dtype.
+
+    Raises:
+        ValueError: bad arguments, a layer outside the decoder blocks, a run directory of
+            another run (:class:`~torch_armor.engine.runstore.RunMismatchError`).
+    """
+    from torch_armor.engine.distributed import init_distributed
+
+    cfg = method_config(method, config, pattern)
+    batches = calibration_batches(calibration, batch_size)
+    streamed = not isinstance(model_or_path, nn.Module)
+    if streamed:
+        if out is None:
+            raise ValueError("prune_model on a checkpoint directory streams it block by block and needs out=DIR "
+                             "to write the pruned model")
+        from torch_armor.engine.checkpoint import LazyCheckpoint
+
+        source: Any = _Streamed(LazyCheckpoint(model_or_path, dtype=dtype))
+    else:
+        source = _InMemory(model_or_path)
+    model = source.model
+    blocks_prefix, blocks = decoder_blocks(model)
+    names = list(layers) if layers is not None else decoder_linear_names(model)
+    if not names:
+        raise ValueError("no layers to prune")
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if not streamed and device is None:
+        dev = next((p.device for p in model.parameters() if p.device.type != "meta"), dev)
+    topo = init_distributed(device=dev)
+    if topo.world_size > 1 and run_dir is None:
+        raise ValueError(f"prune_model on {topo.world_size} ranks needs run_dir: the ranks share finished layers "
+                         "through it")
+    temp_run = streamed and run_dir is None
+    run_path = Path(run_dir) if run_dir is not None else (Path(out) / ".armor_run" if temp_run else None)
+    store = None
+    identity = ""
+    if run_path is not None:
+        calib_hash = hash_calibration(batches)
+        identity = identity_string(model=source.content_hash(), calibration=calib_hash, method=method,
+                                   sequential=sequential, layers=names, hidden_dtype=hidden_dtype)
+        if method == "armor":
+            store = RunStore(run_path, cfg, identity, calib_hash, rank=topo.rank)
+    writer = _ShardWriter(run_path / BLOCKS_DIR) if streamed else None
+    pipeline = BlockPipeline(
+        source=source, blocks_prefix=blocks_prefix, blocks=blocks, names=names, method=method, config=cfg,
+        sequential=sequential, store=store, identity=identity, device=dev, hidden_dtype=hidden_dtype,
+        storage=storage or ("auto" if dev.type == "cuda" else "dense"), progress=progress and topo.rank == 0,
+        write_block=writer.write if writer else None, block_done=writer.done if writer else None,
+        rank=topo.rank, world_size=topo.world_size,
+    )
+    report = pipeline.run(batches)
+    report.settings.update(sequential=sequential)
+    if topo.rank == 0 and out is not None:
+        if streamed:
+            writer.finish(source.checkpoint, blocks_prefix, Path(out))
+        else:
+            from torch_armor.tensor.serialization import save_pretrained
+
+            save_pretrained(model, out)
+        if temp_run:
+            shutil.rmtree(run_path, ignore_errors=True)
+    return report
+
+
+class _ShardWriter:
+    """Finished blocks of a streamed model, one safetensors shard each, assembled at the end."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def path(self, index: int) -> Path:
+        return self.directory / f"block-{index:05d}.safetensors"
+
+    def write(self, index: int, prefix: str, block: nn.Module) -> None:
+        from torch_armor.tensor.serialization import save_shard
+
+        self.directory.mkdir(parents=True, exist_ok=True)
+        save_shard(self.path(index), block, prefix=prefix + ".")
+
+    def done(self, index: int) -> bool:
+        return self.path(index).is_file()
+
+    def finish(self, checkpoint: Any, blocks_prefix: str, out: Path) -> None:
+        from torch_armor.tensor.serialization import assemble_checkpoint, save_shard
+
+        rest_keys = [k for k in checkpoint.keys() if not k.startswith(blocks_prefix + ".")]
+        rest = self.directory / "rest.safetensors"
+        save_shard(rest, checkpoint.read_tensors(rest_keys))
+        shards = sorted(self.directory.glob("block-*.safetensors")) + [rest]
+        model = checkpoint.model
+        assemble_checkpoint(out, shards, hf_config=getattr(model, "config", None),
+                            model_class=f"{type(model).__module__}.{type(model).__qualname__}")
