@@ -5,8 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -386,15 +384,6 @@ def test_single_shard_is_a_save_pretrained_checkpoint(tmp_path):
     assert config["weights_file"] == WEIGHTS_NAME and "weights_files" not in config
 
 
-_DETERMINISM_SCRIPT = """
-import sys
-sys.path.insert(0, sys.argv[2])
-from test_serialization import converted_sequential
-from torch_armor.tensor.serialization import save_shard
-save_shard(sys.argv[1], converted_sequential(), prefix="model.")
-"""
-
-
 def test_save_shard_deterministic(tmp_path):
     model = converted_sequential()
     a = save_shard(tmp_path / "a.safetensors", model, prefix="model.")
@@ -402,12 +391,12 @@ def test_save_shard_deterministic(tmp_path):
     assert a == b
     data = (tmp_path / "a.safetensors").read_bytes()
     assert data == (tmp_path / "b.safetensors").read_bytes()
+    # safetensors' own save_file orders the header by a randomly seeded hash map, differently on
+    # most calls even within one process: a few more saves make that regression very unlikely to pass
+    for _ in range(4):
+        save_shard(tmp_path / "c.safetensors", model, prefix="model.")
+        assert (tmp_path / "c.safetensors").read_bytes() == data
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]  # no temp file left behind
-    # another process (other hash seeds) writes the same bytes
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    subprocess.run([sys.executable, "-c", _DETERMINISM_SCRIPT, str(tmp_path / "c.safetensors"),
-                    os.path.dirname(__file__)], check=True, env=env)
-    assert (tmp_path / "c.safetensors").read_bytes() == data
     # readable by safetensors itself, the header describes the shard
     from safetensors import safe_open
 
