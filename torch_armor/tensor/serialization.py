@@ -1,25 +1,28 @@
-"""Save and load ARMOR-converted models with safetensors (no pickle anywhere).
+"""Save and load ARMOR-converted models with safetensors (no pickle anywhere), whole or shard by shard.
 
 A saved directory holds:
 
-* ``model.safetensors``: every plain tensor of ``model.state_dict()`` under its usual key, and
-  for every :class:`~torch_armor.tensor.armor_tensor.ArmorTensor` parameter ``"{fqn}"`` (e.g.
-  ``"layers.0.q_proj.weight"``) its inner tensors under ``"{fqn}.{inner}"``: ``a_blocks``,
-  ``b_blocks`` and the core in compact N:M form (``values`` + ``indices``; unstructured cores
-  are stored dense as ``core``). A core quantized with :mod:`torch_armor.tensor.quant` is stored as
-  its torchao tensor's own inner tensors under ``"{fqn}.core.{name}"`` (a ``(d_out, d_in)``
-  one that is N:M sparse, e.g. int8 ``qdata``, packed like a floating core into
-  ``"{fqn}.core.{name}.values"`` / ``".indices"``), with the torchao config in the JSON.
-  The safetensors header carries the sha256 of the JSON description below, so the two files
-  are bound to each other.
-* ``armor_config.json``: format version, the sha256 of ``model.safetensors``, and per converted
-  layer its shape, block size, pattern, saved and runtime storage, dtype and inner tensor
-  shapes/dtypes.
+* the weights: ``model.safetensors``, or ``model-00001-of-0000N.safetensors`` … when the
+  checkpoint was written in pieces. Each file holds the flattened state of its part of the model
+  (:func:`~torch_armor.tensor.flatten.flatten_armor_state`: plain tensors under their usual keys,
+  every ArmorTensor as ``a_blocks``, ``b_blocks`` and a compact N:M core) and, in its safetensors
+  header, its own part of the layer/tensor description plus that part's sha256, so every file is
+  self-describing and bound to ``armor_config.json``.
+* ``armor_config.json``: format version, the merged per-layer/per-tensor description, every
+  weights file with its sha256 (``weights_files``; a single-file checkpoint keeps the
+  ``weights_file``/``weights_sha256`` fields of format version 1, so older readers load it),
+  and the model class.
 * ``config.json`` when the model has a Hugging Face ``config``.
 
-Loading (:func:`load_pretrained`) refuses pickle files, checks both hashes, validates every
-shape/dtype against the JSON, loads plain tensors with ``load_state_dict(assign=True)``
-semantics (saved dtypes kept) and rebuilds the ArmorTensors, so outputs are bit-identical.
+:func:`save_shard` writes one piece (e.g. one decoder block, then freed) atomically;
+:func:`assemble_checkpoint` moves the pieces into the directory and writes
+``armor_config.json`` last, so an interrupted save never leaves a directory that loads.
+:func:`save_pretrained` is one shard of the whole model plus assembly.
+
+Loading (:func:`load_pretrained`) refuses pickle files, checks every file's sha256 and its header
+against the JSON, validates every shape/dtype, loads plain tensors with
+``load_state_dict(assign=True)`` semantics (saved dtypes kept) and rebuilds the ArmorTensors, so
+outputs are bit-identical.
 
 Example::
 
@@ -41,18 +44,28 @@ Example::
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import re
+import shutil
+import struct
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from typing import Any, BinaryIO, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
-from torch_armor.config import parse_pattern
-from torch_armor.tensor.packing import index_bits, pack_nm, unpack_nm
-from torch_armor.tensor.armor_tensor import QUANTIZED, STORAGES, ArmorTensor
+from torch_armor.tensor.flatten import (
+    ARMOR_CONFIG_NAME,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    _canonical_sha256,
+    flatten_armor_state,
+    flatten_state,
+    unflatten_armor_state,
+)
 
 __all__ = [
     "WEIGHTS_NAME",
@@ -60,39 +73,26 @@ __all__ = [
     "FORMAT_VERSION",
     "flatten_armor_state",
     "unflatten_armor_state",
+    "save_shard",
+    "assemble_checkpoint",
     "save_pretrained",
     "load_pretrained",
 ]
 
 WEIGHTS_NAME = "model.safetensors"
-ARMOR_CONFIG_NAME = "armor_config.json"
-FORMAT_NAME = "torch_armor"
-FORMAT_VERSION = 1
+SHARD_NAME = "model-{:05d}-of-{:05d}.safetensors"
+_SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
-_HEADER_KEY = "armor_metadata_sha256"
-_DTYPES = {
-    name: getattr(torch, name)
-    for name in (
-        "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
-        "int64", "int32", "int16", "int8", "uint8", "bool",
-    )
-    if hasattr(torch, name)
+_HEADER_KEY = "armor_metadata_sha256"  # sha256 of the file's part of the description
+_HEADER_META = "armor_metadata"  # that part itself, canonical JSON
+_ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
 }
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _parse_dtype(name: Any, where: str) -> torch.dtype:
-    if not isinstance(name, str) or name not in _DTYPES:
-        raise ValueError(f"{where}: unknown dtype {name!r} in {ARMOR_CONFIG_NAME} (edited or corrupt?)")
-    return _DTYPES[name]
-
-
-def _canonical_sha256(obj: Any) -> str:
-    text = json.dumps(obj, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()
+for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
+    if hasattr(torch, _name):
+        _ST_DTYPES[getattr(torch, _name)] = _code
 
 
 def _file_sha256(path: Path) -> str:
@@ -103,442 +103,248 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _tensor_spec(t: torch.Tensor) -> Dict[str, Any]:
-    return {"shape": list(t.shape), "dtype": _dtype_name(t.dtype)}
+def _canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
 
 
-def _inner_names(storage: str) -> Tuple[str, ...]:
-    return ("a_blocks", "b_blocks") + (("values", "indices") if storage == "compact" else ("core",))
+# ------------------------------------------------------------------ atomic file writes
 
 
-def _layer_keys(fqn: str, layer: Dict[str, Any]) -> Tuple[str, ...]:
-    """Keys of ``model.safetensors`` that belong to one converted layer."""
-    if layer["storage"] != QUANTIZED:
-        return tuple(f"{fqn}.{name}" for name in _inner_names(layer["storage"]))
-    keys = [f"{fqn}.a_blocks", f"{fqn}.b_blocks"]
-    for name, kind in layer["quantization"]["tensors"].items():
-        keys += [f"{fqn}.core.{name}.values", f"{fqn}.core.{name}.indices"] if kind == "compact" else [f"{fqn}.core.{name}"]
-    return tuple(keys)
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # e.g. platforms that cannot open directories
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
-def _is_nm(t: torch.Tensor, n: int, m: int) -> bool:
-    """Whether every group of ``m`` consecutive columns of the 2-D ``t`` has at most ``n`` nonzeros."""
-    d_out, d_in = t.shape
-    return d_in % m == 0 and bool(((t != 0).reshape(d_out, d_in // m, m).sum(-1) <= n).all())
+def _atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Write ``path`` through a temp file in the same directory: flush, fsync, ``os.replace``, fsync dir."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
 
 
-def _flatten_quantized(key: str, value: ArmorTensor) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
-    """Inner tensors and JSON entry of a layer whose core is a torchao quantized tensor."""
-    from torch_armor.tensor.quant import quant_config_to_dict
+def _write_safetensors(fh: BinaryIO, tensors: Dict[str, torch.Tensor], metadata: Dict[str, str]) -> None:
+    """Stream a safetensors file with a deterministic layout (sorted header, data by alignment then key).
 
-    if value.quant_config is None:
-        raise ValueError(
-            f"{key}: the quantized core carries no torchao config, so it cannot be rebuilt on load; "
-            "quantize with torch_armor.tensor.quant.quantize_armor_core / ArmorCoreConfig"
-        )
-    qcore = value.core
-    names, _ = qcore.__tensor_flatten__()
-    pattern = parse_pattern(value.pattern)
-    inner: Dict[str, torch.Tensor] = {"a_blocks": value.a_blocks, "b_blocks": value.b_blocks}
-    kinds: Dict[str, str] = {}
-    for name in names:
-        t = getattr(qcore, name)
-        if type(t) is not torch.Tensor:
-            raise ValueError(
-                f"{key}: the quantized core's {name!r} is a {type(t).__name__}; only torchao tensors made "
-                "of plain tensors can be saved"
-            )
-        if pattern.structured and tuple(t.shape) == tuple(value.shape) and _is_nm(t, pattern.n, pattern.m):
-            inner[f"core.{name}.values"], inner[f"core.{name}.indices"] = pack_nm(t, pattern.n, pattern.m)
-            kinds[name] = "compact"
-        else:
-            inner[f"core.{name}"] = t
-            kinds[name] = "plain"
-    entry = {
-        "shape": list(value.shape),
-        "block_size": int(value.block_size),
-        "pattern": value.pattern,
-        "storage": QUANTIZED,
-        "runtime_storage": QUANTIZED,
-        "dtype": _dtype_name(value.dtype),
-        "quantization": {
-            "config": quant_config_to_dict(value.quant_config),
-            "class": type(qcore).__name__,
-            "tensors": kinds,
-        },
-        "tensors": {name: _tensor_spec(t) for name, t in inner.items()},
-    }
-    return inner, entry
+    ``safetensors.torch.save_file`` orders the header metadata by a randomly seeded hash map, so two
+    saves of the same tensors differ; this writes the same bytes every time.
+    """
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))  # keeps every tensor aligned
+    header: Dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for key in order:
+        t = tensors[key]
+        if t.dtype not in _ST_DTYPES:
+            raise ValueError(f"tensor {key!r} has dtype {t.dtype}, which safetensors cannot store")
+        nbytes = t.numel() * t.element_size()
+        header[key] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = _canonical_json(header).encode()
+    text += b" " * (-len(text) % 8)
+    fh.write(struct.pack("<Q", len(text)))
+    fh.write(text)
+    for key in order:
+        t = tensors[key].detach().to("cpu").contiguous().reshape(-1)
+        if t.numel():
+            fh.write(t.view(torch.uint8).numpy().data)
 
 
-def _unflatten_quantized(fqn: str, layer: Dict[str, Any], tensors: Dict[str, torch.Tensor]) -> ArmorTensor:
-    """Rebuild a quantized-core ArmorTensor: structure from the torchao config, data from the file."""
-    from torch_armor.tensor.quant import quant_config_from_dict, quantized_core_template
-
-    where = f"{ARMOR_CONFIG_NAME}, layer {fqn!r}"
-    quant = layer["quantization"]
-    config = quant_config_from_dict(quant["config"])
-    dtype = _DTYPES[layer["dtype"]]
-    shape = tuple(int(v) for v in layer["shape"])
-    pattern = parse_pattern(layer["pattern"])
-    template = quantized_core_template(config, shape, dtype)
-    names, ctx = template.__tensor_flatten__()
-    if type(template).__name__ != quant.get("class") or set(names) != set(quant["tensors"]):
-        raise ValueError(
-            f"{where}: the saved quantized core is a {quant.get('class')} with tensors {sorted(quant['tensors'])}, "
-            f"but this torchao builds a {type(template).__name__} with {sorted(names)} for that config; "
-            "load with the torchao version that saved it"
-        )
-    inner: Dict[str, torch.Tensor] = {}
-    for name in names:
-        if quant["tensors"][name] == "compact":
-            t = unpack_nm(tensors[f"{fqn}.core.{name}.values"], tensors[f"{fqn}.core.{name}.indices"],
-                          pattern.n, pattern.m, shape[1])
-        else:
-            t = tensors[f"{fqn}.core.{name}"]
-        ref = getattr(template, name)
-        if tuple(t.shape) != tuple(ref.shape) or t.dtype != ref.dtype:
-            raise ValueError(
-                f"{where}: quantized core tensor {name!r} is {t.dtype} {list(t.shape)}, expected "
-                f"{ref.dtype} {list(ref.shape)}; the directory is corrupt or was edited"
-            )
-        inner[name] = t
-    qcore = type(template).__tensor_unflatten__(inner, ctx, template.shape, template.stride())
-    return ArmorTensor(
-        tensors[f"{fqn}.a_blocks"], tensors[f"{fqn}.b_blocks"], str(pattern), QUANTIZED, dtype,
-        core=qcore, quant_config=config,
-    )
+# --------------------------------------------------------------------------- shards
 
 
-# --------------------------------------------------------------------------- flatten
+def save_shard(
+    path: Union[str, os.PathLike], module_or_tensors: Union[nn.Module, Mapping[str, torch.Tensor]], prefix: str = ""
+) -> Dict[str, Any]:
+    """Write one piece of a checkpoint (e.g. one decoder block) to the safetensors file ``path``.
 
-
-def flatten_armor_state(model: nn.Module) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
-    """Split ``model.state_dict()`` into plain tensors plus a JSON-able description.
-
-    Every :class:`ArmorTensor` parameter ``fqn`` becomes plain tensors ``"{fqn}.a_blocks"``,
-    ``"{fqn}.b_blocks"`` and the core in compact N:M form (``"{fqn}.values"``,
-    ``"{fqn}.indices"``), or ``"{fqn}.core"`` for unstructured patterns. Tensors that share
-    memory are stored once, the others listed under ``metadata["aliases"]``.
+    An ``nn.Module``'s state is flattened exactly as :func:`save_pretrained` does (ArmorTensors as
+    compact cores); a ``{key: tensor}`` mapping is taken as is (ArmorTensor values flattened too).
+    Every key is prefixed with ``prefix`` (e.g. ``"model.layers.3."``). The file's header holds
+    its part of the layer/tensor description, so it is self-describing. The write is atomic (temp
+    file in the same directory, fsync, ``os.replace``) and deterministic: the same input gives a
+    byte-identical file. Combine shards with :func:`assemble_checkpoint`.
 
     Returns:
-        ``(tensors, metadata)``: contiguous CPU tensors, and ``{"format", "format_version",
-        "layers": {fqn: {...}}, "aliases": {key: stored_key}, "tensors": {key: {shape, dtype}}}``.
-
-    Raises:
-        ValueError: a state-dict entry is a tensor subclass other than ArmorTensor.
+        the shard's description ``{"format", "format_version", "layers", "aliases", "tensors"}``.
 
     Example::
 
-        >>> tensors, meta = flatten_armor_state(nn.Linear(4, 2))
-        >>> sorted(tensors), meta["layers"]
-        (['bias', 'weight'], {})
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     meta = save_shard(os.path.join(d, "block0.safetensors"), nn.Linear(4, 2), prefix="layers.0.")
+        >>> sorted(meta["tensors"])
+        ['layers.0.bias', 'layers.0.weight']
     """
-    state = model.state_dict(keep_vars=True)
-    raw: Dict[str, torch.Tensor] = {}
-    layers: Dict[str, Dict[str, Any]] = {}
-    for key, value in state.items():
-        if isinstance(value, ArmorTensor) and value.storage == QUANTIZED:
-            inner, layers[key] = _flatten_quantized(key, value)
-            for name, t in inner.items():
-                raw[f"{key}.{name}"] = t
-        elif isinstance(value, ArmorTensor):
-            runtime = value.storage
-            saved_storage = "compact" if parse_pattern(value.pattern).structured else "dense"
-            w = value.with_storage(saved_storage) if runtime != saved_storage else value
-            inner = {name: getattr(w, name) for name in _inner_names(saved_storage)}
-            layers[key] = {
-                "shape": list(value.shape),
-                "block_size": int(value.block_size),
-                "pattern": value.pattern,
-                "storage": saved_storage,
-                "runtime_storage": runtime,
-                "dtype": _dtype_name(value.dtype),
-                "tensors": {name: _tensor_spec(t) for name, t in inner.items()},
-            }
-            for name, t in inner.items():
-                raw[f"{key}.{name}"] = t
-        elif isinstance(value, torch.Tensor):
-            if type(value) not in (torch.Tensor, nn.Parameter):
-                raise ValueError(
-                    f"state-dict entry {key!r} is a {type(value).__name__}; only plain tensors and "
-                    "ArmorTensor weights can be saved. Dequantize or convert that layer first"
-                )
-            raw[key] = value.detach()
-        else:  # extra state objects: not tensors, not supported
-            raise ValueError(f"state-dict entry {key!r} is a {type(value).__name__}, not a tensor; cannot save it")
-
-    tensors: Dict[str, torch.Tensor] = {}
-    aliases: Dict[str, str] = {}
-    seen_views: Dict[tuple, str] = {}
-    seen_storages: set = set()
-    for key, t in raw.items():
-        t = t.detach()
-        if t.numel() > 0 and t.device.type != "meta":
-            ptr = t.untyped_storage().data_ptr()
-            view = (t.device.type, ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
-            if view in seen_views:
-                aliases[key] = seen_views[view]
-                continue
-            seen_views[view] = key
-            shared = (t.device.type, ptr) in seen_storages
-            seen_storages.add((t.device.type, ptr))
-            covers_storage = t.is_contiguous() and t.storage_offset() == 0 and (
-                t.numel() * t.element_size() == t.untyped_storage().nbytes()
-            )
-            if shared or not covers_storage:
-                t = t.contiguous().clone()
-        if t.device.type == "meta":
-            raise ValueError(f"tensor {key!r} is on the meta device (no data); materialize the model before saving")
-        tensors[key] = t.to("cpu").contiguous()
-    metadata = {
-        "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
-        "layers": layers,
-        "aliases": aliases,
-        "tensors": {key: _tensor_spec(t) for key, t in tensors.items()},
-    }
-    return tensors, metadata
-
-
-# ------------------------------------------------------------------------- validate
-
-
-def _validate_metadata(metadata: Any, tensors: Dict[str, torch.Tensor]) -> None:
-    """Check the JSON description against itself and the loaded tensors (shapes, dtypes, keys)."""
-    where = ARMOR_CONFIG_NAME
-    if not isinstance(metadata, dict):
-        raise ValueError(f"{where} must hold a JSON object")
-    if metadata.get("format") != FORMAT_NAME:
-        raise ValueError(f"{where}: 'format' is {metadata.get('format')!r}, expected {FORMAT_NAME!r}")
-    if metadata.get("format_version") != FORMAT_VERSION:
-        raise ValueError(
-            f"{where}: format_version {metadata.get('format_version')!r} is not supported by this "
-            f"torch_armor (reads version {FORMAT_VERSION}); upgrade torch_armor or re-save"
-        )
-    for section in ("layers", "aliases", "tensors"):
-        if not isinstance(metadata.get(section), dict):
-            raise ValueError(f"{where}: missing or malformed '{section}' section")
-    specs = metadata["tensors"]
-    if set(specs) != set(tensors):
-        missing = sorted(set(specs) - set(tensors))[:5]
-        extra = sorted(set(tensors) - set(specs))[:5]
-        raise ValueError(
-            f"{WEIGHTS_NAME} and {where} disagree on the stored tensors "
-            f"(in JSON only: {missing}, in file only: {extra}); the directory is corrupt"
-        )
-    for key, spec in specs.items():
-        t = tensors[key]
-        if not isinstance(spec, dict):
-            raise ValueError(f"{where}: tensor entry {key!r} is malformed")
-        dtype = _parse_dtype(spec.get("dtype"), key)
-        if list(t.shape) != spec.get("shape") or t.dtype != dtype:
-            raise ValueError(
-                f"tensor {key!r}: file has {t.dtype} {list(t.shape)}, {where} says {spec.get('dtype')} "
-                f"{spec.get('shape')}; the directory is corrupt or was edited"
-            )
-    for key, target in metadata["aliases"].items():
-        if target not in tensors:
-            raise ValueError(f"{where}: alias {key!r} points to missing tensor {target!r}")
-    for fqn, layer in metadata["layers"].items():
-        _validate_layer(fqn, layer, tensors)
-
-
-def _validate_layer(fqn: str, layer: Any, tensors: Dict[str, torch.Tensor]) -> None:
-    where = f"{ARMOR_CONFIG_NAME}, layer {fqn!r}"
-    if not isinstance(layer, dict):
-        raise ValueError(f"{where}: malformed entry")
-    try:
-        d_out, d_in = (int(v) for v in layer["shape"])
-        d_b = int(layer["block_size"])
-        pattern = parse_pattern(layer["pattern"])
-        storage = layer["storage"]
-        runtime = layer["runtime_storage"]
-    except (KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"{where}: missing or invalid field ({err})") from None
-    dtype = _parse_dtype(layer.get("dtype"), where)
-    if storage == QUANTIZED or runtime == QUANTIZED:
-        _validate_quantized_layer(fqn, layer, tensors, (d_out, d_in), d_b, pattern, dtype)
-        return
-    if storage not in ("compact", "dense") or runtime not in STORAGES:
-        raise ValueError(f"{where}: invalid storage {storage!r} / runtime storage {runtime!r}")
-    if storage == "compact" and not pattern.structured:
-        raise ValueError(f"{where}: compact storage needs an N:M pattern, got {pattern}")
-    if d_b < 1 or d_out % d_b or d_in % d_b:
-        raise ValueError(f"{where}: block size {d_b} does not divide the shape ({d_out}, {d_in})")
-    expected = {
-        "a_blocks": ((d_out // d_b, d_b, d_b), dtype),
-        "b_blocks": ((d_in // d_b, d_b, d_b), dtype),
-    }
-    if storage == "compact":
-        if d_in % pattern.m:
-            raise ValueError(f"{where}: d_in={d_in} is not a multiple of M={pattern.m}")
-        k = d_in // pattern.m * pattern.n
-        per_byte = 8 // index_bits(pattern.m)
-        expected["values"] = ((d_out, k), dtype)
-        expected["indices"] = ((d_out, -(-k // per_byte)), torch.uint8)
+    if isinstance(module_or_tensors, nn.Module):
+        state: Mapping[str, Any] = module_or_tensors.state_dict(keep_vars=True)
+    elif isinstance(module_or_tensors, Mapping):
+        state = module_or_tensors
     else:
-        expected["core"] = ((d_out, d_in), dtype)
-    for name, (shape, dt) in expected.items():
-        key = f"{fqn}.{name}"
-        if key not in tensors:
-            raise ValueError(f"{where}: inner tensor {key!r} missing from {WEIGHTS_NAME}")
-        t = tensors[key]
-        if tuple(t.shape) != shape or t.dtype != dt:
-            raise ValueError(
-                f"{where}: {name} should be {dt} {list(shape)} for shape ({d_out}, {d_in}), block size {d_b}, "
-                f"pattern {pattern}; found {t.dtype} {list(t.shape)}"
-            )
+        raise ValueError(f"save_shard expects an nn.Module or a {{key: tensor}} mapping, got {type(module_or_tensors).__name__}")
+    if not isinstance(prefix, str):
+        raise ValueError(f"prefix must be a string, got {type(prefix).__name__}")
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory; save_shard writes one .safetensors file")
+    tensors, metadata = flatten_state(state, prefix)
+    text = _canonical_json(metadata)
+    header = {
+        "format": "pt",
+        "torch_armor_format": str(FORMAT_VERSION),
+        _HEADER_KEY: hashlib.sha256(text.encode()).hexdigest(),
+        _HEADER_META: text,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(path, lambda fh: _write_safetensors(fh, tensors, header))
+    return metadata
 
 
-def _validate_quantized_layer(
-    fqn: str, layer: Dict[str, Any], tensors: Dict[str, torch.Tensor], shape: Tuple[int, int], d_b: int,
-    pattern: Any, dtype: torch.dtype,
-) -> None:
-    where = f"{ARMOR_CONFIG_NAME}, layer {fqn!r}"
-    d_out, d_in = shape
-    if layer["storage"] != QUANTIZED or layer["runtime_storage"] != QUANTIZED:
-        raise ValueError(f"{where}: a quantized layer must have storage and runtime storage {QUANTIZED!r}")
-    quant = layer.get("quantization")
-    if not (isinstance(quant, dict) and isinstance(quant.get("config"), dict) and isinstance(quant.get("tensors"), dict)
-            and all(kind in ("compact", "plain") for kind in quant["tensors"].values())):
-        raise ValueError(f"{where}: missing or malformed 'quantization' entry")
-    if d_b < 1 or d_out % d_b or d_in % d_b:
-        raise ValueError(f"{where}: block size {d_b} does not divide the shape ({d_out}, {d_in})")
-    if "compact" in quant["tensors"].values() and not pattern.structured:
-        raise ValueError(f"{where}: compact quantized tensors need an N:M pattern, got {pattern}")
-    for key in _layer_keys(fqn, layer):
-        if key not in tensors:
-            raise ValueError(f"{where}: inner tensor {key!r} missing from {WEIGHTS_NAME}")
-    for name, rows in (("a_blocks", d_out), ("b_blocks", d_in)):
-        t = tensors[f"{fqn}.{name}"]
-        if tuple(t.shape) != (rows // d_b, d_b, d_b) or t.dtype != dtype:
-            raise ValueError(
-                f"{where}: {name} should be {dtype} {[rows // d_b, d_b, d_b]}, found {t.dtype} {list(t.shape)}"
-            )
+def _read_shard_metadata(path: Path) -> Dict[str, Any]:
+    """The description stored in a :func:`save_shard` file's header (checked against its hash)."""
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():
+        raise ValueError(f"shard {path} does not exist")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as fh:
+            header = fh.metadata() or {}
+    except (SafetensorError, OSError, RuntimeError, ValueError) as err:
+        raise ValueError(f"shard {path} cannot be read as safetensors ({err}); the file is truncated or corrupt") from None
+    text = header.get(_HEADER_META)
+    if not isinstance(text, str) or hashlib.sha256(text.encode()).hexdigest() != header.get(_HEADER_KEY):
+        raise ValueError(f"shard {path} has no valid torch_armor description in its header; write it with save_shard")
+    metadata = json.loads(text)
+    if metadata.get("format") != FORMAT_NAME or metadata.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"shard {path} is format {metadata.get('format')!r} version {metadata.get('format_version')!r}; "
+            f"this torch_armor assembles {FORMAT_NAME!r} version {FORMAT_VERSION}"
+        )
+    return metadata
 
 
-# ------------------------------------------------------------------------ unflatten
+def _move(src: Path, dst: Path) -> None:
+    """``os.replace``, or copy (atomically) + remove when ``src`` is on another file system."""
+    if src.resolve() == dst.resolve():
+        return
+    try:
+        os.replace(src, dst)
+    except OSError as err:
+        if err.errno != errno.EXDEV:
+            raise
+        with open(src, "rb") as fin:
+            _atomic_write(dst, lambda fout: shutil.copyfileobj(fin, fout, 1 << 24))
+        os.remove(src)
 
 
-def unflatten_armor_state(
-    model: nn.Module,
-    tensors: Dict[str, torch.Tensor],
-    metadata: Dict[str, Any],
+def _write_hf_config(path: Path, hf_config: Any) -> None:
+    if isinstance(hf_config, Mapping):
+        text = json.dumps(dict(hf_config), indent=2, sort_keys=True) + "\n"
+        _atomic_write(path / "config.json", lambda fh: fh.write(text.encode()))
+    elif hasattr(hf_config, "save_pretrained"):
+        hf_config.save_pretrained(str(path))
+    else:
+        raise ValueError(f"hf_config must be a transformers config or a dict, got {type(hf_config).__name__}")
+
+
+def assemble_checkpoint(
+    directory: Union[str, os.PathLike],
+    shards: Sequence[Union[str, os.PathLike]],
     *,
-    strict: bool = True,
-    storage: Optional[str] = None,
-    device: Optional[Union[str, torch.device]] = None,
-) -> nn.Module:
-    """Inverse of :func:`flatten_armor_state`: load ``tensors`` into ``model`` (in place) and return it.
+    hf_config: Any = None,
+    model_class: Optional[str] = None,
+) -> None:
+    """Turn files written by :func:`save_shard` into a checkpoint :func:`load_pretrained` reads.
 
-    Plain tensors go through ``model.load_state_dict(..., assign=True)`` (saved dtypes and values
-    kept exactly; each lands on the device of the parameter it replaces, or on ``device``); every
-    layer in ``metadata["layers"]`` gets an ``nn.Parameter(ArmorTensor, requires_grad=False)``,
-    re-stored as ``storage`` (default: as it was when saved; a semi-structured layer that cannot
-    be rebuilt here, e.g. on CPU, becomes compact; a quantized core stays quantized).
+    The shards are moved (``os.replace``; copy + remove across file systems) into ``directory``
+    as ``model-00001-of-0000N.safetensors`` … in the given order (a single shard becomes
+    ``model.safetensors``); their descriptions are merged; ``hf_config`` (a transformers config
+    or a dict) is written as ``config.json``; ``armor_config.json`` (every file with its sha256,
+    the merged description, ``model_class``) is written atomically LAST. An earlier
+    ``armor_config.json`` and stale weights files in ``directory`` are removed first, so an
+    interrupted assembly leaves a directory that does not load.
 
     Raises:
-        ValueError: metadata/tensors inconsistent, a layer path missing from ``model`` or of
-            the wrong shape, a plain tensor of the wrong shape, or (``strict``) keys missing
-            or unexpected. Layer paths and shapes are checked before ``model`` is touched.
+        ValueError: no shards, a shard missing or not written by :func:`save_shard`, a key in
+            two shards, or a shard that would overwrite another one's destination.
 
     Example::
 
-        >>> src = nn.Linear(4, 2)
-        >>> t, meta = flatten_armor_state(src)
-        >>> dst = unflatten_armor_state(nn.Linear(4, 2), t, meta)
-        >>> torch.equal(dst.weight, src.weight)
-        True
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     parts = [os.path.join(d, f"part{i}.safetensors") for i in range(2)]
+        ...     _ = save_shard(parts[0], nn.Linear(4, 4), prefix="0.")
+        ...     _ = save_shard(parts[1], nn.Linear(4, 2), prefix="1.")
+        ...     assemble_checkpoint(os.path.join(d, "ckpt"), parts)
+        ...     sorted(os.listdir(os.path.join(d, "ckpt")))
+        ['armor_config.json', 'model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors']
     """
-    _validate_metadata(metadata, tensors)
-    if storage is not None and storage not in STORAGES + ("auto",):
-        raise ValueError(f"storage must be one of {STORAGES + ('auto',)} or None, got {storage!r}")
-    layers = metadata["layers"]
-    current = model.state_dict(keep_vars=True)
+    if isinstance(shards, (str, bytes, os.PathLike)) or not shards:
+        raise ValueError("shards must be a non-empty sequence of paths written by save_shard")
+    path = Path(directory)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path} exists and is not a directory")
+    sources = [Path(s) for s in shards]
+    total = len(sources)
+    dests = [path / (WEIGHTS_NAME if total == 1 else SHARD_NAME.format(i + 1, total)) for i in range(total)]
 
-    # 1. check every converted layer against the model before changing anything
-    targets = {}
-    for fqn, layer in layers.items():
-        module_path, _, pname = fqn.rpartition(".")
-        try:
-            module = model.get_submodule(module_path) if module_path else model
-        except AttributeError:
-            raise ValueError(f"converted layer {fqn!r} has no module {module_path!r} in this model") from None
-        if pname not in getattr(module, "_parameters", {}):
-            raise ValueError(f"module {module_path!r} has no parameter {pname!r} for converted layer {fqn!r}")
-        old = module._parameters[pname]
-        if old is not None and tuple(old.shape) != tuple(layer["shape"]):
-            raise ValueError(
-                f"converted layer {fqn!r} is {tuple(layer['shape'])} in the checkpoint but "
-                f"{tuple(old.shape)} in the model; build the model from the saved config"
-            )
-        targets[fqn] = (module, pname, old)
+    # 1. read and merge every description before anything is moved
+    merged: Dict[str, Any] = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION,
+                              "layers": {}, "aliases": {}, "tensors": {}}
+    owner: Dict[str, Path] = {}
+    for src in sources:
+        meta = _read_shard_metadata(src)
+        for section in ("layers", "aliases", "tensors"):
+            for key, value in meta[section].items():
+                if key in owner:
+                    raise ValueError(f"key {key!r} is in both shard {owner[key]} and shard {src}; shard prefixes must not overlap")
+                owner[key] = src
+                merged[section][key] = value
+    src_resolved = [s.resolve() for s in sources]
+    if len(set(src_resolved)) != total:
+        raise ValueError("the same shard file is listed twice")
+    dest_resolved = {d.resolve(): i for i, d in enumerate(dests)}
+    for i, s in enumerate(src_resolved):
+        if dest_resolved.get(s, i) != i:
+            raise ValueError(f"shard {sources[i]} would be overwritten by another shard's destination; write shards elsewhere")
 
-    # 2. plain tensors, on the device of what they replace (or `device`)
-    inner_keys = {key for fqn, layer in layers.items() for key in _layer_keys(fqn, layer)}
-    plain = {k: v for k, v in tensors.items() if k not in inner_keys}
-    for key, target in metadata["aliases"].items():
-        plain[key] = tensors[target]
-    moved: Dict[int, torch.Tensor] = {}  # keep aliases aliased after moving
-
-    def place(key: str, t: torch.Tensor) -> torch.Tensor:
-        old = current.get(key)
-        dev = torch.device(device) if device is not None else (
-            old.device if isinstance(old, torch.Tensor) and old.device.type != "meta" else t.device
-        )
-        if dev == t.device:
-            return t
-        if id(t) not in moved:
-            moved[id(t)] = t.to(dev)
-        return moved[id(t)]
-
-    plain = {k: place(k, v) for k, v in plain.items()}
-    for key, t in plain.items():
-        old = current.get(key)
-        if isinstance(old, torch.Tensor) and tuple(old.shape) != tuple(t.shape):
-            raise ValueError(
-                f"tensor {key!r} is {tuple(t.shape)} in the checkpoint but {tuple(old.shape)} in the model; "
-                "build the model from the saved config"
-            )
-    missing = [k for k in current if k not in plain and k not in layers]
-    unexpected = [k for k in plain if k not in current]
-    if strict and (missing or unexpected):
-        raise ValueError(
-            "the saved tensors do not match the model's architecture: "
-            f"missing {missing[:8]}{' …' if len(missing) > 8 else ''}, "
-            f"unexpected {unexpected[:8]}{' …' if len(unexpected) > 8 else ''}; "
-            "build the model from the saved config, or pass strict=False"
-        )
-    model.load_state_dict(plain, strict=False, assign=True)
-    if device is not None:
-        model.to(device)
-
-    # 3. converted layers
-    for fqn, layer in layers.items():
-        module, pname, old = targets[fqn]
-        if layer["storage"] == QUANTIZED:
-            w = _unflatten_quantized(fqn, layer, tensors)
-        else:
-            inner = {name: tensors[f"{fqn}.{name}"] for name in _inner_names(layer["storage"])}
-            w = ArmorTensor(
-                inner.pop("a_blocks"), inner.pop("b_blocks"), str(parse_pattern(layer["pattern"])),
-                layer["storage"], _DTYPES[layer["dtype"]], **inner,
-            )
-        dev = torch.device(device) if device is not None else (
-            old.device if old is not None and old.device.type != "meta" else w.device
-        )
-        if dev != w.device:
-            w = w.to(dev)
-        target = storage or layer["runtime_storage"]
-        if w.storage == QUANTIZED:
-            target = QUANTIZED  # a quantized core stays quantized (the `storage` argument does not apply)
-        if target == "semi_structured" and not (w.device.type == "cuda" and w.dtype in (torch.float16, torch.bfloat16)):
-            target = "compact"
-        if target != w.storage:
-            w = w.with_storage(target)
-        setattr(module, pname, nn.Parameter(w, requires_grad=False))
-    return model
+    # 2. from here until armor_config.json is written the directory is not a checkpoint
+    path.mkdir(parents=True, exist_ok=True)
+    (path / ARMOR_CONFIG_NAME).unlink(missing_ok=True)
+    for old in path.iterdir():
+        if (old.name == WEIGHTS_NAME or _SHARD_RE.fullmatch(old.name)) and old.resolve() not in dest_resolved \
+                and old.resolve() not in src_resolved:
+            old.unlink()
+    _fsync_dir(path)
+    for src, dst in zip(sources, dests):
+        _move(src, dst)
+    _fsync_dir(path)
+    files = [{"file": d.name, "sha256": _file_sha256(d)} for d in dests]
+    if hf_config is not None:
+        _write_hf_config(path, hf_config)
+    config = dict(merged)
+    if total == 1:  # exactly the single-file layout older torch_armor versions read
+        config["weights_file"], config["weights_sha256"] = files[0]["file"], files[0]["sha256"]
+    else:
+        config["weights_files"] = files
+    if model_class is not None:
+        config["model_class"] = model_class
+    text = json.dumps(config, indent=2, sort_keys=True)
+    _atomic_write(path / ARMOR_CONFIG_NAME, lambda fh: fh.write(text.encode()))
 
 
 # ----------------------------------------------------------------------- save / load
@@ -548,7 +354,8 @@ def save_pretrained(model: nn.Module, directory: Union[str, os.PathLike]) -> Non
     """Write ``model`` to ``directory`` as ``model.safetensors`` + ``armor_config.json`` (+ ``config.json``).
 
     ArmorTensor cores are stored in compact N:M form (about half the dense core bytes for 2:4).
-    Only safetensors is written; nothing is pickled.
+    Only safetensors is written; nothing is pickled. Same as :func:`save_shard` of the whole
+    model followed by :func:`assemble_checkpoint`.
 
     Example::
 
@@ -558,29 +365,64 @@ def save_pretrained(model: nn.Module, directory: Union[str, os.PathLike]) -> Non
         ...     sorted(os.listdir(d))
         ['armor_config.json', 'model.safetensors']
     """
-    from safetensors.torch import save_file
-
     if not isinstance(model, nn.Module):
         raise ValueError(f"save_pretrained expects an nn.Module, got {type(model).__name__}")
     path = Path(directory)
     if path.exists() and not path.is_dir():
         raise ValueError(f"{path} exists and is not a directory")
     path.mkdir(parents=True, exist_ok=True)
-    tensors, metadata = flatten_armor_state(model)
-    header = {"format": "pt", "torch_armor_format": str(FORMAT_VERSION), _HEADER_KEY: _canonical_sha256(metadata)}
-    weights = path / WEIGHTS_NAME
-    save_file(tensors, str(weights), metadata=header)
-    config = dict(metadata)
-    config["weights_file"] = WEIGHTS_NAME
-    config["weights_sha256"] = _file_sha256(weights)
-    config["model_class"] = f"{type(model).__module__}.{type(model).__qualname__}"
-    with open(path / ARMOR_CONFIG_NAME, "w") as fh:
-        json.dump(config, fh, indent=2, sort_keys=True)
     hf_config = getattr(model, "config", None)
     if hf_config is not None and hasattr(hf_config, "save_pretrained"):
         if not getattr(hf_config, "architectures", None):
             hf_config.architectures = [type(model).__name__]
-        hf_config.save_pretrained(str(path))
+    else:
+        hf_config = None
+    shard = path / f".{WEIGHTS_NAME}.{os.getpid()}.shard"
+    try:
+        save_shard(shard, model)
+        assemble_checkpoint(path, [shard], hf_config=hf_config,
+                            model_class=f"{type(model).__module__}.{type(model).__qualname__}")
+    finally:
+        shard.unlink(missing_ok=True)
+
+
+def _weights_files(config: Dict[str, Any], cfg_path: Path) -> List[Tuple[str, str]]:
+    """``[(file name, sha256)]`` from ``armor_config.json`` (``weights_files``, or the single-file fields)."""
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{cfg_path}: {what}; the file was edited or is corrupt (re-save with save_pretrained)")
+
+    listed = config.get("weights_files")
+    if listed is None:  # written before sharding existed
+        sha = config.get("weights_sha256")
+        if not isinstance(sha, str):
+            raise ValueError(f"{cfg_path} has no 'weights_sha256'; re-save with save_pretrained")
+        files = [(config.get("weights_file", WEIGHTS_NAME), sha)]
+    else:
+        if not (isinstance(listed, list) and listed and all(
+                isinstance(f, dict) and isinstance(f.get("file"), str) and isinstance(f.get("sha256"), str)
+                for f in listed)):
+            raise bad("malformed 'weights_files'")
+        if "weights_sha256" in config or "weights_file" in config:
+            raise bad("both 'weights_files' and 'weights_file'/'weights_sha256'")
+        files = [(f["file"], f["sha256"]) for f in listed]
+    for name, _ in files:
+        if not isinstance(name, str) or Path(name).name != name or name.startswith(".") \
+                or not name.endswith(".safetensors"):
+            raise bad(f"weights file name {name!r} is not a plain .safetensors file name")
+    if len({name for name, _ in files}) != len(files):
+        raise bad("a weights file is listed twice")
+    return files
+
+
+def _shard_part(metadata: Dict[str, Any], keys: set) -> Dict[str, Any]:
+    """The part of the merged description that belongs to the file holding ``keys`` (what its header hashes)."""
+    return {
+        "format": metadata["format"],
+        "format_version": metadata["format_version"],
+        "layers": {fqn: v for fqn, v in metadata["layers"].items() if f"{fqn}.a_blocks" in keys},
+        "aliases": {k: v for k, v in metadata["aliases"].items() if v in keys},
+        "tensors": {k: v for k, v in metadata["tensors"].items() if k in keys},
+    }
 
 
 def _refuse_pickles(path: Path) -> None:
@@ -635,7 +477,7 @@ def load_pretrained(
     storage: Optional[str] = None,
     strict: bool = True,
 ) -> nn.Module:
-    """Load a directory written by :func:`save_pretrained`; outputs are bit-identical to the saved model.
+    """Load a directory written by :func:`save_pretrained` or :func:`assemble_checkpoint`; outputs are bit-identical.
 
     Args:
         directory: the saved directory.
@@ -649,8 +491,8 @@ def load_pretrained(
         strict: error on state-dict keys missing from the file or not in the model.
 
     Raises:
-        ValueError: pickle files in the directory, missing files, a truncated or modified
-            ``model.safetensors`` (sha256 mismatch or unreadable), an edited
+        ValueError: pickle files in the directory, missing files (naming the missing shard), a
+            truncated or modified weights file (sha256 mismatch or unreadable), an edited
             ``armor_config.json`` (hash or shape/dtype mismatch), or an architecture mismatch.
 
     Example::
@@ -667,11 +509,9 @@ def load_pretrained(
     if not path.is_dir():
         raise ValueError(f"{path} is not a directory written by torch_armor.save_pretrained")
     _refuse_pickles(path)
-    cfg_path, weights = path / ARMOR_CONFIG_NAME, path / WEIGHTS_NAME
+    cfg_path = path / ARMOR_CONFIG_NAME
     if not cfg_path.exists():
         raise ValueError(f"{path} has no {ARMOR_CONFIG_NAME}: not a torch_armor checkpoint (save with save_pretrained)")
-    if not weights.exists():
-        raise ValueError(f"{path} has no {WEIGHTS_NAME}")
     try:
         with open(cfg_path) as fh:
             config = json.load(fh)
@@ -679,29 +519,40 @@ def load_pretrained(
         raise ValueError(f"{cfg_path} is not valid JSON ({err}); the file is truncated or was edited") from None
     if not isinstance(config, dict):
         raise ValueError(f"{cfg_path} must hold a JSON object")
-    expected_hash = config.get("weights_sha256")
-    if not isinstance(expected_hash, str):
-        raise ValueError(f"{cfg_path} has no 'weights_sha256'; re-save with save_pretrained")
-    actual_hash = _file_sha256(weights)
-    if actual_hash != expected_hash:
-        raise ValueError(
-            f"{weights} does not match the sha256 recorded in {ARMOR_CONFIG_NAME} "
-            f"(expected {expected_hash[:12]}…, got {actual_hash[:12]}…): the file is truncated, corrupt "
-            "or was modified. Copy it again or re-save the model"
-        )
+    files = _weights_files(config, cfg_path)
     metadata = {k: config.get(k) for k in ("format", "format_version", "layers", "aliases", "tensors")}
-    try:
-        tensors: Dict[str, torch.Tensor] = {}
-        with safe_open(str(weights), framework="pt", device="cpu") as fh:
-            header = fh.metadata() or {}
-            for key in fh.keys():
-                tensors[key] = fh.get_tensor(key)
-    except (SafetensorError, OSError, RuntimeError, ValueError) as err:
-        raise ValueError(f"{weights} cannot be read as safetensors ({err}); the file is truncated or corrupt") from None
-    if header.get(_HEADER_KEY) != _canonical_sha256(metadata):
-        raise ValueError(
-            f"{ARMOR_CONFIG_NAME} does not match {WEIGHTS_NAME} (its layer/tensor description was edited "
-            "after saving); restore the original file or re-save the model"
-        )
+    for section in ("layers", "aliases", "tensors"):
+        if not isinstance(metadata[section], dict):
+            raise ValueError(f"{cfg_path}: missing or malformed '{section}' section (edited or corrupt?)")
+    tensors: Dict[str, torch.Tensor] = {}
+    for name, expected_hash in files:
+        weights = path / name
+        if not weights.is_file():
+            raise ValueError(
+                f"{path} has no {name} (listed in {ARMOR_CONFIG_NAME}): the checkpoint is incomplete; "
+                "copy the missing file or re-save the model"
+            )
+        actual_hash = _file_sha256(weights)
+        if actual_hash != expected_hash:
+            raise ValueError(
+                f"{weights} does not match the sha256 recorded in {ARMOR_CONFIG_NAME} "
+                f"(expected {expected_hash[:12]}…, got {actual_hash[:12]}…): the file is truncated, corrupt "
+                "or was modified. Copy it again or re-save the model"
+            )
+        try:
+            with safe_open(str(weights), framework="pt", device="cpu") as fh:
+                header = fh.metadata() or {}
+                part = {key: fh.get_tensor(key) for key in sorted(fh.keys())}
+        except (SafetensorError, OSError, RuntimeError, ValueError) as err:
+            raise ValueError(f"{weights} cannot be read as safetensors ({err}); the file is truncated or corrupt") from None
+        keys = set(part)
+        if keys & tensors.keys():
+            raise ValueError(f"{weights} repeats tensor(s) {sorted(keys & tensors.keys())[:5]} of another weights file")
+        tensors.update(part)
+        if header.get(_HEADER_KEY) != _canonical_sha256(_shard_part(metadata, keys)):
+            raise ValueError(
+                f"{ARMOR_CONFIG_NAME} does not match {name} (its layer/tensor description was edited "
+                "after saving); restore the original file or re-save the model"
+            )
     model = _build_model(model_or_config, path, config)
     return unflatten_armor_state(model, tensors, metadata, strict=strict, storage=storage, device=device)
