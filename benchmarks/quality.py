@@ -1,13 +1,15 @@
 """Quality table of the README: SmolLM2-135M under the quality protocol (docs: /work/shared/DESIGN.md).
 
 Dense, magnitude, Wanda, SparseGPT, NoWag-P and one ARMOR row per (block size × time budget)
-— all methods prune the 210 decoder linears from ONE set of calibration statistics (sotu,
-64 random 512-token windows, seed 0) and are evaluated on the first 64 non-overlapping
-512-token windows of the Wikipedia text. Prints the command line, the settings, the table
+— every method prunes the 210 decoder linears through ``prune_model``, block by block, from the
+same calibration windows (sotu, 64 random 512-token windows, seed 0): sequentially (each block
+calibrated on the outputs of the already-pruned blocks) and, for the methods named by
+``--one-shot`` (default SparseGPT and ARMOR), also one-shot (every block on the dense model's
+hidden states); evaluated on the first 64 non-overlapping 512-token windows of the Wikipedia text. Prints the command line, the settings, the table
 (perplexity, gap closed vs NoWag-P, wrapper overhead, mean relative proxy loss, prune and eval
 wall time) and the phase timings.
 
-Run:  python benchmarks/quality.py                                  # demo defaults (ARMOR d_b=16, 30 bcd sweeps)
+Run:  python benchmarks/quality.py                                  # default ArmorConfig() (d_b=16, 30 bcd sweeps)
       python benchmarks/quality.py --armor-blocks 16 32 --budgets 2.5 10
       python benchmarks/quality.py --methods dense nowag armor --layers 0-3 --n-eval 8   # quick look
       python benchmarks/quality.py --json benchmarks/out/quality.json
@@ -29,17 +31,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torch_armor.recipes.pipeline import DEMO_ARMOR_CONFIG, DEMO_METHODS, run_quality, with_block_size  # noqa: E402
+from torch_armor.config import ArmorConfig  # noqa: E402
+from torch_armor.recipes.quality import DEMO_METHODS, run_quality  # noqa: E402
+
+DEFAULT = ArmorConfig()
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", nargs="+", choices=DEMO_METHODS, default=list(DEMO_METHODS))
-    parser.add_argument("--armor-blocks", nargs="+", type=int, default=[DEMO_ARMOR_CONFIG.block_size],
+    parser.add_argument("--armor-blocks", nargs="+", type=int, default=[DEFAULT.block_size],
                         help="one ARMOR row per block size (× per budget)")
-    parser.add_argument("--budgets", nargs="+", type=float, default=[DEMO_ARMOR_CONFIG.time_budget_s or 0],
+    parser.add_argument("--budgets", nargs="+", type=float, default=[DEFAULT.time_budget_s or 0],
                         help="ARMOR time budgets in seconds per layer (0 = no budget)")
-    parser.add_argument("--optimizer", choices=("bcd", "adam"), default=DEMO_ARMOR_CONFIG.optimizer)
+    parser.add_argument("--optimizer", choices=("bcd", "adam"), default=DEFAULT.optimizer)
     parser.add_argument("--iters", type=int, default=None, help="ARMOR iterations per layer (default: config's)")
     parser.add_argument("--pattern", default="2:4")
     parser.add_argument("--n-calib", type=int, default=64)
@@ -49,6 +54,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--armor-eval", choices=("materialized", "tensor"), default="materialized",
                         help="ARMOR perplexity with W_hat materialized (default) or through ArmorTensor weights")
+    parser.add_argument("--one-shot", nargs="*", default=["sparsegpt", "armor"], choices=DEMO_METHODS,
+                        help="methods that also get a one-shot row (dense-model statistics); default sparsegpt armor")
     parser.add_argument("--json", default=None, help="write rows, per-layer reports and timings here")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
@@ -58,13 +65,11 @@ def main(argv=None) -> int:
     configs = []
     for block in args.armor_blocks:
         for budget in args.budgets:
-            changes = {"optimizer": args.optimizer, "pattern": args.pattern,
+            changes = {"block_size": block, "optimizer": args.optimizer, "pattern": args.pattern,
                        "time_budget_s": budget if budget > 0 else None}
             if args.iters is not None:
                 changes["num_iters"] = args.iters
-            elif args.optimizer != DEMO_ARMOR_CONFIG.optimizer:
-                changes["num_iters"] = None
-            configs.append(dataclasses.replace(with_block_size(DEMO_ARMOR_CONFIG, block), **changes))
+            configs.append(dataclasses.replace(DEFAULT, **changes))
 
     command = "python benchmarks/quality.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     print(command)
@@ -78,11 +83,13 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     result = run_quality(
         "smollm2", methods=args.methods, armor_configs=configs, pattern=args.pattern,
+        sequential={m: (True, False) for m in args.one_shot},
         n_calib=args.n_calib, n_eval=args.n_eval, seq_len=args.seq_len, layers=args.layers,
         armor_eval=args.armor_eval, progress=not args.no_progress, log=log,
     )
     s = result.settings
-    print(f"SmolLM2-135M-Instruct (Q4_1 GGUF → fp32), {args.pattern}, {s['num_layers']} decoder linears pruned; "
+    print(f"SmolLM2-135M-Instruct (Q4_1 GGUF → fp32), {args.pattern}, {s['num_layers']} decoder linears pruned "
+          f"block by block; "
           f"calibration sotu {s['n_calib']}×{s['seq_len']} (seed 0), evaluation wiki {s['n_eval']}×{s['seq_len']}; "
           f"ARMOR evaluated {args.armor_eval}")
     print()
