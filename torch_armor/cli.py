@@ -84,20 +84,23 @@ def _add_model(p: argparse.ArgumentParser, help_text: str) -> None:
     p.add_argument("--device", default=None, help="cpu (default), cuda, …")
 
 
-def _add_armor(p: argparse.ArgumentParser, block_default, optimizer_default: str, budget_default) -> None:
+def _add_armor(p: argparse.ArgumentParser) -> None:
+    """The ARMOR options; their defaults are ArmorConfig's (documented there, in one place)."""
+    from torch_armor.config import ArmorConfig
+
+    default = ArmorConfig()
     g = p.add_argument_group("ARMOR")
-    g.add_argument("--block-size", type=_block_size, default=block_default,
+    g.add_argument("--block-size", type=_block_size, default=default.block_size,
                    help=f"wrapper block size d_b, or 'auto': per layer, the largest d_b dividing both "
-                        f"dimensions within --max-overhead (default {block_default})")
-    g.add_argument("--max-overhead", type=_positive_float, default=0.05,
+                        f"dimensions within --max-overhead (default {default.block_size})")
+    g.add_argument("--max-overhead", type=_positive_float, default=default.max_overhead,
                    help="wrapper-overhead budget of --block-size auto, a fraction (default 0.05 = 5%%)")
-    g.add_argument("--optimizer", choices=("bcd", "adam"), default=optimizer_default,
-                   help=f"per-layer optimizer (default {optimizer_default})")
+    g.add_argument("--optimizer", choices=("bcd", "adam"), default=default.optimizer,
+                   help=f"per-layer optimizer (default {default.optimizer})")
     g.add_argument("--iters", type=int, default=None,
-                   help="iterations per layer; given alone it also lifts the default time budget "
-                        "(default: 30 BCD sweeps; 1000 Adam steps)")
-    g.add_argument("--time-budget", type=_positive_float, default=budget_default,
-                   help="stop each layer after this many wall seconds (default: no limit)")
+                   help=f"iterations per layer (default: {default.iterations} bcd sweeps; 1000 adam steps)")
+    g.add_argument("--time-budget", type=_positive_float, default=None,
+                   help="also stop each layer after this many wall seconds (default: no limit)")
     g.add_argument("--seed", type=int, default=0, help="seed of calibration windows and group selection")
 
 
@@ -124,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-calib", type=_positive_int, default=64, help="calibration windows (default 64)")
     p.add_argument("--layers", default=None,
                    help="prune only some decoder layers: indices like '0-1' or '0,4-6', or a regex on names")
-    _add_armor(p, "auto", "bcd", None)
+    _add_armor(p)
     g = p.add_argument_group("runs (ARMOR)")
     g.add_argument("--run-dir", default=None,
                    help=f"where statistics and every finished layer are saved as they complete; rerunning the "
@@ -134,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--storage", choices=("auto", "dense", "compact", "semi_structured"), default=None,
                    help="ARMOR core storage at run time after loading (default: dense on CPU, auto elsewhere; "
                         "the file always stores compact N:M cores)")
+    p.add_argument("--one-shot", action="store_true",
+                   help="calibrate every block on the dense model's hidden states (default: sequentially, "
+                        "on the outputs of the already-pruned blocks before it)")
     p.add_argument("--sparsegpt-block-size", type=_positive_int, default=128, help="SparseGPT lazy block (128)")
     p.add_argument("--damp", type=float, default=0.01, help="SparseGPT dampening (0.01)")
     _add_common(p)
@@ -159,7 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--data", default="wiki", help="evaluation text (default wiki)")
     d.add_argument("--n-eval", type=_positive_int, default=64, help="evaluation windows (default 64)")
     d.add_argument("--layers", default=None, help="prune only some decoder layers (indices or regex)")
-    _add_armor(d, None, "bcd", None)
+    _add_armor(d)
+    d.add_argument("--one-shot", action="store_true",
+                   help="calibrate every block on the dense model's hidden states (default: sequentially)")
     d.add_argument("--armor-eval", choices=("materialized", "tensor"), default="materialized",
                    help="evaluate ARMOR with W_hat materialized as dense matrices (default; same function, "
                         "fastest on CPU) or through the ArmorTensor weights")
@@ -179,36 +187,13 @@ def _setup(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
 
 
-def _armor_config(args: argparse.Namespace, base=None):
-    """ArmorConfig from the ARMOR options (``base`` supplies defaults not given)."""
-    import dataclasses
+def _armor_config(args: argparse.Namespace):
+    """The ArmorConfig of the ARMOR options; an option not given keeps ArmorConfig's default."""
+    from torch_armor.config import ArmorConfig
 
-    from torch_armor.config import ArmorConfig, parse_pattern
-
-    pat = parse_pattern(args.pattern)
-    overrides = {"pattern": str(pat), "optimizer": args.optimizer, "seed": args.seed}
-    if isinstance(args.block_size, int):
-        overrides["block_size"] = args.block_size
-    elif base is None:  # 'auto': a placeholder; prune() picks per layer
-        overrides["block_size"] = pat.m if pat.structured else 16
-    if args.iters is not None:
-        overrides["num_iters"] = args.iters
-        # an explicit iteration count runs that many iterations unless a budget is also given
-        overrides["time_budget_s"] = None
-    elif base is not None and args.optimizer != base.optimizer:
-        overrides["num_iters"] = None
-    if args.time_budget is not None:
-        overrides["time_budget_s"] = args.time_budget
-    if base is None:
-        return ArmorConfig(**overrides)
-    from torch_armor.recipes.pipeline import with_block_size
-
-    block = overrides.pop("block_size", base.block_size)
-    return dataclasses.replace(with_block_size(base, block), **overrides)
-
-
-def _on_cpu(model) -> bool:
-    return all(p.device.type == "cpu" for p in model.parameters())
+    return ArmorConfig(block_size=args.block_size, max_overhead=args.max_overhead, pattern=args.pattern,
+                       optimizer=args.optimizer, num_iters=args.iters, time_budget_s=args.time_budget,
+                       seed=args.seed)
 
 
 RUN_DIR_NAME = "armor_run"
@@ -222,57 +207,19 @@ def _check_out(out: Path, overwrite: bool, allowed: Sequence[str] = ()) -> None:
         raise ValueError(f"--out {out} is not empty; pass --overwrite to write into it")
 
 
-def _run_identity(args: argparse.Namespace) -> str:
-    """What must not change between the first run and a resumed one, besides the config."""
-    return json.dumps({"model": args.model, "gguf_file": args.gguf_file, "dtype": args.dtype,
-                       "calib": args.calib, "n_calib": args.n_calib, "seq_len": args.seq_len,
-                       "seed": args.seed, "layers": args.layers}, sort_keys=True)
-
-
-def _armor_factors(args, model, names, windows_fn, cfg, run_dir: Path):
-    """Statistics (cached in ``run_dir``) and factors of every layer, sharded over the ranks of a
-    ``torchrun`` job and resumable: finished layers in ``run_dir`` are not computed again."""
-    from torch_armor.engine.distributed import distributed_factorize, shared_statistics
-    from torch_armor.recipes.pipeline import armor_layer_configs, calibration_statistics
-    from torch_armor.engine.runstore import RunStore, hash_statistics
-
-    model_id = _run_identity(args)
-
-    def compute():
-        windows = windows_fn()
-        return calibration_statistics(model, windows, names, batch_size=args.batch_size,
-                                      progress=not args.no_progress)
-
-    t = time.perf_counter()
-    stats = shared_statistics(run_dir, model_id, compute)
-    calib_s = time.perf_counter() - t
-    layer_cfgs = armor_layer_configs(model, names, cfg, args.pattern, block_size=args.block_size,
-                                     max_overhead=args.max_overhead)
-    store = RunStore(run_dir, cfg, model_id, hash_statistics(stats))
-    done = len(store.finished(names))
-    if done and store.rank == 0:
-        _log(f"resuming {run_dir}: {done} of {len(names)} layers already finished")
-    layers = {n: (model.get_submodule(n).weight.detach(), stats[n]) for n in names}
-    t = time.perf_counter()
-    factors = distributed_factorize(layers, cfg, store, per_layer_overrides=layer_cfgs,
-                                    progress=not args.no_progress)
-    return stats, factors, calib_s, time.perf_counter() - t
-
-
 def _cmd_prune(args: argparse.Namespace) -> int:
     from torch_armor.engine.distributed import init_distributed
 
     out = Path(args.out)
-    armor = args.method == "armor"
     run_dir = Path(args.run_dir) if args.run_dir else out / RUN_DIR_NAME
-    if not armor and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+    if args.method != "armor" and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         raise ValueError(f"only --method armor runs on several ranks; run {args.method} without torchrun")
-    _check_out(out, args.overwrite, allowed=(RUN_DIR_NAME,) if armor and not args.run_dir else ())
-    topo = init_distributed(device=args.device) if armor else None
+    _check_out(out, args.overwrite, allowed=(RUN_DIR_NAME,) if not args.run_dir else ())
+    topo = init_distributed(device=args.device)
     try:
         return _prune(args, out, run_dir, topo)
     finally:
-        if topo is not None and topo.initialized_here:
+        if topo.initialized_here:
             import torch.distributed as dist
 
             dist.destroy_process_group()
@@ -281,58 +228,44 @@ def _cmd_prune(args: argparse.Namespace) -> int:
 def _prune(args: argparse.Namespace, out: Path, run_dir: Path, topo) -> int:
     _setup(args)
     start = time.perf_counter()
+    from torch_armor.engine.runner import BaselineConfig
     from torch_armor.recipes.data import calibration_windows
-    from torch_armor.recipes.pipeline import DEFAULT_ARMOR_CONFIG, calibration_statistics, load_model, prune, select_layers
-    from torch_armor.tensor.serialization import save_pretrained
+    from torch_armor.recipes.pipeline import load_model, load_tokenizer, parse_dtype
+    from torch_armor.recipes.prune import is_streamable_checkpoint, prune_model
 
     armor = args.method == "armor"
-    rank, world = (topo.rank, topo.world_size) if topo is not None else (0, 1)
-    cfg = _armor_config(args, base=DEFAULT_ARMOR_CONFIG) if armor else None
+    rank = topo.rank
+    streamed = args.gguf_file is None and is_streamable_checkpoint(args.model)
     if rank == 0:
-        _log(f"loading {args.model} …")
-    model, tokenizer = load_model(args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device)
-    names = select_layers(model, args.layers)
-
-    def windows():
-        if rank == 0:
-            _log(f"{len(names)} linears to prune with {args.method} {args.pattern}; calibrating on "
-                 f"{args.n_calib}×{args.seq_len} tokens of {args.calib}")
-        return calibration_windows(args.calib, tokenizer, n_windows=args.n_calib, seq_len=args.seq_len,
-                                   seed=args.seed)
-
-    factors = None
-    if armor:
-        if world > 1 and rank == 0:
-            _log(f"{world} ranks share the layers; finished layers go to {run_dir}")
-        stats, factors, calib_s, factorize_s = _armor_factors(args, model, names, windows, cfg, run_dir)
-        if rank != 0:
-            return 0
+        _log(f"{'streaming' if streamed else 'loading'} {args.model} …")
+    if streamed:
+        model, tokenizer = args.model, load_tokenizer(args.model)
     else:
-        t = time.perf_counter()
-        stats = calibration_statistics(model, windows(), names, track_xtx=args.method == "sparsegpt",
-                                       batch_size=args.batch_size, progress=not args.no_progress)
-        calib_s = time.perf_counter() - t
-    report = prune(model, args.method, stats, names, args.pattern, cfg,
-                   block_size=args.block_size if armor else None,
-                   max_overhead=args.max_overhead, sparsegpt_block_size=args.sparsegpt_block_size,
-                   damp=args.damp, storage=args.storage or ("dense" if _on_cpu(model) else "auto"),
-                   progress=False if armor else not args.no_progress, factors=factors)
-    if armor:  # wall time of the factorization (this run's part of it, on all ranks), not the conversion
-        report.seconds = factorize_s
-    _log(f"saving to {out} …")
-    out.mkdir(parents=True, exist_ok=True)
-    save_pretrained(model, out)
+        model, tokenizer = load_model(args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device)
+    if rank == 0:
+        _log(f"calibrating on {args.n_calib}×{args.seq_len} tokens of {args.calib}, "
+             f"{'sequentially' if not args.one_shot else 'one-shot'}, one decoder block at a time")
+    windows = calibration_windows(args.calib, tokenizer, n_windows=args.n_calib, seq_len=args.seq_len, seed=args.seed)
+    config = _armor_config(args) if armor else BaselineConfig(
+        pattern=args.pattern, block_size=args.sparsegpt_block_size, damp=args.damp)
+    report = prune_model(
+        model, windows, args.method, config, sequential=not args.one_shot, run_dir=run_dir, device=args.device,
+        progress=not args.no_progress, out=out, layers=args.layers, batch_size=args.batch_size,
+        storage=args.storage, dtype=parse_dtype(args.dtype) if streamed else None, log=_log if rank == 0 else None,
+    )
+    if rank != 0:
+        return 0
     tokenizer.save_pretrained(str(out))
     meta = {
         "command": "torch-armor " + shlex.join(args.argv),
         "model": args.model,
-        "ranks": world,
+        "ranks": topo.world_size,
         "calibration": {"source": args.calib, "n_windows": args.n_calib, "seq_len": args.seq_len,
-                        "seed": args.seed, "seconds": calib_s},
+                        "seed": args.seed, "sequential": not args.one_shot},
     }
     report.save_json(out / REPORT_JSON, **meta)
     report.save_plot(out / REPORT_PNG, title=None)
-    if armor and not args.run_dir and not args.keep_run_dir:
+    if not args.run_dir and not args.keep_run_dir:
         shutil.rmtree(run_dir, ignore_errors=True)
     total = time.perf_counter() - start
     print(f"pruned {len(report.layers)} linears of {args.model} with {args.method} {report.pattern}: "
@@ -364,16 +297,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     _setup(args)
-    from torch_armor.recipes.pipeline import DEMO_ARMOR_CONFIG, run_quality
+    from torch_armor.recipes.quality import run_quality
 
-    cfg = _armor_config(args, base=DEMO_ARMOR_CONFIG)
     result = run_quality(
-        "smollm2", methods=args.methods, armor_configs=[cfg],
-        armor_block_size="auto" if args.block_size == "auto" else None,
-        max_overhead=args.max_overhead, pattern=args.pattern, calib=args.calib, n_calib=args.n_calib,
-        eval_data=args.data, n_eval=args.n_eval, seq_len=args.seq_len, layers=args.layers,
-        batch_size=args.batch_size, seed=args.seed, armor_eval=args.armor_eval,
-        progress=not args.no_progress, log=_log,
+        "smollm2", methods=args.methods, armor_configs=[_armor_config(args)], pattern=args.pattern,
+        calib=args.calib, n_calib=args.n_calib, eval_data=args.data, n_eval=args.n_eval, seq_len=args.seq_len,
+        layers=args.layers, batch_size=args.batch_size, seed=args.seed, armor_eval=args.armor_eval,
+        sequential=not args.one_shot, progress=not args.no_progress, log=_log,
     )
     s = result.settings
     print(f"SmolLM2-135M fp32, {args.pattern}; calibration {s['n_calib']}×{s['seq_len']} tokens of {s['calib']}, "

@@ -198,6 +198,23 @@ def load_model(
     return loaded.eval(), tokenizer
 
 
+def load_tokenizer(path: Union[str, os.PathLike]) -> Any:
+    """The tokenizer saved in a local model directory (``AutoTokenizer.from_pretrained``).
+
+    Raises:
+        ValueError: the directory has no loadable tokenizer (says how to add one).
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as err:  # noqa: BLE001 - transformers raises many kinds
+        raise ValueError(
+            f"{path} has no loadable tokenizer ({type(err).__name__}: {err}); save one there with "
+            "tokenizer.save_pretrained(directory)"
+        ) from None
+
+
 # ------------------------------------------------------------------------ layer choice
 
 

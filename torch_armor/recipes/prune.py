@@ -18,16 +18,16 @@ Example (a tiny random model; pruned in place)::
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from torch_armor.calibration.blocks import decoder_blocks
-from torch_armor.calibration.observer import decoder_linear_names
 from torch_armor.config import ArmorConfig
 from torch_armor.engine.blocks import BLOCKS_DIR, BlockPipeline, hash_calibration, hash_model, identity_string
 from torch_armor.engine.report import PruneReport
@@ -35,6 +35,8 @@ from torch_armor.engine.runner import method_config
 from torch_armor.engine.runstore import RunStore
 
 __all__ = ["prune_model", "calibration_batches"]
+
+logger = logging.getLogger("torch_armor")
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -128,6 +130,7 @@ def prune_model(
     hidden_dtype: Optional[torch.dtype] = None,
     storage: Optional[str] = None,
     dtype: Optional[torch.dtype] = None,
+    log: Optional[Callable[[str], None]] = None,
 ) -> PruneReport:
     """Prune every linear of the decoder blocks, block by block.
 
@@ -150,12 +153,15 @@ def prune_model(
         device: where each block is calibrated and pruned (default: CPU, or the model's device).
         progress: a progress bar over the blocks.
         out: save the pruned model there (:func:`torch_armor.save_pretrained` format).
-        layers: names of the linears to prune (default: every decoder linear).
+        layers: the linears to prune: names, or a selection such as ``"0-3"`` (decoder block
+            indices) or a regular expression (:func:`~torch_armor.recipes.pipeline.select_layers`);
+            default: every decoder linear.
         pattern: overrides the config's sparsity pattern.
         batch_size: calibration windows per forward pass.
         hidden_dtype: dtype the calibration hidden states are kept in (default: the model's).
         storage: ARMOR core storage in the model (default ``"dense"`` on CPU, ``"auto"`` on CUDA).
         dtype: streamed checkpoints only: load the weights in this dtype.
+        log: called with a line of text about resuming (default: the ``torch_armor`` logger).
 
     Raises:
         ValueError: bad arguments, a layer outside the decoder blocks, a run directory of
@@ -177,7 +183,12 @@ def prune_model(
         source = _InMemory(model_or_path)
     model = source.model
     blocks_prefix, blocks = decoder_blocks(model)
-    names = list(layers) if layers is not None else decoder_linear_names(model)
+    if layers is None or isinstance(layers, str):
+        from torch_armor.recipes.pipeline import select_layers
+
+        names = select_layers(model, layers)
+    else:
+        names = list(layers)
     if not names:
         raise ValueError("no layers to prune")
     dev = torch.device(device) if device is not None else torch.device("cpu")
@@ -197,6 +208,9 @@ def prune_model(
                                    sequential=sequential, layers=names, hidden_dtype=hidden_dtype)
         if method == "armor":
             store = RunStore(run_path, cfg, identity, calib_hash, rank=topo.rank)
+            finished = len(store.finished(names))
+            if finished:
+                (log or logger.info)(f"resuming {run_path}: {finished} of {len(names)} layers already finished")
     writer = _ShardWriter(run_path / BLOCKS_DIR) if streamed else None
     pipeline = BlockPipeline(
         source=source, blocks_prefix=blocks_prefix, blocks=blocks, names=names, method=method, config=cfg,
