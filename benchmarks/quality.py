@@ -29,17 +29,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torch_armor.recipes.pipeline import DEMO_ARMOR_CONFIG, DEMO_METHODS, run_quality, with_block_size  # noqa: E402
+from torch_armor import ArmorConfig  # noqa: E402
+from torch_armor.recipes.pipeline import DEMO_METHODS, run_quality  # noqa: E402
+
+DEFAULT = ArmorConfig()
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", nargs="+", choices=DEMO_METHODS, default=list(DEMO_METHODS))
-    parser.add_argument("--armor-blocks", nargs="+", type=int, default=[DEMO_ARMOR_CONFIG.block_size],
+    parser.add_argument("--armor-blocks", nargs="+", type=int, default=[DEFAULT.block_size],
                         help="one ARMOR row per block size (× per budget)")
-    parser.add_argument("--budgets", nargs="+", type=float, default=[DEMO_ARMOR_CONFIG.time_budget_s or 0],
+    parser.add_argument("--budgets", nargs="+", type=float, default=[DEFAULT.time_budget_s or 0],
                         help="ARMOR time budgets in seconds per layer (0 = no budget)")
-    parser.add_argument("--optimizer", choices=("bcd", "adam"), default=DEMO_ARMOR_CONFIG.optimizer)
+    parser.add_argument("--optimizer", choices=("bcd", "adam"), default=DEFAULT.optimizer)
     parser.add_argument("--iters", type=int, default=None, help="ARMOR iterations per layer (default: config's)")
     parser.add_argument("--pattern", default="2:4")
     parser.add_argument("--n-calib", type=int, default=64)
@@ -62,9 +65,7 @@ def main(argv=None) -> int:
                        "time_budget_s": budget if budget > 0 else None}
             if args.iters is not None:
                 changes["num_iters"] = args.iters
-            elif args.optimizer != DEMO_ARMOR_CONFIG.optimizer:
-                changes["num_iters"] = None
-            configs.append(dataclasses.replace(with_block_size(DEMO_ARMOR_CONFIG, block), **changes))
+            configs.append(dataclasses.replace(DEFAULT, block_size=block, **changes))
 
     command = "python benchmarks/quality.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     print(command)

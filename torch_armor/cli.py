@@ -3,7 +3,7 @@
 Examples::
 
     # ARMOR 2:4 on the embedded SmolLM2-135M, block size chosen per layer within 5% overhead
-    torch-armor prune smollm2 --out runs/smollm2-armor
+    torch-armor prune smollm2 --block-size auto --out runs/smollm2-armor
     # the same on 2 processes (layers sharded by cost); rerunning a killed command resumes it
     torchrun --nproc-per-node 2 -m torch_armor prune smollm2 --out runs/smollm2-armor
     # a baseline on a local Hugging Face checkpoint, two decoder layers only
@@ -84,7 +84,10 @@ def _add_model(p: argparse.ArgumentParser, help_text: str) -> None:
     p.add_argument("--device", default=None, help="cpu (default), cuda, …")
 
 
-def _add_armor(p: argparse.ArgumentParser, block_default, optimizer_default: str, budget_default) -> None:
+def _add_armor(p: argparse.ArgumentParser, optimizer_default: str, budget_default) -> None:
+    from torch_armor.config import ArmorConfig
+
+    block_default = ArmorConfig().block_size  # the one default
     g = p.add_argument_group("ARMOR")
     g.add_argument("--block-size", type=_block_size, default=block_default,
                    help=f"wrapper block size d_b, or 'auto': per layer, the largest d_b dividing both "
@@ -94,8 +97,7 @@ def _add_armor(p: argparse.ArgumentParser, block_default, optimizer_default: str
     g.add_argument("--optimizer", choices=("bcd", "adam"), default=optimizer_default,
                    help=f"per-layer optimizer (default {optimizer_default})")
     g.add_argument("--iters", type=int, default=None,
-                   help="iterations per layer; given alone it also lifts the default time budget "
-                        "(default: 30 BCD sweeps; 1000 Adam steps)")
+                   help="iterations per layer (default: 30 BCD sweeps; 1000 Adam steps)")
     g.add_argument("--time-budget", type=_positive_float, default=budget_default,
                    help="stop each layer after this many wall seconds (default: no limit)")
     g.add_argument("--seed", type=int, default=0, help="seed of calibration windows and group selection")
@@ -124,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-calib", type=_positive_int, default=64, help="calibration windows (default 64)")
     p.add_argument("--layers", default=None,
                    help="prune only some decoder layers: indices like '0-1' or '0,4-6', or a regex on names")
-    _add_armor(p, "auto", "bcd", None)
+    _add_armor(p, "bcd", None)
     g = p.add_argument_group("runs (ARMOR)")
     g.add_argument("--run-dir", default=None,
                    help=f"where statistics and every finished layer are saved as they complete; rerunning the "
@@ -159,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--data", default="wiki", help="evaluation text (default wiki)")
     d.add_argument("--n-eval", type=_positive_int, default=64, help="evaluation windows (default 64)")
     d.add_argument("--layers", default=None, help="prune only some decoder layers (indices or regex)")
-    _add_armor(d, None, "bcd", None)
+    _add_armor(d, "bcd", None)
     d.add_argument("--armor-eval", choices=("materialized", "tensor"), default="materialized",
                    help="evaluate ARMOR with W_hat materialized as dense matrices (default; same function, "
                         "fastest on CPU) or through the ArmorTensor weights")
@@ -179,32 +181,17 @@ def _setup(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
 
 
-def _armor_config(args: argparse.Namespace, base=None):
-    """ArmorConfig from the ARMOR options (``base`` supplies defaults not given)."""
-    import dataclasses
-
+def _armor_config(args: argparse.Namespace):
+    """ArmorConfig from the ARMOR options (``ArmorConfig()``'s defaults for the others)."""
     from torch_armor.config import ArmorConfig, parse_pattern
 
-    pat = parse_pattern(args.pattern)
-    overrides = {"pattern": str(pat), "optimizer": args.optimizer, "seed": args.seed}
-    if isinstance(args.block_size, int):
-        overrides["block_size"] = args.block_size
-    elif base is None:  # 'auto': a placeholder; prune() picks per layer
-        overrides["block_size"] = pat.m if pat.structured else 16
+    overrides = {"pattern": str(parse_pattern(args.pattern)), "optimizer": args.optimizer, "seed": args.seed,
+                 "block_size": args.block_size, "max_overhead": args.max_overhead}
     if args.iters is not None:
         overrides["num_iters"] = args.iters
-        # an explicit iteration count runs that many iterations unless a budget is also given
-        overrides["time_budget_s"] = None
-    elif base is not None and args.optimizer != base.optimizer:
-        overrides["num_iters"] = None
     if args.time_budget is not None:
         overrides["time_budget_s"] = args.time_budget
-    if base is None:
-        return ArmorConfig(**overrides)
-    from torch_armor.recipes.pipeline import with_block_size
-
-    block = overrides.pop("block_size", base.block_size)
-    return dataclasses.replace(with_block_size(base, block), **overrides)
+    return ArmorConfig(**overrides)
 
 
 def _on_cpu(model) -> bool:
@@ -282,12 +269,12 @@ def _prune(args: argparse.Namespace, out: Path, run_dir: Path, topo) -> int:
     _setup(args)
     start = time.perf_counter()
     from torch_armor.recipes.data import calibration_windows
-    from torch_armor.recipes.pipeline import DEFAULT_ARMOR_CONFIG, calibration_statistics, load_model, prune, select_layers
+    from torch_armor.recipes.pipeline import calibration_statistics, load_model, prune, select_layers
     from torch_armor.tensor.serialization import save_pretrained
 
     armor = args.method == "armor"
     rank, world = (topo.rank, topo.world_size) if topo is not None else (0, 1)
-    cfg = _armor_config(args, base=DEFAULT_ARMOR_CONFIG) if armor else None
+    cfg = _armor_config(args) if armor else None
     if rank == 0:
         _log(f"loading {args.model} …")
     model, tokenizer = load_model(args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device)
@@ -364,9 +351,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     _setup(args)
-    from torch_armor.recipes.pipeline import DEMO_ARMOR_CONFIG, run_quality
+    from torch_armor.recipes.pipeline import run_quality
 
-    cfg = _armor_config(args, base=DEMO_ARMOR_CONFIG)
+    cfg = _armor_config(args)
     result = run_quality(
         "smollm2", methods=args.methods, armor_configs=[cfg],
         armor_block_size="auto" if args.block_size == "auto" else None,
