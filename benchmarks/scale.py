@@ -57,7 +57,7 @@ SHAPES = [
     (4096, 4096, 128, {"bcd": 1, "adam": 4}),
     (4096, 11008, 128, {"bcd": 1, "adam": 4}),
 ]
-# projection budgets: ArmorConfig defaults (bcd 200 sweeps, adam 1000 steps) and the paper's 20,000
+# projection budgets: bcd 200 sweeps, adam 1000 steps (its ArmorConfig default) and the paper's 20,000
 BUDGETS = [("bcd", 200), ("adam", 1000), ("adam", 20000)]
 MODELS = {
     "Llama-2-7B": (32, [(4096, 4096)] * 4 + [(11008, 4096)] * 2 + [(4096, 11008)]),

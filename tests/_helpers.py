@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from torch_armor.config import parse_pattern
 from torch_armor.core.proxy import mask_from_scores
+from torch_armor.core.sparse_core import psd_pinv
 
 
 def random_layer(d_out: int, d_in: int, seed: int = 0, dtype=torch.float64):
@@ -24,3 +26,22 @@ def random_factors(d_out: int, d_in: int, d_b: int, n: int, m: int, seed: int = 
     core = torch.randn(d_out, d_in, generator=g, dtype=dtype)
     mask = mask_from_scores(torch.rand(d_out, d_in, generator=g, dtype=dtype), f"{n}:{m}")
     return a, b, core * mask, mask
+
+
+def block_diag_dense(blocks: torch.Tensor) -> torch.Tensor:
+    """The full block-diagonal matrix of a ``(k, d_b, d_b)`` block stack."""
+    return torch.block_diag(*blocks.unbind(0))
+
+
+def check_mask(mask: torch.Tensor, pattern) -> bool:
+    """Whether ``mask`` satisfies ``pattern`` exactly (N kept per group; row fraction if unstructured)."""
+    pat = parse_pattern(pattern)
+    d_out, d_in = mask.shape
+    if pat.structured:
+        return bool((mask.reshape(d_out, d_in // pat.m, pat.m).sum(-1) == pat.n).all())
+    return bool((mask.sum(1) == int(round((1.0 - pat.sparsity) * d_in))).all())
+
+
+def solve_psd_2x2(k: torch.Tensor, u: torch.Tensor, rel_tol: float = 1e-6) -> torch.Tensor:
+    """``K⁺ u`` of batched symmetric PSD 2×2 systems through :func:`psd_pinv`."""
+    return (psd_pinv(k, rel_tol) @ u[..., None])[..., 0]

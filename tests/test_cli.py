@@ -49,7 +49,8 @@ def test_prune_then_eval_smollm2_two_layers(tmp_path, capsys, smollm2_tokenizer,
     out = tmp_path / "armor"
     # one thread: many small ops per ARMOR sweep, and the CI machine may be shared
     code = main(["prune", "smollm2", "--out", str(out), "--layers", "0-1", "--calib", str(calib),
-                 "--n-calib", "2", "--seq-len", "64", "--iters", "2", "--threads", "1", "--no-progress"])
+                 "--n-calib", "2", "--seq-len", "64", "--iters", "2", "--block-size", "auto", "--threads", "1",
+                 "--no-progress"])
     assert code == 0
     printed = capsys.readouterr().out
     assert "pruned 14 linears" in printed and "wrapper overhead" in printed
@@ -243,3 +244,18 @@ def test_python_dash_m_help():
                          cwd=str(ROOT), timeout=120)
     assert run.returncode == 0, run.stderr
     assert "prune" in run.stdout and "eval" in run.stdout and "demo" in run.stdout
+
+
+def test_block_size_default_is_the_config_default():
+    from torch_armor import ArmorConfig
+    from torch_armor.cli import _armor_config, build_parser
+
+    parser = build_parser()
+    for argv in (["prune", "smollm2", "--out", "x"], ["demo"]):
+        args = parser.parse_args(argv)
+        assert args.block_size == ArmorConfig().block_size == 16
+        assert _armor_config(args) == ArmorConfig()
+    auto = parser.parse_args(["prune", "smollm2", "--out", "x", "--block-size", "auto", "--max-overhead", "0.1"])
+    assert _armor_config(auto) == ArmorConfig(block_size="auto", max_overhead=0.1)
+    adam = parser.parse_args(["prune", "smollm2", "--out", "x", "--optimizer", "adam"])
+    assert _armor_config(adam).iterations == 1000

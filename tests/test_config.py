@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -37,6 +39,11 @@ def test_parse_rejects(bad):
         {"dtype": torch.float16},
         {"dtype": torch.int32},
         {"log_every": 0},
+        {"block_size": "big"},
+        {"block_size": True},
+        {"group_updates": -1},
+        {"max_overhead": 0.0},
+        {"max_overhead": True},
     ],
 )
 def test_config_rejects(kwargs):
@@ -46,8 +53,54 @@ def test_config_rejects(kwargs):
 
 def test_config_defaults():
     cfg = ArmorConfig()
-    assert (cfg.block_size, cfg.pattern, cfg.optimizer, cfg.selection) == (128, "2:4", "bcd", "mixed")
-    assert cfg.num_iters == 200 and cfg.group_updates == 64
+    assert (cfg.block_size, cfg.pattern, cfg.optimizer, cfg.selection_rule) == (16, "2:4", "bcd", "mixed")
+    assert cfg.iterations == 30 and cfg.group_updates_per_sweep == 8 and cfg.max_overhead == 0.05
+    assert ArmorConfig(block_size=128).group_updates_per_sweep == 64
     paper = ArmorConfig(optimizer="adam")
-    assert (paper.lr, paper.num_iters, paper.selection) == (1e-4, 1000, "l1-random")
-    assert ArmorConfig(optimizer="adam", selection="mixed").selection == "mixed"
+    assert (paper.lr, paper.iterations, paper.selection_rule) == (1e-4, 1000, "l1-random")
+    assert ArmorConfig(optimizer="adam", selection="mixed").selection_rule == "mixed"
+
+
+def test_config_is_frozen_and_keeps_what_was_given():
+    cfg = ArmorConfig(pattern=" 2:4 ")
+    assert (cfg.num_iters, cfg.group_updates, cfg.selection) == (None, None, None)
+    assert cfg.pattern == "2:4" and cfg.sparsity == parse_pattern("2:4")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.block_size = 32
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.sparsity = parse_pattern("4:8")
+    assert cfg == ArmorConfig() and hash(cfg) == hash(ArmorConfig())
+
+
+def test_replace_rederives_defaults():
+    base = ArmorConfig(block_size=16, optimizer="bcd", time_budget_s=1.0)
+    moved = dataclasses.replace(base, block_size=32)
+    assert moved.block_size == 32 and moved.time_budget_s == 1.0
+    assert moved.group_updates_per_sweep == ArmorConfig(block_size=32).group_updates_per_sweep == 16
+    assert dataclasses.replace(ArmorConfig(block_size=16, group_updates=1), block_size=32).group_updates_per_sweep == 1
+    assert dataclasses.replace(base, block_size=16) == base
+    adam = dataclasses.replace(base, optimizer="adam")
+    assert (adam.iterations, adam.selection_rule) == (1000, "l1-random")
+    assert dataclasses.replace(ArmorConfig(num_iters=7), optimizer="adam").iterations == 7
+    with pytest.raises(ValueError, match="multiple of M=4"):
+        dataclasses.replace(base, block_size=30)
+
+
+def test_for_layer_resolves_auto_and_checks_the_shape():
+    cfg = ArmorConfig(block_size=16)
+    assert cfg.for_layer(64, 32) is cfg
+    auto = ArmorConfig(block_size="auto", num_iters=3)
+    assert auto.block_size == "auto"
+    with pytest.raises(ValueError, match="for_layer"):
+        auto.group_updates_per_sweep
+    q = auto.for_layer(576, 576, name="q_proj")
+    assert (q.block_size, q.group_updates_per_sweep, q.iterations) == (12, 6, 3)
+    assert auto.for_layer(4096, 4096).block_size == 64
+    assert dataclasses.replace(auto, max_overhead=0.3).for_layer(64, 64).block_size == 8
+    assert ArmorConfig(block_size="auto", pattern="unstructured:0.5", max_overhead=0.5).for_layer(6, 6).block_size == 1
+    with pytest.raises(ValueError, match=r"layer 'fc': block_size=32 does not divide .* \[4, 8, 16\]"):
+        ArmorConfig(block_size=32).for_layer(48, 32, name="fc")
+    with pytest.raises(ValueError, match=r"layer 'tiny': no block size fits .* smallest valid one, 4"):
+        auto.for_layer(8, 8, name="tiny")
+    with pytest.raises(ValueError, match=r"layer 'odd': d_in=30 is not a multiple of M=4"):
+        auto.for_layer(8, 30, name="odd")

@@ -159,11 +159,11 @@ def test_kwargs_override_config():
     # derived fields follow the overrides, not the defaults of ArmorConfig()
     want = ArmorConfig(block_size=16, optimizer="adam")
     sp = ArmorSparsifier(block_size=16, optimizer="adam")
-    assert (sp.armor_config.group_updates, sp.armor_config.num_iters) == (want.group_updates, want.num_iters)
-    sp = ArmorSparsifier(ArmorConfig(optimizer="bcd"), block_size=16, optimizer="adam")
-    assert (sp.armor_config.group_updates, sp.armor_config.num_iters) == (want.group_updates, want.num_iters)
-    sp = ArmorSparsifier(ArmorConfig(group_updates=5), block_size=16)  # explicit values stay
-    assert sp.armor_config.group_updates == 5
+    assert (sp.armor_config.group_updates_per_sweep, sp.armor_config.iterations) == (want.group_updates_per_sweep, want.iterations)
+    sp = ArmorSparsifier(ArmorConfig(block_size=128, optimizer="bcd"), block_size=16, optimizer="adam")
+    assert (sp.armor_config.group_updates_per_sweep, sp.armor_config.iterations) == (want.group_updates_per_sweep, want.iterations)
+    sp = ArmorSparsifier(ArmorConfig(block_size=128, group_updates=5), block_size=16)  # explicit values stay
+    assert sp.armor_config.group_updates_per_sweep == 5
 
 
 def test_per_layer_block_size_override():
@@ -177,8 +177,8 @@ def test_per_layer_block_size_override():
     assert no_hooks(model[2])
     sp.prepare(model, [{"tensor_fqn": "0.weight", "block_size": 16}, {"tensor_fqn": "2.weight"}])
     assert sp.config_for("0.weight").block_size == 16
-    assert sp.config_for("0.weight").group_updates == ArmorConfig(block_size=16).group_updates
-    assert sp.config_for("2.weight").group_updates == ArmorConfig(block_size=32).group_updates
+    assert sp.config_for("0.weight").group_updates_per_sweep == ArmorConfig(block_size=16).group_updates_per_sweep
+    assert sp.config_for("2.weight").group_updates_per_sweep == ArmorConfig(block_size=32).group_updates_per_sweep
     model(torch.randn(40, 48))
     sp.convert(model)
     assert model[0].weight.block_size == 16 and model[2].weight.block_size == 32

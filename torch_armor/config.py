@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -14,7 +15,7 @@ _SELECTIONS = ("l1-random", "l2-random", "l1-greedy", "random", "decrease-greedy
 _DEFAULT_SELECTION = {"adam": "l1-random", "bcd": "mixed"}
 _OPTIMIZERS = ("adam", "bcd")
 _FLOAT_DTYPES = (torch.float32, torch.float64)
-_DEFAULT_ITERS = {"adam": 1000, "bcd": 200}
+_DEFAULT_ITERS = {"adam": 1000, "bcd": 30}
 
 
 @dataclass(frozen=True)
@@ -34,11 +35,6 @@ class SparsityPattern:
     m: int = 4
     sparsity: float = 0.5
     structured: bool = field(default=True, repr=False)
-
-    @property
-    def num_supports(self) -> int:
-        """How many ways one group can choose its kept entries: C(M, N)."""
-        return math.comb(self.m, self.n) if self.structured else 0
 
     def __str__(self) -> str:
         return f"{self.n}:{self.m}" if self.structured else f"unstructured:{self.sparsity:g}"
@@ -71,18 +67,35 @@ def parse_pattern(pattern: Union[str, SparsityPattern]) -> SparsityPattern:
     return SparsityPattern(n=n, m=m, sparsity=1.0 - n / m, structured=True)
 
 
-@dataclass
+_Block = Union[int, str]
+
+
+@dataclass(frozen=True)
 class ArmorConfig:
-    """Settings for :func:`torch_armor.core.factorize` (one linear layer).
+    """Settings for :func:`torch_armor.core.factorize` (one linear layer), immutable.
+
+    The defaults are THE defaults of torch_armor (the sparsifier, :func:`~torch_armor.recipes.pipeline.prune`,
+    ``torch-armor prune`` and ``torch-armor demo`` all start from ``ArmorConfig()``): block size
+    16, 2:4, ``"bcd"``, 30 sweeps per layer. A fixed number of sweeps, not a time budget, so
+    the result does not depend on the machine's load (bit-identical for the same thread count);
+    the cost grows with ``d_out·d_in·d_b``.
+
+    Fields hold what was given; ``None`` means "derive it", and the derived values are
+    read-only properties (:attr:`sparsity`, :attr:`iterations`, :attr:`group_updates_per_sweep`,
+    :attr:`selection_rule`), so ``dataclasses.replace(cfg, block_size=32)`` gets block 32's
+    defaults. :meth:`for_layer` resolves the config for one layer's shape.
 
     Args:
-        block_size: size ``d_b`` of the diagonal blocks of ``A`` and ``B``; must divide
-            both ``d_out`` and ``d_in`` of every layer it is applied to.
+        block_size: size ``d_b`` of the diagonal blocks of ``A`` and ``B`` (default 16); must
+            divide both ``d_out`` and ``d_in`` of every layer it is applied to. ``"auto"``:
+            per layer (:meth:`for_layer`), the largest valid block size whose wrappers add at
+            most ``max_overhead`` parameters.
         pattern: ``"2:4"`` (default), any ``"N:M"`` with ``M`` dividing ``block_size``,
             or ``"unstructured:F"``.
-        num_iters: iterations: for ``"adam"``, (Adam step, sparse-core step) pairs
-            (default 1000); for ``"bcd"``, sweeps (default 200). Optimization also stops at
-            ``time_budget_s`` or when a logged step improves the loss by less than ``tol``.
+        num_iters: iterations (``None``: the optimizer's default, see :attr:`iterations`): for
+            ``"adam"``, (Adam step, sparse-core step) pairs (default 1000); for ``"bcd"``,
+            sweeps (default 30). Optimization also stops at ``time_budget_s`` or when a logged
+            step improves the loss by less than ``tol``.
         optimizer: ``"bcd"`` (default) or ``"adam"`` — the paper's joint Adam on ``A``, ``B``, ``W'``, one sparse-core
             group per tile per iteration; ``"bcd"`` — exact block-coordinate sweeps: closed-form
             ``A`` and ``B``, preconditioned CG on the kept core values, then
@@ -93,10 +106,11 @@ class ArmorConfig:
             points (0: never stop early).
         cg_steps: conjugate-gradient steps on the core per ``"bcd"`` sweep.
         group_updates: sparse-core group updates per tile per ``"bcd"`` sweep
-            (``None``: ``block_size // 2``).
+            (``None``: ``max(1, block_size // 2)``, see :attr:`group_updates_per_sweep`).
         ridge: relative proximal ridge of the ``"bcd"`` closed-form solves.
         selection: how each tile picks the groups its sparse-core steps update (see
-            :func:`~torch_armor.core.sparse_core.select_groups`): ``"l1-random"`` (paper; default
+            :func:`~torch_armor.core.sparse_core.select_groups`; ``None``: the optimizer's
+            default, see :attr:`selection_rule`): ``"l1-random"`` (paper; default
             for ``"adam"``), ``"l2-random"``, ``"l1-greedy"``, ``"random"``,
             ``"decrease-greedy"`` (the groups whose step alone would lower the loss most) or
             ``"mixed"`` (half each of ``"decrease-greedy"`` and ``"l1-random"``; default for
@@ -106,15 +120,22 @@ class ArmorConfig:
         dtype: optimization dtype, ``torch.float32`` (default) or ``torch.float64``.
             Half-precision weights are always optimized in this dtype and returned in theirs.
         log_every: record the relative proxy loss every this many iterations (1 = all).
+        max_overhead: wrapper-overhead budget of ``block_size="auto"``: the extra parameters
+            ``d_b·(d_out + d_in)`` as a fraction of the layer's ``d_out·d_in`` (default 0.05).
 
     Example::
 
-        >>> cfg = ArmorConfig(block_size=32, num_iters=100)
-        >>> cfg.sparsity.n, cfg.sparsity.m
-        (2, 4)
+        >>> cfg = ArmorConfig()
+        >>> cfg.block_size, cfg.optimizer, cfg.iterations, cfg.group_updates_per_sweep, cfg.selection_rule
+        (16, 'bcd', 30, 8, 'mixed')
+        >>> import dataclasses
+        >>> dataclasses.replace(cfg, block_size=32).group_updates_per_sweep
+        16
+        >>> ArmorConfig(block_size="auto").for_layer(576, 1536).block_size
+        16
     """
 
-    block_size: int = 128
+    block_size: _Block = 16
     pattern: str = "2:4"
     num_iters: Optional[int] = None
     optimizer: str = "bcd"
@@ -129,41 +150,39 @@ class ArmorConfig:
     device: Optional[Union[str, torch.device]] = None
     dtype: torch.dtype = torch.float32
     log_every: int = 1
+    max_overhead: float = 0.05
 
     def __post_init__(self) -> None:
-        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
-            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
-        self.sparsity = parse_pattern(self.pattern)
-        self.pattern = str(self.sparsity)
-        if self.sparsity.structured and self.block_size % self.sparsity.m != 0:
+        auto = self.block_size == "auto"
+        if not auto and (not isinstance(self.block_size, int) or isinstance(self.block_size, bool)
+                         or self.block_size < 1):
+            raise ValueError(f"block_size must be a positive integer or 'auto', got {self.block_size!r}")
+        sparsity = parse_pattern(self.pattern)
+        object.__setattr__(self, "pattern", str(sparsity))  # the one normalization: "2:4", "unstructured:0.5"
+        if not auto and sparsity.structured and self.block_size % sparsity.m != 0:
             raise ValueError(
-                f"block_size={self.block_size} is not a multiple of M={self.sparsity.m} in pattern "
-                f"{self.pattern!r}: groups must not straddle tiles; pick a block size divisible by {self.sparsity.m}"
+                f"block_size={self.block_size} is not a multiple of M={sparsity.m} in pattern "
+                f"{self.pattern!r}: groups must not straddle tiles; pick a block size divisible by {sparsity.m}"
             )
         if self.optimizer not in _OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {_OPTIMIZERS}, got {self.optimizer!r}")
-        if self.num_iters is None:
-            self.num_iters = _DEFAULT_ITERS[self.optimizer]
-        if not isinstance(self.num_iters, int) or isinstance(self.num_iters, bool) or self.num_iters < 0:
-            raise ValueError(f"num_iters must be a non-negative integer, got {self.num_iters!r}")
+        if self.num_iters is not None and (not isinstance(self.num_iters, int) or isinstance(self.num_iters, bool)
+                                           or self.num_iters < 0):
+            raise ValueError(f"num_iters must be a non-negative integer or None, got {self.num_iters!r}")
         if self.time_budget_s is not None and not (self.time_budget_s > 0):
             raise ValueError(f"time_budget_s must be positive seconds or None, got {self.time_budget_s!r}")
         if not (isinstance(self.tol, (int, float)) and 0.0 <= self.tol < 1.0):
             raise ValueError(f"tol must be in [0, 1), got {self.tol!r}")
         if not isinstance(self.cg_steps, int) or self.cg_steps < 0:
             raise ValueError(f"cg_steps must be a non-negative integer, got {self.cg_steps!r}")
-        if self.group_updates is None:
-            self.group_updates = max(1, self.block_size // 2)
-        if not isinstance(self.group_updates, int) or self.group_updates < 0:
-            raise ValueError(f"group_updates must be a non-negative integer, got {self.group_updates!r}")
+        if self.group_updates is not None and (not isinstance(self.group_updates, int) or self.group_updates < 0):
+            raise ValueError(f"group_updates must be a non-negative integer or None, got {self.group_updates!r}")
         if not (isinstance(self.ridge, (int, float)) and 0.0 <= self.ridge < 1.0):
             raise ValueError(f"ridge must be in [0, 1), got {self.ridge!r}")
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a positive finite number, got {self.lr!r}")
-        if self.selection is None and self.optimizer in _DEFAULT_SELECTION:
-            self.selection = _DEFAULT_SELECTION[self.optimizer]
-        if self.selection not in _SELECTIONS:
-            raise ValueError(f"selection must be one of {_SELECTIONS}, got {self.selection!r}")
+        if self.selection is not None and self.selection not in _SELECTIONS:
+            raise ValueError(f"selection must be one of {_SELECTIONS} or None, got {self.selection!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.dtype not in _FLOAT_DTYPES:
@@ -173,9 +192,70 @@ class ArmorConfig:
             )
         if not isinstance(self.log_every, int) or self.log_every < 1:
             raise ValueError(f"log_every must be a positive integer, got {self.log_every!r}")
+        if (isinstance(self.max_overhead, bool) or not isinstance(self.max_overhead, (int, float))
+                or not self.max_overhead > 0):
+            raise ValueError(f"max_overhead must be a positive fraction (0.05 = 5%), got {self.max_overhead!r}")
 
-    def for_layer(self, d_out: int, d_in: int, name: Optional[str] = None) -> "ArmorConfig":  # TEMP until the config branch merges
-        from torch_armor.core.proxy import check_layer_shape
+    # -- derived values ------------------------------------------------------------------------
+    @property
+    def sparsity(self) -> SparsityPattern:
+        """The parsed :attr:`pattern`."""
+        return parse_pattern(self.pattern)
 
-        check_layer_shape(d_out, d_in, self.sparsity, self.block_size, name=name)
+    @property
+    def iterations(self) -> int:
+        """``num_iters`` if given, else the optimizer's default (``"bcd"``: 30 sweeps, ``"adam"``: 1000 steps)."""
+        return self.num_iters if self.num_iters is not None else _DEFAULT_ITERS[self.optimizer]
+
+    @property
+    def group_updates_per_sweep(self) -> int:
+        """``group_updates`` if given, else ``max(1, block_size // 2)``.
+
+        Raises:
+            ValueError: ``block_size`` is ``"auto"`` and ``group_updates`` is not set: resolve
+                the block size with :meth:`for_layer` first.
+        """
+        if self.group_updates is not None:
+            return self.group_updates
+        if self.block_size == "auto":
+            raise ValueError("block_size='auto' is chosen per layer: call config.for_layer(d_out, d_in) first")
+        return max(1, self.block_size // 2)
+
+    @property
+    def selection_rule(self) -> str:
+        """``selection`` if given, else the optimizer's default (``"bcd"``: ``"mixed"``, ``"adam"``: ``"l1-random"``)."""
+        return self.selection if self.selection is not None else _DEFAULT_SELECTION[self.optimizer]
+
+    # -- per layer -----------------------------------------------------------------------------
+    def for_layer(self, d_out: int, d_in: int, name: Optional[str] = None) -> "ArmorConfig":
+        """This config for one ``(d_out, d_in)`` layer: a concrete integer block size
+        (``"auto"``: the largest valid one within ``max_overhead``, see
+        :func:`~torch_armor.core.proxy.auto_block_size`), checked against the shape.
+
+        Returns ``self`` when the block size is already an integer that fits.
+
+        Raises:
+            ValueError: the pattern or block size cannot serve this shape; the message names
+                the layer (``name``) and the block sizes that would fit.
+
+        Example::
+
+            >>> ArmorConfig(block_size="auto", max_overhead=0.05).for_layer(4096, 4096).block_size
+            64
+            >>> ArmorConfig(block_size=32).for_layer(48, 32, name="fc")
+            Traceback (most recent call last):
+            ...
+            ValueError: layer 'fc': block_size=32 does not divide the weight shape (48, 32); block sizes that fit this layer: [4, 8, 16]
+        """
+        from torch_armor.core.proxy import auto_block_size, check_layer_shape
+
+        sparsity = self.sparsity
+        if self.block_size == "auto":
+            check_layer_shape(d_out, d_in, sparsity, None, name=name)
+            try:
+                block = auto_block_size(d_out, d_in, self.max_overhead, sparsity.m if sparsity.structured else 1)
+            except ValueError as err:
+                raise ValueError(f"layer {name!r}: {err}" if name else str(err)) from None
+            return dataclasses.replace(self, block_size=block)
+        check_layer_shape(d_out, d_in, sparsity, self.block_size, name=name)
         return self

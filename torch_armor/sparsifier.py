@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 from torch_armor.config import ArmorConfig, parse_pattern
 from torch_armor.core.factorize import factorize
-from torch_armor.core.factors import ArmorFactors
+from torch_armor.core.factors import SCALAR_NAMES, ArmorFactors
 from torch_armor.calibration.observer import ActSqNormObserver, LayerStatistics, decoder_linear_names
 from torch_armor.core.proxy import check_layer_shape
 
@@ -46,8 +46,6 @@ logger = logging.getLogger("torch_armor")
 
 STATE_DICT_VERSION = 1
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(ArmorConfig))
-_FACTOR_TENSORS = ("a_blocks", "core", "b_blocks", "mask", "history", "history_iters", "history_time_s")
-_DERIVED_FIELDS = ("num_iters", "group_updates")  # ArmorConfig fills these from other fields when None
 _MODULE_KEYS = ("module", "module_fqn", "tensor_name")  # filled in by BaseSparsifier.prepare
 
 
@@ -64,24 +62,6 @@ def _plain(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return str(value)
-
-
-def _derive_config(base: ArmorConfig, overrides: Dict[str, Any]) -> ArmorConfig:
-    """``base`` with ``overrides`` applied; fields ``base`` derived from others are re-derived.
-
-    ``ArmorConfig`` fills ``num_iters`` from the optimizer and ``group_updates`` from the block
-    size. When ``base`` holds exactly those derived values and ``overrides`` does not set them,
-    they are derived again from the new optimizer / block size (so overriding ``block_size``
-    gives that block size's default ``group_updates``, not the one of the base block size).
-    """
-    if not overrides:
-        return base
-    changes = dict(overrides)
-    derived = ArmorConfig(block_size=base.block_size, pattern=base.pattern, optimizer=base.optimizer)
-    for name in _DERIVED_FIELDS:
-        if name not in changes and getattr(base, name) == getattr(derived, name):
-            changes[name] = None
-    return dataclasses.replace(base, **changes)
 
 
 class _CalibratedSparsifier(BaseSparsifier):
@@ -260,7 +240,7 @@ class _CalibratedSparsifier(BaseSparsifier):
         return stats
 
     # -- step --------------------------------------------------------------------------------
-    def step(self, use_path: bool = True) -> None:
+    def step(self) -> None:
         """Solve every prepared layer not solved yet (progress bar; resumes after a load).
 
         Raises:
@@ -459,6 +439,8 @@ class ArmorSparsifier(_CalibratedSparsifier):
     Per-layer overrides in ``prepare(model, [{"tensor_fqn": ..., "block_size": 16}, ...])`` may
     set any :class:`ArmorConfig` field. Derived defaults follow: a layer overriding
     ``block_size`` gets that block size's default ``group_updates`` unless that is set too.
+    Each layer's config is resolved with :meth:`ArmorConfig.for_layer` (``block_size="auto"``
+    picks a block size per layer) and checked against its shape in ``prepare``.
 
     Example::
 
@@ -495,10 +477,7 @@ class ArmorSparsifier(_CalibratedSparsifier):
             raise ValueError(f"storage must be one of {STORAGES + ('auto',)}, got {storage!r}")
         if on_layer_done is not None and not callable(on_layer_done):
             raise ValueError("on_layer_done must be a callable (tensor_fqn, factors) -> None")
-        if config is None:
-            self.armor_config = ArmorConfig(**overrides)
-        else:
-            self.armor_config = _derive_config(config, overrides)
+        self.armor_config = dataclasses.replace(config or ArmorConfig(), **overrides)
         defaults = {k: getattr(self.armor_config, k) for k in _CONFIG_FIELDS}
         super().__init__(defaults=defaults, progress=progress)
         self.storage = storage
@@ -518,25 +497,25 @@ class ArmorSparsifier(_CalibratedSparsifier):
         return self._layer_configs[fqn]
 
     def _resolve_config(self, group: Dict[str, Any]) -> ArmorConfig:
+        """The config of one prepared layer: per-layer overrides applied, resolved for its shape."""
+        fqn = group["tensor_fqn"]
         overrides = {k: group[k] for k in _CONFIG_FIELDS
                      if k in group and group[k] != getattr(self.armor_config, k)}
         try:
-            return _derive_config(self.armor_config, overrides)
+            cfg = dataclasses.replace(self.armor_config, **overrides)
         except ValueError as err:
-            raise ValueError(f"layer {group['tensor_fqn']!r}: invalid per-layer setting: {err}") from None
-
-    def _check_layer(self, group: Dict[str, Any]) -> None:
-        cfg = self._resolve_config(group)
+            raise ValueError(f"layer {fqn!r}: invalid per-layer setting: {err}") from None
         d_out, d_in = group["module"].weight.shape
-        fqn = group["tensor_fqn"]
         try:
-            check_layer_shape(d_out, d_in, cfg.pattern, cfg.block_size, name=fqn)
+            return cfg.for_layer(d_out, d_in, name=fqn)
         except ValueError as err:
             raise ValueError(
                 f"{err}. Override it for this layer: "
                 f"prepare(model, [{{'tensor_fqn': '{fqn}', 'block_size': <one of those>}}, ...])"
             ) from None
-        self._layer_configs[fqn] = cfg
+
+    def _check_layer(self, group: Dict[str, Any]) -> None:
+        self._layer_configs[group["tensor_fqn"]] = self._resolve_config(group)
 
     def _done(self, fqn: str) -> bool:
         return "factors" in self.state[fqn]
@@ -594,26 +573,28 @@ class ArmorSparsifier(_CalibratedSparsifier):
 
     # -- save / resume -----------------------------------------------------------------------
     def _identity(self) -> Dict[str, Any]:
-        return {"sparsifier": "ArmorSparsifier", "method": "armor",
-                "config": _plain({k: getattr(self.armor_config, k) for k in _CONFIG_FIELDS})}
+        from torch_armor.engine.runstore import config_to_dict
+
+        return {"sparsifier": "ArmorSparsifier", "method": "armor", "config": config_to_dict(self.armor_config)}
 
     def _result_state(self, fqn: str) -> Optional[Dict[str, Any]]:
         if "factors" not in self.state[fqn]:
             return None
         f: ArmorFactors = self.state[fqn]["factors"]
-        factors: Dict[str, Any] = {k: getattr(f, k).detach().cpu() for k in _FACTOR_TENSORS}
-        factors.update(pattern=str(f.pattern), nowag_loss=float(f.nowag_loss), best_iter=int(f.best_iter))
+        factors: Dict[str, Any] = {**f.to_tensors(), **f.metadata()}
         return {"factors": factors, "seconds": float(self.state[fqn].get("seconds") or 0.0)}
 
     def _load_result(self, fqn: str, entry: Dict[str, Any]) -> None:
         if "factors" not in entry:
             return
-        saved = entry["factors"]
-        missing = [k for k in (*_FACTOR_TENSORS, "pattern") if k not in saved]
-        if missing:
-            raise ValueError(f"layer {fqn!r}: saved factors lack {missing}")
-        factors = ArmorFactors(**{k: saved[k] for k in (*_FACTOR_TENSORS, "pattern", "nowag_loss", "best_iter")
-                                  if k in saved})
+        saved = dict(entry["factors"])
+        if "pattern" not in saved:
+            raise ValueError(f"layer {fqn!r}: saved factors lack ['pattern']")
+        scalars = {k: saved.pop(k) for k in SCALAR_NAMES if k in saved}
+        try:
+            factors = ArmorFactors.from_tensors(saved, **scalars)
+        except ValueError as err:
+            raise ValueError(f"layer {fqn!r}: saved factors: {err}") from None
         shape = tuple(self._module(fqn).weight.shape)
         if tuple(factors.core.shape) != shape:
             raise ValueError(

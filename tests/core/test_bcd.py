@@ -5,9 +5,8 @@ from hypothesis import given, settings, strategies as st
 from torch_armor import ArmorConfig, factorize
 from torch_armor.core.bcd import refine_core_cg, update_a, update_b
 from torch_armor.core.factorize import reconstruct_normalized
-from torch_armor.core.proxy import check_mask
 
-from _helpers import random_factors, random_layer
+from _helpers import check_mask, random_factors, random_layer
 
 
 def _loss(w_bar, a, core, b, h):

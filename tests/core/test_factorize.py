@@ -3,10 +3,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from torch_armor import ArmorConfig, factorize, nowag_prune, proxy_loss, relative_proxy_loss
-from torch_armor.core.blockdiag import block_diag_dense
-from torch_armor.core.proxy import check_mask, normalize_weight
+from torch_armor.core.proxy import normalize_weight
 
-from _helpers import random_layer
+from _helpers import block_diag_dense, check_mask, random_layer
 
 
 def test_zero_iterations_is_nowag():
@@ -134,11 +133,11 @@ def _reference_adam(w, h, cfg):
     opt = torch.optim.Adam([a, b, wp], lr=cfg.lr)
     gen = torch.Generator().manual_seed(cfg.seed)
     losses = []
-    for _ in range(cfg.num_iters):
+    for _ in range(cfg.iterations):
         with torch.no_grad():
             s = (wp * mask).contiguous()
             grad = core_gradient(w_bar - reconstruct_normalized(a, s, b), a, b, h).contiguous()
-            rows, groups = select_groups(grad, d_b, 4, cfg.selection, gen)
+            rows, groups = select_groups(grad, d_b, 4, cfg.selection_rule, gen)
             sparse_core_step(s, mask, *block_grams(a, b, h), grad, 2, 4, rows, groups)
             wp.copy_(torch.where(mask, s, wp))
         loss = ((w_bar - reconstruct_normalized(a, wp * mask, b)) ** 2 * h).sum()

@@ -5,9 +5,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from torch_armor import nowag_prune, proxy_loss, relative_proxy_loss
-from torch_armor.core.proxy import check_mask, normalize_weight, validate_layer
+from torch_armor.core.proxy import auto_block_size, normalize_weight, validate_layer
 
-from _helpers import random_layer
+from _helpers import check_mask, random_layer
 
 
 def test_normalize_roundtrip_and_norms():
@@ -118,3 +118,51 @@ def test_validate_block_size_suggests_fix():
     w, h = random_layer(24, 48)
     with pytest.raises(ValueError, match=r"\[4, 8, 12, 24\]"):
         validate_layer(w, h, "2:4", block_size=16)
+
+
+# ------------------------------------------------------------------ auto block size
+
+
+def brute_force_block_size(d_out, d_in, max_overhead, multiple_of):
+    best = None
+    for b in range(1, min(d_out, d_in) + 1):
+        if d_out % b == 0 and d_in % b == 0 and b % multiple_of == 0:
+            if b * (d_in + d_out) / (d_in * d_out) <= max_overhead:
+                best = b
+    return best
+
+
+@pytest.mark.parametrize("multiple_of", [1, 2, 4, 8])
+@pytest.mark.parametrize("max_overhead", [0.01, 0.025, 0.05, 0.1, 0.3])
+def test_auto_block_size_matches_brute_force(multiple_of, max_overhead):
+    g = torch.Generator().manual_seed(multiple_of * 1000 + int(max_overhead * 1000))
+    dims = [4, 8, 12, 16, 24, 64, 96, 192, 576, 768, 1536, 4096]
+    shapes = [(a, b) for a in dims for b in dims]
+    shapes += [tuple(int(v) for v in torch.randint(1, 700, (2,), generator=g)) for _ in range(60)]
+    for d_out, d_in in shapes:
+        want = brute_force_block_size(d_out, d_in, max_overhead, multiple_of)
+        if want is None:
+            with pytest.raises(ValueError, match="block size"):
+                auto_block_size(d_out, d_in, max_overhead, multiple_of)
+        else:
+            assert auto_block_size(d_out, d_in, max_overhead, multiple_of) == want, (d_out, d_in)
+
+
+def test_auto_block_size_smollm2_shapes():
+    # q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536 at 5%
+    assert auto_block_size(576, 576, 0.05) == 12
+    assert auto_block_size(192, 576, 0.05) == 4
+    assert auto_block_size(1536, 576, 0.05) == 16
+    assert auto_block_size(576, 1536, 0.05) == 16
+    assert auto_block_size(4096, 4096, 0.05) == 64
+
+
+def test_auto_block_size_errors():
+    with pytest.raises(ValueError, match="smallest valid one, 4, costs"):
+        auto_block_size(8, 8, 0.05, 4)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        auto_block_size(12, 12, 0.9, 8)
+    with pytest.raises(ValueError, match="max_overhead"):
+        auto_block_size(64, 64, 0.0)
+    with pytest.raises(ValueError, match="d_out"):
+        auto_block_size(0, 64, 0.05)

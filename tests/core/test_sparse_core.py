@@ -5,19 +5,17 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from torch_armor.core.factorize import reconstruct_normalized
-from torch_armor.core.proxy import check_mask
 from torch_armor.core.sparse_core import (
     block_grams,
     core_gradient,
     group_decrease,
     select_groups,
     solve_psd,
-    solve_psd_2x2,
     sparse_core_step,
     sparse_core_steps,
 )
 
-from _helpers import random_factors, random_layer
+from _helpers import check_mask, random_factors, random_layer, solve_psd_2x2
 
 
 def _loss(w_bar, a, core, b, h):

@@ -258,7 +258,7 @@ def test_other_per_layer_settings_are_refused(tmp_path):
     store = RunStore(tmp_path, CFG, "m", stats_hash(layers))
     factorize_layers(layers, CFG, store, progress=False, per_layer_overrides={"model.layers.1.proj": {"block_size": 32}})
     assert store.load("model.layers.1.proj").block_size == 32
-    assert store.layer_info("model.layers.1.proj")["config"]["group_updates"] == 16  # re-derived for 32
+    assert store.layer_info("model.layers.1.proj")["config"]["group_updates"] == 16  # derived for 32
     with pytest.raises(RunMismatchError, match=r"'model.layers.1.proj'.*\n.*block_size: run has 32, now 16"):
         factorize_layers(layers, CFG, RunStore(tmp_path, CFG, "m", stats_hash(layers)), progress=False)
 

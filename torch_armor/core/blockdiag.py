@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["block_diag_left", "block_diag_right", "block_diag_dense"]
+__all__ = ["block_diag_left", "block_diag_right"]
 
 
 def block_diag_left(blocks: torch.Tensor, mat: torch.Tensor) -> torch.Tensor:
@@ -20,8 +20,3 @@ def block_diag_right(mat: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     k = mat.shape[0]
     out = torch.bmm(mat.reshape(k, n, d_b).transpose(0, 1), blocks)  # (n, k, d_b)
     return out.transpose(0, 1).reshape(k, n * d_b)
-
-
-def block_diag_dense(blocks: torch.Tensor) -> torch.Tensor:
-    """The full block-diagonal matrix (for tests and small debugging only)."""
-    return torch.block_diag(*blocks.unbind(0))

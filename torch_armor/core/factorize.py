@@ -35,7 +35,6 @@ def _weighted_sq(residual: torch.Tensor, act_sq_norm: torch.Tensor) -> torch.Ten
 class _Problem:
     w_bar: torch.Tensor
     h: torch.Tensor
-    mask: torch.Tensor  # NoWag-P mask
     pattern: SparsityPattern
     d_b: int
     nowag_loss: torch.Tensor
@@ -65,7 +64,7 @@ class _Log:
         return budget is not None and self.elapsed() >= budget
 
     def is_log_point(self, it: int) -> bool:
-        return it % self.config.log_every == 0 or it == self.config.num_iters
+        return it % self.config.log_every == 0 or it == self.config.iterations
 
     def record(self, it: int, loss: torch.Tensor) -> None:
         self.iters.append(it)
@@ -90,10 +89,11 @@ class _Log:
 
 def _choose_groups(config: ArmorConfig, pattern: SparsityPattern, core, grad, a_gram, b_gram, generator,
                    num: Optional[int] = None):
-    """``select_groups`` for ``config.selection``, computing every group's decrease if the rule needs it."""
+    """``select_groups`` for ``config.selection_rule``, computing every group's decrease if the rule needs it."""
+    rule = config.selection_rule
     decrease = (group_decrease(core, grad, a_gram, b_gram, pattern.n, pattern.m)
-                if config.selection in DECREASE_SELECTIONS else None)
-    return select_groups(grad, config.block_size, pattern.m, config.selection, generator, num=num, decrease=decrease)
+                if rule in DECREASE_SELECTIONS else None)
+    return select_groups(grad, config.block_size, pattern.m, rule, generator, num=num, decrease=decrease)
 
 
 def _tile_outer(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
@@ -138,7 +138,7 @@ def _run_adam(problem: _Problem, config: ArmorConfig, log: _Log, a, b, core, mas
     q_idx = torch.arange(q, device=w_bar.device)[None, :].expand(p, q)
 
     steps_done = 0
-    for it in range(1, config.num_iters + 1):
+    for it in range(1, config.iterations + 1):
         s = (w_prime * mask).contiguous()
         a_s = block_diag_left(a, s)
         residual = w_bar - block_diag_right(a_s, b)
@@ -193,17 +193,18 @@ def _run_bcd(problem: _Problem, config: ArmorConfig, log: _Log, a, b, core, mask
     w_bar, h, pattern = problem.w_bar, problem.h, problem.pattern
     generator = torch.Generator(device=w_bar.device).manual_seed(config.seed)
     best = {"a": a.clone(), "b": b.clone(), "core": core.clone(), "mask": mask.clone()}
-    for it in range(1, config.num_iters + 1):
+    group_updates = config.group_updates_per_sweep
+    for it in range(1, config.iterations + 1):
         a = update_a(w_bar, h, a, core, b, config.ridge)
         b = update_b(w_bar, a, core, b, config.ridge)
         core = refine_core_cg(w_bar, h, a, core, mask, b, config.cg_steps, config.ridge).contiguous()
         residual = w_bar - reconstruct_normalized(a, core, b)
         loss = _weighted_sq(residual, h)
-        if pattern.structured and config.group_updates > 0:
+        if pattern.structured and group_updates > 0:
             grad = core_gradient(residual, a, b, h).contiguous()
             a_gram, b_gram = block_grams(a, b, h)
             rows, groups = _choose_groups(config, pattern, core, grad, a_gram, b_gram, generator,
-                                          num=config.group_updates)
+                                          num=group_updates)
             gain = sparse_core_steps(core, mask, a_gram, b_gram, grad, pattern.n, pattern.m, rows, groups)
             loss = loss - gain.sum()
         log.keep_best(it, loss, best, {"a": a, "b": b, "core": core, "mask": mask})
@@ -239,7 +240,8 @@ def factorize(
         weight: ``(d_out, d_in)`` float weight (fp16/bf16 are optimized in ``config.dtype``
             and the factors returned in the weight's dtype).
         act_sq_norm: ``(d_in,)`` ``Σ_tokens x_j²`` from calibration.
-        config: :class:`ArmorConfig` (defaults if ``None``).
+        config: :class:`ArmorConfig` (defaults if ``None``), resolved for this weight's shape
+            with :meth:`ArmorConfig.for_layer` (``block_size="auto"`` allowed).
         name: layer name used in error messages.
 
     Example::
@@ -249,8 +251,8 @@ def factorize(
         >>> f.relative_loss <= 1.0, f.dense().shape
         (True, torch.Size([64, 64]))
     """
-    config = config or ArmorConfig()
-    pattern = validate_layer(weight, act_sq_norm, config.pattern, config.block_size, name)
+    pattern = validate_layer(weight, act_sq_norm, (config or ArmorConfig()).pattern, None, name)
+    config = (config or ArmorConfig()).for_layer(*weight.shape, name=name)
     device = torch.device(config.device) if config.device is not None else weight.device
     dtype, d_b = config.dtype, config.block_size
 
@@ -259,13 +261,13 @@ def factorize(
     w_bar, row_norm, col_norm = normalize_weight(w)
     mask = mask_from_scores(nowag_scores(w_bar, h), pattern).contiguous()
     core = (w_bar * mask).contiguous()
-    problem = _Problem(w_bar, h, mask, pattern, d_b, _weighted_sq(w_bar - core, h))
+    problem = _Problem(w_bar, h, pattern, d_b, _weighted_sq(w_bar - core, h))
     p, q = problem.tiles
     eye = torch.eye(d_b, device=device, dtype=dtype)
     a, b = eye.repeat(p, 1, 1), eye.repeat(q, 1, 1)
 
     log = _Log(problem, config)
-    if config.num_iters > 0 and float(problem.nowag_loss) > 0:
+    if config.iterations > 0 and float(problem.nowag_loss) > 0:
         run = _run_adam if config.optimizer == "adam" else _run_bcd
         best = run(problem, config, log, a, b, core, mask.clone())
         a, b, core, mask = best["a"], best["b"], best["core"], best["mask"]

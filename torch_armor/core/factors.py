@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Dict, Mapping, Optional
 
 import torch
 
 from torch_armor.core.blockdiag import block_diag_left, block_diag_right
 
 __all__ = ["ArmorFactors"]
+
+#: The tensors of :class:`ArmorFactors`, in the order :meth:`ArmorFactors.to_tensors` gives them.
+TENSOR_NAMES = ("a_blocks", "core", "b_blocks", "mask", "history", "history_iters", "history_time_s")
+#: Its scalar fields (:meth:`ArmorFactors.metadata`).
+SCALAR_NAMES = ("pattern", "nowag_loss", "best_iter")
 
 
 @dataclass
@@ -62,3 +67,64 @@ class ArmorFactors:
     def num_wrapper_params(self) -> int:
         """Extra parameters of ``A`` and ``B``: ``d_b · (d_out + d_in)``."""
         return self.a_blocks.numel() + self.b_blocks.numel()
+
+    # -- the one serialized form (run directories, sparsifier state dicts) ----------------------
+    def to_tensors(self) -> Dict[str, torch.Tensor]:
+        """The tensors, by field name: ``a_blocks``, ``core``, ``b_blocks``, ``mask``, ``history``,
+        ``history_iters``, ``history_time_s`` (detached, on CPU, contiguous)."""
+        return {k: getattr(self, k).detach().to("cpu").contiguous() for k in TENSOR_NAMES}
+
+    def metadata(self) -> Dict[str, Any]:
+        """The scalar fields as JSON-able values: ``pattern``, ``nowag_loss``, ``best_iter``."""
+        return {"pattern": str(self.pattern), "nowag_loss": float(self.nowag_loss), "best_iter": int(self.best_iter)}
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, torch.Tensor], **scalars: Any) -> "ArmorFactors":
+        """Rebuild factors from :meth:`to_tensors` (and :meth:`metadata` as keywords), bit-identical.
+
+        Raises:
+            ValueError: a tensor is missing or unknown, an unknown scalar, or shapes that do not
+                fit together (the message says which).
+
+        Example::
+
+            >>> f = ArmorFactors(torch.eye(4).repeat(2, 1, 1), torch.zeros(8, 4),
+            ...                  torch.eye(4).repeat(1, 1, 1), torch.zeros(8, 4, dtype=torch.bool))
+            >>> g = ArmorFactors.from_tensors(f.to_tensors(), **f.metadata())
+            >>> torch.equal(g.core, f.core), g.pattern
+            (True, '2:4')
+        """
+        missing = [k for k in TENSOR_NAMES if k not in tensors]
+        unknown = sorted(set(tensors) - set(TENSOR_NAMES))
+        if missing or unknown:
+            raise ValueError(
+                f"ArmorFactors tensors: missing {missing}, unknown {unknown}; expected exactly {list(TENSOR_NAMES)}"
+            )
+        bad = sorted(set(scalars) - set(SCALAR_NAMES))
+        if bad:
+            raise ValueError(f"ArmorFactors scalars: unknown {bad}; expected some of {list(SCALAR_NAMES)}")
+        t = {k: tensors[k] for k in TENSOR_NAMES}
+        not_tensor = [k for k, v in t.items() if not isinstance(v, torch.Tensor)]
+        if not_tensor:
+            raise ValueError(f"ArmorFactors tensors: {not_tensor} are not torch.Tensors")
+        a, core, b = t["a_blocks"], t["core"], t["b_blocks"]
+        problems = []
+        if core.dim() != 2:
+            problems.append(f"core must be 2-D, got {tuple(core.shape)}")
+        elif a.dim() != 3 or b.dim() != 3 or a.shape[-1] != a.shape[-2] or b.shape[-1] != b.shape[-2] \
+                or a.shape[-1] != b.shape[-1]:
+            problems.append(f"a_blocks {tuple(a.shape)} and b_blocks {tuple(b.shape)} must be (k, d_b, d_b) "
+                            "stacks with one d_b")
+        elif a.shape[0] * a.shape[-1] != core.shape[0] or b.shape[0] * b.shape[-1] != core.shape[1]:
+            problems.append(f"a_blocks {tuple(a.shape)} and b_blocks {tuple(b.shape)} do not tile the "
+                            f"core {tuple(core.shape)}")
+        if t["mask"].shape != core.shape or t["mask"].dtype != torch.bool:
+            problems.append(f"mask must be a bool tensor of the core's shape {tuple(core.shape)}, got "
+                            f"{t['mask'].dtype} {tuple(t['mask'].shape)}")
+        hist = [t[k] for k in ("history", "history_iters", "history_time_s")]
+        if any(h.dim() != 1 for h in hist) or len({h.shape[0] for h in hist}) != 1:
+            problems.append("history, history_iters and history_time_s must be 1-D of one length, got "
+                            + ", ".join(str(tuple(h.shape)) for h in hist))
+        if problems:
+            raise ValueError("ArmorFactors tensors do not fit together: " + "; ".join(problems))
+        return cls(**t, **scalars)

@@ -26,8 +26,8 @@ __all__ = [
     "nowag_prune",
     "proxy_loss",
     "relative_proxy_loss",
-    "check_mask",
     "valid_block_sizes",
+    "auto_block_size",
 ]
 
 
@@ -39,6 +39,49 @@ def valid_block_sizes(d_out: int, d_in: int, m: int = 1) -> list:
     """Block sizes that divide both dimensions and are multiples of ``m``."""
     g = math.gcd(d_out, d_in)
     return [b for b in range(1, g + 1) if g % b == 0 and b % m == 0]
+
+
+def auto_block_size(d_out: int, d_in: int, max_overhead: float = 0.05, multiple_of: int = 4) -> int:
+    """Largest ARMOR block size for a ``(d_out, d_in)`` layer within a wrapper-overhead budget.
+
+    Picks the largest ``d_b`` that divides both ``d_out`` and ``d_in``, is a multiple of
+    ``multiple_of`` (the ``M`` of an ``N:M`` pattern, so groups do not straddle tiles), and
+    keeps the wrappers' extra parameters ``d_b·(d_in + d_out)`` within ``max_overhead`` of
+    the layer's ``d_in·d_out``.
+
+    Raises:
+        ValueError: bad arguments, or no block size fits (then the message gives the smallest
+            valid one and the overhead it would cost).
+
+    Example::
+
+        >>> auto_block_size(4096, 4096, 0.05, 4)     # 64 · 8192 / 4096² = 3.1 %
+        64
+        >>> auto_block_size(576, 1536, 0.05, 4)      # SmolLM2 down_proj: 16 · 2112 / 884736 = 3.8 %
+        16
+    """
+    for label, value in (("d_out", d_out), ("d_in", d_in), ("multiple_of", multiple_of)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{label} must be a positive integer, got {value!r}")
+    if isinstance(max_overhead, bool) or not isinstance(max_overhead, (int, float)) or not max_overhead > 0:
+        raise ValueError(f"max_overhead must be a positive fraction (0.05 = 5%), got {max_overhead!r}")
+    g = math.gcd(d_out, d_in)
+    divisors = sorted({d for i in range(1, math.isqrt(g) + 1) if g % i == 0 for d in (i, g // i)})
+    valid = [b for b in divisors if b % multiple_of == 0]
+    fitting = [b for b in valid if b * (d_in + d_out) / (d_in * d_out) <= max_overhead]
+    if not fitting:
+        if not valid:
+            raise ValueError(
+                f"no block size divides both dimensions of a ({d_out}, {d_in}) layer and is a multiple "
+                f"of {multiple_of}; skip this layer or use another pattern"
+            )
+        smallest = valid[0]
+        cost = smallest * (d_in + d_out) / (d_in * d_out)
+        raise ValueError(
+            f"no block size fits a ({d_out}, {d_in}) layer within {max_overhead:.1%} wrapper overhead: "
+            f"the smallest valid one, {smallest}, costs {cost:.1%}; raise max_overhead (--max-overhead) or give an integer block size"
+        )
+    return fitting[-1]
 
 
 def check_layer_shape(
@@ -155,15 +198,6 @@ def mask_from_scores(scores: torch.Tensor, pattern: Union[str, SparsityPattern])
     if pat.structured:
         return nm_mask_from_scores(scores, pat.n, pat.m)
     return unstructured_mask_from_scores(scores, pat.sparsity)
-
-
-def check_mask(mask: torch.Tensor, pattern: Union[str, SparsityPattern]) -> bool:
-    """Whether ``mask`` satisfies ``pattern`` exactly (N kept per group; row fraction if unstructured)."""
-    pat = parse_pattern(pattern)
-    d_out, d_in = mask.shape
-    if pat.structured:
-        return bool((mask.reshape(d_out, d_in // pat.m, pat.m).sum(-1) == pat.n).all())
-    return bool((mask.sum(1) == int(round((1.0 - pat.sparsity) * d_in))).all())
 
 
 def nowag_prune(

@@ -25,7 +25,6 @@ import torch
 
 __all__ = [
     "supports",
-    "solve_psd_2x2",
     "solve_psd",
     "psd_pinv",
     "group_decrease",
@@ -69,13 +68,6 @@ def psd_pinv(k: torch.Tensor, rel_tol: float = 1e-6) -> torch.Tensor:
     first = torch.stack([torch.where(regular, k22, k11), off], -1)
     second = torch.stack([off, torch.where(regular, k11, k22)], -1)
     return torch.stack([first, second], -2) * scale[..., None, None]
-
-
-def solve_psd_2x2(k: torch.Tensor, u: torch.Tensor, rel_tol: float = 1e-6) -> torch.Tensor:
-    """Least-squares solution ``K⁺ u`` of batched symmetric PSD 2×2 systems in closed form:
-    regular systems by ``adj(K)/det``; (near-)singular ones, where ``det ≤ rel_tol·k11·k22``,
-    by the rank-one pseudo-inverse ``K⁺ = K / tr(K)²`` (see :func:`psd_pinv`)."""
-    return (psd_pinv(k, rel_tol) @ u[..., None])[..., 0]
 
 
 def solve_psd(k: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

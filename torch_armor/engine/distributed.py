@@ -56,6 +56,7 @@ from torch_armor.engine.runstore import (
     RunStore,
     _check_layers,
     _compute_layers,
+    _eager_shapes,
     _pending,
     factorize_layers,
     layer_configs,
@@ -264,7 +265,7 @@ def distributed_factorize(
             saved: rerun the same command to resume.
     """
     layers = _check_layers(layers)
-    configs = layer_configs(layers, config, per_layer_overrides)
+    configs = layer_configs(layers, config, per_layer_overrides, _eager_shapes(layers))
     topo = init_distributed(backend, device=config.device)
     try:
         if topo.world_size == 1:

@@ -91,7 +91,6 @@ STATISTICS_NAME = "statistics.safetensors"
 LAYERS_DIR = "layers"
 _SHARD_PREFIX = "manifest.rank-"
 _TMP_MARK = ".tmp-"
-_FACTOR_TENSORS = ("a_blocks", "core", "b_blocks", "mask", "history", "history_iters", "history_time_s")
 #: Config fields that do not define a run: where a layer was optimized may change between
 #: resumes (a GPU run finished on CPU, ``cuda:0`` and ``cuda:1`` ranks); it is recorded per layer.
 _NOT_IDENTITY = ("device",)
@@ -186,17 +185,26 @@ def _plain(value: Any) -> Any:
 
 
 def config_to_dict(config: ArmorConfig) -> Dict[str, Any]:
-    """The fields of an :class:`ArmorConfig` as JSON-ready values (dtypes/devices as strings).
+    """The fields of an :class:`ArmorConfig` as JSON-ready values (dtypes/devices as strings),
+    with the derived ones as the values a run uses: ``num_iters`` is :attr:`~ArmorConfig.iterations`,
+    ``group_updates`` :attr:`~ArmorConfig.group_updates_per_sweep` (left ``None`` while the block
+    size is ``"auto"``), ``selection`` :attr:`~ArmorConfig.selection_rule`. So a config that
+    leaves a value to its default and one that spells the default out are the same run.
 
     Example::
 
         >>> d = config_to_dict(ArmorConfig(block_size=32))
-        >>> d["block_size"], d["dtype"], d["num_iters"]
-        (32, 'torch.float32', 200)
+        >>> d["block_size"], d["dtype"], d["num_iters"], d["group_updates"]
+        (32, 'torch.float32', 30, 16)
     """
     if not isinstance(config, ArmorConfig):
         raise ValueError(f"expected an ArmorConfig, got {type(config).__name__}")
-    return {f.name: _plain(getattr(config, f.name)) for f in dataclasses.fields(ArmorConfig)}
+    out = {f.name: _plain(getattr(config, f.name)) for f in dataclasses.fields(ArmorConfig)}
+    out["num_iters"] = config.iterations
+    out["selection"] = config.selection_rule
+    if config.group_updates is not None or config.block_size != "auto":
+        out["group_updates"] = config.group_updates_per_sweep
+    return out
 
 
 def _config_diff(stored: Mapping[str, Any], current: Mapping[str, Any]) -> List[str]:
@@ -205,48 +213,60 @@ def _config_diff(stored: Mapping[str, Any], current: Mapping[str, Any]) -> List[
             if stored.get(k) != current.get(k)]
 
 
-def _resolve_layer_config(base: ArmorConfig, override: Any, fqn: str) -> ArmorConfig:
+def _layer_config(base: ArmorConfig, override: Any, fqn: str, shape: Optional[Sequence[int]]) -> ArmorConfig:
+    """``base`` with ``override`` applied, resolved by :meth:`ArmorConfig.for_layer` if ``shape`` is known."""
     if override is None:
-        return base
-    if isinstance(override, ArmorConfig):
-        return override
-    if isinstance(override, Mapping):
-        from torch_armor.sparsifier import _derive_config  # fields derived from others are re-derived
-
+        cfg = base
+    elif isinstance(override, ArmorConfig):
+        cfg = override
+    elif isinstance(override, Mapping):
         unknown = set(override) - {f.name for f in dataclasses.fields(ArmorConfig)}
         if unknown:
             raise ValueError(f"layer {fqn!r}: unknown ArmorConfig fields in per_layer_overrides: {sorted(unknown)}")
         try:
-            return _derive_config(base, dict(override))
+            cfg = dataclasses.replace(base, **override)
         except ValueError as err:
             raise ValueError(f"layer {fqn!r}: invalid per-layer setting: {err}") from None
-    raise ValueError(
-        f"layer {fqn!r}: per_layer_overrides values must be an ArmorConfig or a dict of ArmorConfig "
-        f"fields, got {type(override).__name__}"
-    )
+    else:
+        raise ValueError(
+            f"layer {fqn!r}: per_layer_overrides values must be an ArmorConfig or a dict of ArmorConfig "
+            f"fields, got {type(override).__name__}"
+        )
+    return cfg if shape is None else cfg.for_layer(int(shape[0]), int(shape[1]), name=fqn)
 
 
 def layer_configs(
     names: Iterable[str],
     config: ArmorConfig,
     per_layer_overrides: Optional[Mapping[str, Any]] = None,
+    shapes: Optional[Mapping[str, Sequence[int]]] = None,
 ) -> Dict[str, ArmorConfig]:
-    """The config of every layer: ``config`` with its per-layer override applied.
+    """The config of every layer: ``config`` with its per-layer override applied and, for the
+    layers in ``shapes`` (``{name: (d_out, d_in)}``), resolved by :meth:`ArmorConfig.for_layer`
+    (concrete block size, shape checked). Derived values follow the override: a layer that
+    overrides ``block_size`` gets that block size's default ``group_updates``.
 
     Example::
 
         >>> cfgs = layer_configs(["a", "b"], ArmorConfig(block_size=16), {"b": {"block_size": 32}})
-        >>> cfgs["a"].block_size, cfgs["b"].block_size, cfgs["b"].group_updates
+        >>> cfgs["a"].block_size, cfgs["b"].block_size, cfgs["b"].group_updates_per_sweep
         (16, 32, 16)
     """
     if not isinstance(config, ArmorConfig):
         raise ValueError(f"config must be an ArmorConfig, got {type(config).__name__}")
     overrides = dict(per_layer_overrides or {})
+    shapes = shapes or {}
     names = list(names)
     stray = sorted(set(overrides) - set(names))
     if stray:
         raise ValueError(f"per_layer_overrides names layers that are not being factorized: {stray[:5]}")
-    return {n: _resolve_layer_config(config, overrides.get(n), n) for n in names}
+    return {n: _layer_config(config, overrides.get(n), n, shapes.get(n)) for n in names}
+
+
+def _eager_shapes(layers: Mapping[str, Any]) -> Dict[str, Tuple[int, int]]:
+    """``{name: weight shape}`` of the layers given as ``(weight, act_sq_norm)`` (not lazily)."""
+    return {fqn: tuple(v[0].shape) for fqn, v in layers.items()
+            if not callable(v) and isinstance(v, (tuple, list)) and v and isinstance(v[0], torch.Tensor)}
 
 
 # --------------------------------------------------------------------------- atomic files
@@ -584,14 +604,15 @@ class RunStore:
         if not isinstance(factors, ArmorFactors):
             raise ValueError(f"layer {fqn!r}: save() expects ArmorFactors, got {type(factors).__name__}")
         cfg = config or self.config
-        tensors = {k: getattr(factors, k).detach().to("cpu").contiguous() for k in _FACTOR_TENSORS}
+        tensors = factors.to_tensors()
+        scalars = factors.metadata()
         meta = {
             "format": FORMAT_NAME,
             "version": str(FORMAT_VERSION),
             "fqn": fqn,
-            "pattern": str(factors.pattern),
-            "nowag_loss": repr(float(factors.nowag_loss)),
-            "best_iter": str(int(factors.best_iter)),
+            "pattern": scalars["pattern"],
+            "nowag_loss": repr(scalars["nowag_loss"]),
+            "best_iter": str(scalars["best_iter"]),
             "model_id": self.model_id,
             "stats_hash": self.stats_hash,
             "config": json.dumps(config_to_dict(cfg), sort_keys=True),
@@ -641,16 +662,19 @@ class RunStore:
         path = self.directory / self._known[fqn]["file"]
         with safe_open(str(path), framework="pt") as fh:
             meta = fh.metadata() or {}
-            missing = [k for k in _FACTOR_TENSORS if k not in fh.keys()]
-            if meta.get("fqn") != fqn or missing:
+            if meta.get("fqn") != fqn:
                 raise ValueError(
-                    f"{path} holds layer {meta.get('fqn')!r} with tensors {sorted(fh.keys())}, expected layer "
-                    f"{fqn!r} with {list(_FACTOR_TENSORS)}; the run directory was edited: delete the file to recompute it"
+                    f"{path} holds layer {meta.get('fqn')!r}, expected layer {fqn!r}; the run directory was "
+                    "edited: delete the file to recompute it"
                 )
-            tensors = {k: fh.get_tensor(k) for k in _FACTOR_TENSORS}
-        return ArmorFactors(**tensors, pattern=meta.get("pattern", "2:4"),
-                            nowag_loss=float(meta.get("nowag_loss", "nan")),
-                            best_iter=int(meta.get("best_iter", "0")))
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+        try:
+            return ArmorFactors.from_tensors(tensors, pattern=meta.get("pattern", "2:4"),
+                                             nowag_loss=float(meta.get("nowag_loss", "nan")),
+                                             best_iter=int(meta.get("best_iter", "0")))
+        except ValueError as err:
+            raise ValueError(f"{path} (layer {fqn!r}): {err}; the run directory was edited: delete the file "
+                             "to recompute it") from None
 
     def finalize(self) -> None:
         """Merge the rank manifests into ``manifest.json`` and remove them and stale temp files.
@@ -813,7 +837,8 @@ def _compute_layers(
                 weight, h = _materialize(fqn, layers[fqn])
                 start = time.perf_counter()
                 try:
-                    factors = factorize(weight, h, configs[fqn], name=fqn)
+                    cfg = configs[fqn].for_layer(*weight.shape, name=fqn) if weight.dim() == 2 else configs[fqn]
+                    factors = factorize(weight, h, cfg, name=fqn)
                 except Exception as err:
                     if store is not None:
                         store.mark_failed(fqn, err)
@@ -821,7 +846,7 @@ def _compute_layers(
                 seconds = time.perf_counter() - start
                 del weight, h
                 if store is not None:
-                    store.save(fqn, factors, config=configs[fqn], seconds=seconds)
+                    store.save(fqn, factors, config=cfg, seconds=seconds)
                 logger.info("%s: relative proxy loss %.4f (%.1fs)", fqn, factors.relative_loss, seconds)
                 if on_layer_done is not None:
                     on_layer_done(fqn, factors)
@@ -842,9 +867,12 @@ def _pending(
         if not store.done(fqn):
             pending.append(fqn)
             continue
-        store.check_layer_config(fqn, configs[fqn])
-        value = layers[fqn]
         shape = store.layer_info(fqn).get("shape")
+        cfg = configs[fqn]
+        if isinstance(shape, list) and len(shape) == 2:  # compare with the config the layer was resolved to
+            cfg = cfg.for_layer(*shape, name=fqn)
+        store.check_layer_config(fqn, cfg)
+        value = layers[fqn]
         if not callable(value) and isinstance(value, (tuple, list)) and isinstance(value[0], torch.Tensor):
             if shape is not None and list(value[0].shape) != list(shape):
                 raise RunMismatchError(
@@ -889,7 +917,7 @@ def factorize_layers(
         ValueError: malformed ``layers`` or overrides.
     """
     layers = _check_layers(layers)
-    configs = layer_configs(layers, config, per_layer_overrides)
+    configs = layer_configs(layers, config, per_layer_overrides, _eager_shapes(layers))
     if store is not None and store.rank != 0:
         raise ValueError(
             f"this store writes as rank {store.rank}; factorize_layers runs a single process (rank 0). "

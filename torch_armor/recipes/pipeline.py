@@ -44,9 +44,7 @@ from torch_armor.core.proxy import check_layer_shape, nowag_prune
 from torch_armor.engine.report import LayerResult, PruneReport, block_index as _block_index
 
 __all__ = [
-    "DEFAULT_ARMOR_CONFIG",
     "armor_layer_configs",
-    "DEMO_ARMOR_CONFIG",
     "METHODS",
     "DEMO_METHODS",
     "LayerResult",
@@ -56,8 +54,6 @@ __all__ = [
     "load_model",
     "is_armor_checkpoint",
     "select_layers",
-    "auto_block_size",
-    "with_block_size",
     "calibration_statistics",
     "snapshot_weights",
     "restore_weights",
@@ -67,14 +63,6 @@ __all__ = [
     "run_quality",
     "parse_dtype",
 ]
-
-#: Default ARMOR settings of :func:`prune`, ``torch-armor prune`` and ``torch-armor demo`` (and the
-#: default ARMOR row of ``benchmarks/quality.py``): block 16, 30 BCD sweeps per layer. A fixed
-#: number of sweeps, not a time budget, so the result does not depend on the machine's load
-#: (bit-identical for the same thread count); the cost grows with ``d_out·d_in·d_b``.
-DEFAULT_ARMOR_CONFIG = ArmorConfig(block_size=16, optimizer="bcd", num_iters=30)
-#: Alias of :data:`DEFAULT_ARMOR_CONFIG` kept for the demo.
-DEMO_ARMOR_CONFIG = DEFAULT_ARMOR_CONFIG
 
 #: Pruning methods :func:`prune` knows.
 METHODS = ("magnitude", "wanda", "sparsegpt", "nowag", "armor")
@@ -268,49 +256,6 @@ def select_layers(model: Union[nn.Module, Sequence[str]], layers: Optional[str] 
     return chosen
 
 
-def auto_block_size(d_out: int, d_in: int, max_overhead: float = 0.05, multiple_of: int = 4) -> int:
-    """Largest ARMOR block size for a ``(d_out, d_in)`` layer within a wrapper-overhead budget.
-
-    Picks the largest ``d_b`` that divides both ``d_out`` and ``d_in``, is a multiple of
-    ``multiple_of`` (the ``M`` of an ``N:M`` pattern, so groups do not straddle tiles), and
-    keeps the wrappers' extra parameters ``d_b·(d_in + d_out)`` within ``max_overhead`` of
-    the layer's ``d_in·d_out``.
-
-    Raises:
-        ValueError: bad arguments, or no block size fits (then the message gives the smallest
-            valid one and the overhead it would cost).
-
-    Example::
-
-        >>> auto_block_size(4096, 4096, 0.05, 4)     # 64 · 8192 / 4096² = 3.1 %
-        64
-        >>> auto_block_size(576, 1536, 0.05, 4)      # SmolLM2 down_proj: 16 · 2112 / 884736 = 3.8 %
-        16
-    """
-    for label, value in (("d_out", d_out), ("d_in", d_in), ("multiple_of", multiple_of)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{label} must be a positive integer, got {value!r}")
-    if isinstance(max_overhead, bool) or not isinstance(max_overhead, (int, float)) or not max_overhead > 0:
-        raise ValueError(f"max_overhead must be a positive fraction (0.05 = 5%), got {max_overhead!r}")
-    g = math.gcd(d_out, d_in)
-    divisors = sorted({d for i in range(1, math.isqrt(g) + 1) if g % i == 0 for d in (i, g // i)})
-    valid = [b for b in divisors if b % multiple_of == 0]
-    fitting = [b for b in valid if b * (d_in + d_out) / (d_in * d_out) <= max_overhead]
-    if not fitting:
-        if not valid:
-            raise ValueError(
-                f"no block size divides both dimensions of a ({d_out}, {d_in}) layer and is a multiple "
-                f"of {multiple_of}; skip this layer or use another pattern"
-            )
-        smallest = valid[0]
-        cost = smallest * (d_in + d_out) / (d_in * d_out)
-        raise ValueError(
-            f"no block size fits a ({d_out}, {d_in}) layer within {max_overhead:.1%} wrapper overhead: "
-            f"the smallest valid one, {smallest}, costs {cost:.1%}; raise --max-overhead or give --block-size"
-        )
-    return fitting[-1]
-
-
 # ------------------------------------------------------------------------- statistics
 
 
@@ -472,40 +417,6 @@ class _ProxyReference:
         return loss / self.base
 
 
-def with_block_size(config: ArmorConfig, block_size: int) -> ArmorConfig:
-    """``config`` with another block size; ``group_updates`` follows the block size (its
-    default is derived from it) unless it was set to something other than that default.
-
-    Example::
-
-        >>> cfg = with_block_size(ArmorConfig(block_size=16, optimizer="bcd"), 32)
-        >>> cfg.block_size, cfg.group_updates == ArmorConfig(block_size=32, optimizer="bcd").group_updates
-        (32, True)
-    """
-    if block_size == config.block_size:
-        return config
-    changes: Dict[str, Any] = {"block_size": block_size}
-    derived = ArmorConfig(block_size=config.block_size, pattern=config.pattern).group_updates
-    if config.group_updates == derived:
-        changes["group_updates"] = None
-    return dataclasses.replace(config, **changes)
-
-
-def _resolve_block_size(block_size: Union[int, str, None], cfg: ArmorConfig, shape: Tuple[int, int],
-                        max_overhead: float, name: str) -> int:
-    if block_size is None:
-        return cfg.block_size
-    if block_size == "auto":
-        pat = cfg.sparsity
-        try:
-            return auto_block_size(shape[0], shape[1], max_overhead, pat.m if pat.structured else 1)
-        except ValueError as err:
-            raise ValueError(f"layer {name!r}: {err}") from None
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive integer, 'auto' or None, got {block_size!r}")
-    return block_size
-
-
 def armor_layer_configs(
     model: nn.Module,
     layer_names: Sequence[str],
@@ -516,9 +427,9 @@ def armor_layer_configs(
     max_overhead: float = 0.05,
 ) -> Dict[str, ArmorConfig]:
     """The :class:`ArmorConfig` of each named linear as :func:`prune` would use it: ``armor_config``
-    (default :data:`DEFAULT_ARMOR_CONFIG`) with ``pattern`` and the layer's block size
-    (``block_size``: ``None`` keeps the config's, an integer, or ``"auto"``). Every layer's shape
-    is checked before anything runs.
+    (default ``ArmorConfig()``) with ``pattern`` and ``block_size`` (``None`` keeps the config's,
+    an integer, or ``"auto"`` within ``max_overhead``), resolved per layer by
+    :meth:`ArmorConfig.for_layer`. Every layer's shape is checked before anything runs.
 
     Example::
 
@@ -527,19 +438,19 @@ def armor_layer_configs(
         >>> [c.block_size for c in cfgs.values()]
         [16, 16]
     """
-    cfg = armor_config or DEFAULT_ARMOR_CONFIG
+    cfg = armor_config or ArmorConfig()
     if pattern is not None:
         cfg = dataclasses.replace(cfg, pattern=str(parse_pattern(pattern)))
-    pat = cfg.sparsity
+    if block_size is not None:
+        if block_size != "auto" and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1):
+            raise ValueError(f"block_size must be a positive integer, 'auto' or None, got {block_size!r}")
+        cfg = dataclasses.replace(cfg, block_size=block_size, max_overhead=max_overhead)
     out: Dict[str, ArmorConfig] = {}
     for name in layer_names:
         module = model.get_submodule(name)
         if not isinstance(module, nn.Linear):
             raise ValueError(f"{name!r} is a {type(module).__name__}, only nn.Linear layers can be pruned")
-        shape = tuple(module.weight.shape)
-        d_b = _resolve_block_size(block_size, cfg, shape, max_overhead, name)
-        check_layer_shape(shape[0], shape[1], pat, d_b, name=name)
-        out[name] = with_block_size(cfg, d_b)
+        out[name] = cfg.for_layer(*module.weight.shape, name=name)
     return out
 
 
@@ -586,9 +497,9 @@ def prune(
         layer_names: linears to prune (default: every name in ``stats``).
         pattern: ``"2:4"``, any ``"N:M"``, or ``"unstructured:F"``; for ARMOR it overrides
             ``armor_config.pattern``.
-        armor_config: ARMOR settings (default :data:`DEMO_ARMOR_CONFIG`).
+        armor_config: ARMOR settings (default ``ArmorConfig()``).
         block_size: ARMOR block size: ``None`` (``armor_config.block_size``), an integer, or
-            ``"auto"`` (per layer, :func:`auto_block_size` within ``max_overhead``).
+            ``"auto"`` (per layer, :func:`~torch_armor.core.proxy.auto_block_size` within ``max_overhead``).
         max_overhead: wrapper-overhead budget of ``block_size="auto"``.
         sparsegpt_block_size: SparseGPT lazy-batch width; ``damp``: its dampening.
         storage: ARMOR core storage in the model (``"dense"``: fastest on CPU; ``"auto"``,
@@ -649,11 +560,12 @@ def prune(
     settings: Dict[str, Any] = {}
     cfg: Optional[ArmorConfig] = None
     if method == "armor":
-        cfg = dataclasses.replace(armor_config or DEMO_ARMOR_CONFIG, pattern=str(pat))
-        settings = {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in dataclasses.asdict(cfg).items()}
+        from torch_armor.engine.runstore import config_to_dict
+
+        cfg = dataclasses.replace(armor_config or ArmorConfig(), pattern=str(pat))
+        settings = config_to_dict(cfg)
         settings.update(block_size=block_size if block_size is not None else cfg.block_size,
                         max_overhead=max_overhead, storage=storage)
-        settings.pop("sparsity", None)
         layer_cfgs = armor_layer_configs(model, names, cfg, str(pat), block_size=block_size,
                                          max_overhead=max_overhead)
         for name, given in (factors or {}).items():
