@@ -198,3 +198,19 @@ def test_error_missing_tensor(tmp_path):
     save_file(sd, str(d / "model.safetensors"))
     with pytest.raises(ValueError, match="'model.layers.1.mlp.up_proj.weight'"):
         LazyCheckpoint(d)
+
+
+def test_materialized_tensors_do_not_view_the_files(tmp_path):
+    d = _save(make_tiny_llama(), tmp_path / "ckpt", shard=None)
+    ckpt = LazyCheckpoint(d)
+    block = ckpt.materialize("model.layers.0")
+    raw = ckpt.read_tensors(["model.layers.0.mlp.up_proj.weight"])["model.layers.0.mlp.up_proj.weight"]
+    before = block.mlp.up_proj.weight.detach().clone()
+    path = d / "model.safetensors"
+    size = path.stat().st_size
+    with open(path, "r+b") as f:  # zero every tensor's bytes in place (a live mmap view would see this)
+        start = 8 + int.from_bytes(f.read(8), "little")
+        f.seek(start)
+        f.write(b"\x00" * (size - start))
+    assert not ckpt.read_tensors(["model.layers.0.mlp.up_proj.weight"])["model.layers.0.mlp.up_proj.weight"].any()
+    assert torch.equal(block.mlp.up_proj.weight, before) and torch.equal(raw, before)

@@ -2,8 +2,9 @@
 
 :class:`LazyCheckpoint` builds the causal LM on the ``meta`` device (no memory for weights) and
 reads tensors from the ``*.safetensors`` files only when a submodule is materialized, one tensor at
-a time through :func:`safetensors.safe_open`, so the peak memory of materializing a decoder block is
-about that block's size. :meth:`LazyCheckpoint.release` puts a submodule back on ``meta``.
+a time through :func:`safetensors.safe_open` and copied out of the file mapping (materialized tensors
+are ordinary memory, independent of the files), so the peak memory of materializing a decoder block
+is about that block's size plus its largest tensor. :meth:`LazyCheckpoint.release` puts a submodule back on ``meta``.
 
 Typical use (one decoder block resident at a time)::
 
@@ -218,7 +219,7 @@ class LazyCheckpoint:
                 for k in ks:
                     if k not in have:
                         raise ValueError(f"tensor {k!r} is missing from {self.directory / name}; re-save the checkpoint")
-                    out[k] = f.get_tensor(k)
+                    out[k] = f.get_tensor(k).clone()  # own memory, not a view of the mmap
         return {k: out[k] for k in keys}
 
     def _names_under(self, prefix: str) -> list:
@@ -257,10 +258,9 @@ class LazyCheckpoint:
                 for n, key in pairs:
                     if key not in have:
                         raise ValueError(f"tensor {key!r} is missing from {self.directory / fname}; re-save the checkpoint")
-                    t = f.get_tensor(key)
-                    if self.dtype is not None and t.is_floating_point():
-                        t = t.to(self.dtype)
-                    self._set(n, t.to(self.device))
+                    t = f.get_tensor(key)  # a view of the file's mmap: copy it out (one tensor at a time)
+                    dtype = self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
+                    self._set(n, t.to(device=self.device, dtype=dtype, copy=True))
                     del t
         module = self.model.get_submodule(prefix)
         self._rebuild_buffers(module)
