@@ -1,0 +1,316 @@
+"""Stream a local Hugging Face checkpoint one submodule at a time.
+
+:class:`LazyCheckpoint` builds the causal LM on the ``meta`` device (no memory for weights) and
+reads tensors from the ``*.safetensors`` files only when a submodule is materialized, one tensor at
+a time through :func:`safetensors.safe_open` and copied out of the file mapping (materialized tensors
+are ordinary memory, independent of the files), so the peak memory of materializing a decoder block
+is about that block's size plus its largest tensor. :meth:`LazyCheckpoint.release` puts a submodule back on ``meta``.
+
+Typical use (one decoder block resident at a time)::
+
+    ckpt = LazyCheckpoint("./Llama-3.2-1B", dtype=torch.bfloat16)
+    ckpt.materialize_non_decoder()            # embeddings + rotary inv_freq
+    prefix, layers = ckpt.decoder_layers()    # ("model.layers", ModuleList)
+    for i in range(len(layers)):
+        block = ckpt.materialize(f"{prefix}.{i}")
+        ...                                   # run / prune the block
+        ckpt.release(f"{prefix}.{i}")
+    for p in ckpt.post_decoder_prefixes():    # ["model.norm", "lm_head"]
+        ckpt.materialize(p)
+
+Only checkpoints whose tensor names equal the model's ``state_dict`` names are supported (the case
+for Llama-family checkpoints written by ``save_pretrained``); anything else fails at construction
+with the first unmatched key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+from pathlib import Path
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+__all__ = ["LazyCheckpoint"]
+
+INDEX_NAME = "model.safetensors.index.json"
+_CHUNK = 16 << 20
+
+
+class LazyCheckpoint:
+    """A local HF causal-LM checkpoint whose model lives on ``meta`` until asked for.
+
+    ``directory`` holds ``config.json`` and ``model.safetensors`` (or shards listed in
+    ``model.safetensors.index.json``). ``dtype``: cast floating tensors to it on load (default:
+    each tensor keeps the checkpoint's dtype). ``device``: where materialized tensors go.
+    """
+
+    def __init__(self, directory, dtype: Optional[torch.dtype] = None, device="cpu"):
+        from safetensors import safe_open
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.directory = Path(directory)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        d = self.directory
+        if not d.is_dir():
+            raise ValueError(f"checkpoint directory {d} does not exist; pass a local folder with config.json and *.safetensors")
+        if not (d / "config.json").is_file():
+            raise ValueError(f"{d / 'config.json'} is missing; the checkpoint folder needs the model's config.json")
+        self._files = self._find_files(d)  # file name -> list of keys
+        self._where: dict[str, str] = {}
+        index = d / INDEX_NAME
+        weight_map = None
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index} has no 'weight_map' object; re-save the checkpoint with save_pretrained")
+            for k, name in weight_map.items():
+                if not (d / name).is_file():
+                    raise ValueError(f"{index} names shard {name!r} (for {k!r}) but {d / name} is missing; restore the shard or re-save the checkpoint")
+        for name in self._files:
+            with safe_open(str(d / name), framework="pt") as f:
+                keys = list(f.keys())
+            self._files[name] = keys
+            for k in keys:
+                self._where.setdefault(k, name)
+        if weight_map is not None:
+            for k, name in weight_map.items():
+                if k not in self._files[name]:
+                    raise ValueError(f"{index} says tensor {k!r} is in {name} but that file has no such tensor; re-save the checkpoint")
+            self._where = dict(weight_map)
+
+        self.config = AutoConfig.from_pretrained(str(d))
+        with torch.device("meta"):
+            self.model = AutoModelForCausalLM.from_config(self.config)
+        self.model.eval()
+        self._hash: Optional[str] = None
+        self._map_names()
+
+    # ----------------------------------------------------------------- discovery
+    @staticmethod
+    def _find_files(d: Path) -> dict:
+        index = d / INDEX_NAME
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text()).get("weight_map") or {}
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{index} is not valid JSON ({e}); re-save the checkpoint") from None
+            return {name: [] for name in sorted(set(weight_map.values()))}
+        files = sorted(p.name for p in d.glob("*.safetensors"))
+        if files:
+            return {name: [] for name in files}
+        if any(d.glob("*.bin")) or any(d.glob("*.pt")) or any(d.glob("*.pth")):
+            raise ValueError(
+                f"{d} holds only PyTorch .bin/.pt weights; only safetensors can be streamed: convert with "
+                "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)"
+            )
+        raise ValueError(f"{d} has no *.safetensors files; save the model with save_pretrained (safetensors)")
+
+    def _map_names(self) -> None:
+        """Map every state-dict name to its module slot(s) and to the checkpoint key holding it."""
+        self._slots: dict[str, list] = {}  # state name -> [(module, attr, is_param)]
+        by_id: dict[int, list] = {}
+        for mod_name, mod in self.model.named_modules(remove_duplicate=False):
+            for attr, p in mod._parameters.items():
+                if p is None:
+                    continue
+                name = f"{mod_name}.{attr}" if mod_name else attr
+                self._slots.setdefault(name, []).append((mod, attr, True))
+                by_id.setdefault(id(p), []).append(name)
+            for attr, b in mod._buffers.items():
+                if b is None or attr in mod._non_persistent_buffers_set:
+                    continue
+                name = f"{mod_name}.{attr}" if mod_name else attr
+                self._slots.setdefault(name, []).append((mod, attr, False))
+        # tied parameters: every alias's slots, and a source key taken from any alias in the files
+        self._source: dict[str, str] = {}
+        self._aliases: dict[str, list] = {}
+        for names in by_id.values():
+            present = [n for n in names if n in self._where]
+            for n in names:
+                self._aliases[n] = names
+                if present:
+                    self._source[n] = n if n in self._where else present[0]
+        for n in self._slots:
+            if n not in self._source and n in self._where:
+                self._source[n] = n
+        for k, name in self._where.items():
+            if k not in self._slots:
+                raise ValueError(
+                    f"checkpoint tensor {k!r} (in {self.directory / name}) matches no parameter of "
+                    f"{type(self.model).__name__}; its keys are renamed on load, which streaming does not "
+                    "support: re-save it with save_pretrained from transformers>=5"
+                )
+        for n in self._slots:
+            if n not in self._source:
+                raise ValueError(
+                    f"{type(self.model).__name__} needs tensor {n!r} but no file in {self.directory} "
+                    "holds it; the checkpoint is incomplete or for another architecture"
+                )
+
+    def keys(self) -> list:
+        """Checkpoint tensor names, in file order."""
+        return list(self._where)
+
+    def content_hash(self) -> str:
+        """sha256 of the safetensors files' bytes (sorted by name) and ``config.json``; cached."""
+        if self._hash is None:
+            h = hashlib.sha256()
+            for name in sorted(self._files) + ["config.json"]:
+                with open(self.directory / name, "rb") as f:
+                    while chunk := f.read(_CHUNK):
+                        h.update(chunk)
+            self._hash = h.hexdigest()
+        return self._hash
+
+    def decoder_layers(self) -> tuple:
+        """``(name, ModuleList)`` of the decoder blocks: the ModuleList holding the most linears."""
+        head = self.model.get_output_embeddings()
+        best, best_n = None, 0
+        for name, mod in self.model.named_modules():
+            if not isinstance(mod, nn.ModuleList) or len(mod) == 0:
+                continue
+            n = sum(isinstance(m, nn.Linear) and m is not head for m in mod.modules())
+            if n > best_n:
+                best, best_n = (name, mod), n
+        if best is None:
+            raise ValueError(
+                f"{type(self.model).__name__} has no nn.ModuleList of blocks holding nn.Linear layers; "
+                "block streaming needs a decoder made of a list of layers"
+            )
+        return best
+
+    def post_decoder_prefixes(self) -> list:
+        """Top-level prefixes of modules with tensors registered after the decoder blocks."""
+        return self._split_outside()[1]
+
+    def _split_outside(self) -> tuple:
+        prefix, _ = self.decoder_layers()
+        before, after, seen = [], [], False
+        for name in self._slots:
+            if name.startswith(prefix + "."):
+                seen = True
+                continue
+            owner = name.rsplit(".", 1)[0]
+            target = after if seen else before
+            if owner not in target:
+                target.append(owner)
+        return before, after
+
+    # ----------------------------------------------------------------- loading
+    def read_tensors(self, keys: Iterable[str]) -> dict:
+        """Raw tensors by checkpoint key (checkpoint dtype, CPU), one file opened at a time."""
+        from safetensors import safe_open
+
+        keys = list(keys)
+        by_file: dict[str, list] = {}
+        for k in keys:
+            if k not in self._where:
+                raise ValueError(f"tensor {k!r} is not in the checkpoint at {self.directory}")
+            by_file.setdefault(self._where[k], []).append(k)
+        out = {}
+        for name, ks in by_file.items():
+            with safe_open(str(self.directory / name), framework="pt") as f:
+                have = set(f.keys())
+                for k in ks:
+                    if k not in have:
+                        raise ValueError(f"tensor {k!r} is missing from {self.directory / name}; re-save the checkpoint")
+                    out[k] = f.get_tensor(k).clone()  # own memory, not a view of the mmap
+        return {k: out[k] for k in keys}
+
+    def _names_under(self, prefix: str) -> list:
+        if prefix == "":
+            return list(self._slots)
+        names = [n for n in self._slots if n.startswith(prefix + ".")]
+        try:
+            self.model.get_submodule(prefix)
+        except AttributeError:
+            raise ValueError(f"{type(self.model).__name__} has no submodule {prefix!r}") from None
+        return names
+
+    def _set(self, name: str, tensor: torch.Tensor) -> None:
+        param = None  # one Parameter shared by all tied aliases, as in the eager model
+        for alias in self._aliases.get(name, [name]):
+            for mod, attr, is_param in self._slots[alias]:
+                if is_param:
+                    if param is None:
+                        param = nn.Parameter(tensor, requires_grad=mod._parameters[attr].requires_grad)
+                    mod._parameters[attr] = param
+                else:
+                    mod._buffers[attr] = tensor
+
+    def materialize(self, prefix: str) -> nn.Module:
+        """Load every tensor of the submodule at ``prefix`` onto ``device``; return the submodule."""
+        from safetensors import safe_open
+
+        names = self._names_under(prefix)
+        by_file: dict[str, list] = {}
+        for n in names:
+            key = self._source[n]
+            by_file.setdefault(self._where[key], []).append((n, key))
+        for fname, pairs in by_file.items():
+            with safe_open(str(self.directory / fname), framework="pt") as f:
+                have = set(f.keys())
+                for n, key in pairs:
+                    if key not in have:
+                        raise ValueError(f"tensor {key!r} is missing from {self.directory / fname}; re-save the checkpoint")
+                    t = f.get_tensor(key)  # a view of the file's mmap: copy it out (one tensor at a time)
+                    dtype = self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
+                    self._set(n, t.to(device=self.device, dtype=dtype, copy=True))
+                    del t
+        module = self.model.get_submodule(prefix)
+        self._rebuild_buffers(module)
+        return module
+
+    def materialize_non_decoder(self) -> None:
+        """Materialize what the forward needs before the first block (embeddings, rotary buffers)."""
+        before, _ = self._split_outside()
+        for owner in before:
+            self.materialize(owner)
+        prefix, _ = self.decoder_layers()
+        for name, mod in self.model.named_modules():
+            if not (name == prefix or name.startswith(prefix + ".")):
+                self._rebuild_buffers(mod, recurse=False)
+
+    def _rebuild_buffers(self, module: nn.Module, recurse: bool = True) -> None:
+        """Recreate non-persistent meta buffers (e.g. rotary ``inv_freq``) by re-running __init__."""
+        mods = module.modules() if recurse else [module]
+        for mod in mods:
+            stale = [a for a in mod._non_persistent_buffers_set if mod._buffers.get(a) is not None and mod._buffers[a].is_meta]
+            if not stale:
+                continue
+            cls = type(mod)
+            params = inspect.signature(cls.__init__).parameters
+            try:
+                with torch.device("cpu"):
+                    if "config" in params:
+                        fresh = cls(config=getattr(mod, "config", self.config))
+                    else:
+                        fresh = cls(getattr(mod, "config", self.config))
+            except Exception as e:
+                raise ValueError(
+                    f"cannot rebuild the non-computed buffers {stale} of {cls.__name__} (not stored in the "
+                    f"checkpoint): re-creating it from the config failed ({e})"
+                ) from None
+            for a in stale:
+                mod._buffers[a] = fresh._buffers[a].to(self.device)
+            for a, v in vars(fresh).items():  # plain attributes set in __init__ (e.g. attention_scaling)
+                if a != "training" and not a.startswith("_") and not isinstance(v, (nn.Module, torch.Tensor)):
+                    setattr(mod, a, v)
+
+    def release(self, prefix: str) -> None:
+        """Put the submodule at ``prefix`` back on ``meta`` (tied aliases elsewhere follow)."""
+        for n in self._names_under(prefix):
+            mod, attr, is_param = self._slots[n][0]
+            t = mod._parameters[attr] if is_param else mod._buffers[attr]
+            if not t.is_meta:
+                self._set(n, torch.empty_like(t, device="meta"))
+        for mod in self.model.get_submodule(prefix).modules():
+            for a in mod._non_persistent_buffers_set:
+                b = mod._buffers.get(a)
+                if b is not None and not b.is_meta:
+                    mod._buffers[a] = torch.empty_like(b, device="meta")
