@@ -84,18 +84,11 @@ def _add_model(p: argparse.ArgumentParser, help_text: str) -> None:
     p.add_argument("--device", default=None, help="cpu (default), cuda, …")
 
 
-<<<<<<< HEAD
 def _add_armor(p: argparse.ArgumentParser) -> None:
     """The ARMOR options; their defaults are ArmorConfig's (documented there, in one place)."""
     from torch_armor.config import ArmorConfig
 
     default = ArmorConfig()
-=======
-def _add_armor(p: argparse.ArgumentParser, optimizer_default: str, budget_default) -> None:
-    from torch_armor.config import ArmorConfig
-
-    block_default = ArmorConfig().block_size  # the one default
->>>>>>> config
     g = p.add_argument_group("ARMOR")
     g.add_argument("--block-size", type=_block_size, default=default.block_size,
                    help=f"wrapper block size d_b, or 'auto': per layer, the largest d_b dividing both "
@@ -105,15 +98,9 @@ def _add_armor(p: argparse.ArgumentParser, optimizer_default: str, budget_defaul
     g.add_argument("--optimizer", choices=("bcd", "adam"), default=default.optimizer,
                    help=f"per-layer optimizer (default {default.optimizer})")
     g.add_argument("--iters", type=int, default=None,
-<<<<<<< HEAD
                    help=f"iterations per layer (default: {default.iterations} bcd sweeps; 1000 adam steps)")
     g.add_argument("--time-budget", type=_positive_float, default=None,
                    help="also stop each layer after this many wall seconds (default: no limit)")
-=======
-                   help="iterations per layer (default: 30 BCD sweeps; 1000 Adam steps)")
-    g.add_argument("--time-budget", type=_positive_float, default=budget_default,
-                   help="stop each layer after this many wall seconds (default: no limit)")
->>>>>>> config
     g.add_argument("--seed", type=int, default=0, help="seed of calibration windows and group selection")
 
 
@@ -140,11 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-calib", type=_positive_int, default=64, help="calibration windows (default 64)")
     p.add_argument("--layers", default=None,
                    help="prune only some decoder layers: indices like '0-1' or '0,4-6', or a regex on names")
-<<<<<<< HEAD
     _add_armor(p)
-=======
-    _add_armor(p, "bcd", None)
->>>>>>> config
     g = p.add_argument_group("runs (ARMOR)")
     g.add_argument("--run-dir", default=None,
                    help=f"where statistics and every finished layer are saved as they complete; rerunning the "
@@ -182,13 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--data", default="wiki", help="evaluation text (default wiki)")
     d.add_argument("--n-eval", type=_positive_int, default=64, help="evaluation windows (default 64)")
     d.add_argument("--layers", default=None, help="prune only some decoder layers (indices or regex)")
-<<<<<<< HEAD
     _add_armor(d)
     d.add_argument("--one-shot", action="store_true",
                    help="calibrate every block on the dense model's hidden states (default: sequentially)")
-=======
-    _add_armor(d, "bcd", None)
->>>>>>> config
     d.add_argument("--armor-eval", choices=("materialized", "tensor"), default="materialized",
                    help="evaluate ARMOR with W_hat materialized as dense matrices (default; same function, "
                         "fastest on CPU) or through the ArmorTensor weights")
@@ -209,29 +188,12 @@ def _setup(args: argparse.Namespace) -> None:
 
 
 def _armor_config(args: argparse.Namespace):
-<<<<<<< HEAD
     """The ArmorConfig of the ARMOR options; an option not given keeps ArmorConfig's default."""
     from torch_armor.config import ArmorConfig
 
     return ArmorConfig(block_size=args.block_size, max_overhead=args.max_overhead, pattern=args.pattern,
                        optimizer=args.optimizer, num_iters=args.iters, time_budget_s=args.time_budget,
                        seed=args.seed)
-=======
-    """ArmorConfig from the ARMOR options (``ArmorConfig()``'s defaults for the others)."""
-    from torch_armor.config import ArmorConfig, parse_pattern
-
-    overrides = {"pattern": str(parse_pattern(args.pattern)), "optimizer": args.optimizer, "seed": args.seed,
-                 "block_size": args.block_size, "max_overhead": args.max_overhead}
-    if args.iters is not None:
-        overrides["num_iters"] = args.iters
-    if args.time_budget is not None:
-        overrides["time_budget_s"] = args.time_budget
-    return ArmorConfig(**overrides)
-
-
-def _on_cpu(model) -> bool:
-    return all(p.device.type == "cpu" for p in model.parameters())
->>>>>>> config
 
 
 RUN_DIR_NAME = "armor_run"
@@ -268,21 +230,12 @@ def _prune(args: argparse.Namespace, out: Path, run_dir: Path, topo) -> int:
     start = time.perf_counter()
     from torch_armor.engine.runner import BaselineConfig
     from torch_armor.recipes.data import calibration_windows
-<<<<<<< HEAD
     from torch_armor.recipes.pipeline import load_model, load_tokenizer, parse_dtype
     from torch_armor.recipes.prune import is_streamable_checkpoint, prune_model
 
     armor = args.method == "armor"
     rank = topo.rank
     streamed = args.gguf_file is None and is_streamable_checkpoint(args.model)
-=======
-    from torch_armor.recipes.pipeline import calibration_statistics, load_model, prune, select_layers
-    from torch_armor.tensor.serialization import save_pretrained
-
-    armor = args.method == "armor"
-    rank, world = (topo.rank, topo.world_size) if topo is not None else (0, 1)
-    cfg = _armor_config(args) if armor else None
->>>>>>> config
     if rank == 0:
         _log(f"{'streaming' if streamed else 'loading'} {args.model} …")
     if streamed:
@@ -344,14 +297,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     _setup(args)
-<<<<<<< HEAD
     from torch_armor.recipes.quality import run_quality
 
-=======
-    from torch_armor.recipes.pipeline import run_quality
-
-    cfg = _armor_config(args)
->>>>>>> config
     result = run_quality(
         "smollm2", methods=args.methods, armor_configs=[_armor_config(args)], pattern=args.pattern,
         calib=args.calib, n_calib=args.n_calib, eval_data=args.data, n_eval=args.n_eval, seq_len=args.seq_len,
