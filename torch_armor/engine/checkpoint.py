@@ -2,9 +2,10 @@
 
 :class:`LazyCheckpoint` builds the causal LM on the ``meta`` device (no memory for weights) and
 reads tensors from the ``*.safetensors`` files only when a submodule is materialized, one tensor at
-a time through :func:`safetensors.safe_open` and copied out of the file mapping (materialized tensors
-are ordinary memory, independent of the files), so the peak memory of materializing a decoder block
-is about that block's size plus its largest tensor. :meth:`LazyCheckpoint.release` puts a submodule back on ``meta``.
+a time (file names and keys come from :func:`safetensors.safe_open`; tensor bytes are read with a
+plain ``readinto`` at the header's offsets, not through a memory map, whose touched pages would
+count in the process's RSS a second time), so the peak memory of materializing a decoder block is
+about that block's size. Materialized tensors are ordinary memory, independent of the files. :meth:`LazyCheckpoint.release` puts a submodule back on ``meta``.
 
 Typical use (one decoder block resident at a time)::
 
@@ -38,6 +39,37 @@ __all__ = ["LazyCheckpoint"]
 
 INDEX_NAME = "model.safetensors.index.json"
 _CHUNK = 16 << 20
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+def _header(path: Path) -> tuple:
+    """(data start offset, {key: entry}) of a safetensors file: 8-byte length, JSON, data."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return 8 + n, header
+
+
+def _read_tensor(path: Path, start: int, entry: dict) -> Optional[torch.Tensor]:
+    """Read one tensor with a plain ``readinto`` (no mmap: only the tensor's own bytes become
+    resident); ``None`` for dtypes not in ``_DTYPES`` (the caller falls back to safe_open)."""
+    dtype = _DTYPES.get(entry["dtype"])
+    if dtype is None:
+        return None
+    t = torch.empty(entry["shape"], dtype=dtype)
+    a, b = entry["data_offsets"]
+    if t.numel():
+        view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        with open(path, "rb") as f:
+            f.seek(start + a)
+            if f.readinto(view) != b - a:
+                raise ValueError(f"{path} is truncated: tensor data ends before byte {start + b}; re-save the checkpoint")
+    return t
 
 
 class LazyCheckpoint:
@@ -88,6 +120,7 @@ class LazyCheckpoint:
             self.model = AutoModelForCausalLM.from_config(self.config)
         self.model.eval()
         self._hash: Optional[str] = None
+        self._headers: dict = {}
         self._map_names()
 
     # ----------------------------------------------------------------- discovery
@@ -203,9 +236,7 @@ class LazyCheckpoint:
 
     # ----------------------------------------------------------------- loading
     def read_tensors(self, keys: Iterable[str]) -> dict:
-        """Raw tensors by checkpoint key (checkpoint dtype, CPU), one file opened at a time."""
-        from safetensors import safe_open
-
+        """Raw tensors by checkpoint key (checkpoint dtype, CPU, own memory), read one at a time."""
         keys = list(keys)
         by_file: dict[str, list] = {}
         for k in keys:
@@ -214,13 +245,25 @@ class LazyCheckpoint:
             by_file.setdefault(self._where[k], []).append(k)
         out = {}
         for name, ks in by_file.items():
-            with safe_open(str(self.directory / name), framework="pt") as f:
-                have = set(f.keys())
-                for k in ks:
-                    if k not in have:
-                        raise ValueError(f"tensor {k!r} is missing from {self.directory / name}; re-save the checkpoint")
-                    out[k] = f.get_tensor(k).clone()  # own memory, not a view of the mmap
+            for k in ks:
+                out[k] = self._get(name, k)
         return {k: out[k] for k in keys}
+
+    def _get(self, fname: str, key: str) -> torch.Tensor:
+        """One tensor from one file, in its own (not file-mapped) CPU memory."""
+        path = self.directory / fname
+        if fname not in self._headers:
+            self._headers[fname] = _header(path)
+        start, header = self._headers[fname]
+        if key not in header:
+            raise ValueError(f"tensor {key!r} is missing from {path}; re-save the checkpoint")
+        t = _read_tensor(path, start, header[key])
+        if t is None:  # a dtype torch reads only through safetensors (e.g. float8)
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                t = f.get_tensor(key).clone()
+        return t
 
     def _names_under(self, prefix: str) -> list:
         if prefix == "":
@@ -245,23 +288,17 @@ class LazyCheckpoint:
 
     def materialize(self, prefix: str) -> nn.Module:
         """Load every tensor of the submodule at ``prefix`` onto ``device``; return the submodule."""
-        from safetensors import safe_open
-
         names = self._names_under(prefix)
         by_file: dict[str, list] = {}
         for n in names:
             key = self._source[n]
             by_file.setdefault(self._where[key], []).append((n, key))
         for fname, pairs in by_file.items():
-            with safe_open(str(self.directory / fname), framework="pt") as f:
-                have = set(f.keys())
-                for n, key in pairs:
-                    if key not in have:
-                        raise ValueError(f"tensor {key!r} is missing from {self.directory / fname}; re-save the checkpoint")
-                    t = f.get_tensor(key)  # a view of the file's mmap: copy it out (one tensor at a time)
-                    dtype = self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
-                    self._set(n, t.to(device=self.device, dtype=dtype, copy=True))
-                    del t
+            for n, key in pairs:
+                t = self._get(fname, key)
+                dtype = self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
+                self._set(n, t.to(device=self.device, dtype=dtype))
+                del t
         module = self.model.get_submodule(prefix)
         self._rebuild_buffers(module)
         return module
