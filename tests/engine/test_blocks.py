@@ -188,3 +188,29 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path, kill_at, finished):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"factorized {14 - finished}" in resumed.stdout  # finished layers are not recomputed
     _same_files(tmp_path / "out", tmp_path / "ref")
+
+
+@pytest.mark.parametrize("method", ["armor", "sparsegpt"])
+def test_streamed_checkpoint_equals_in_memory(tmp_path, method):
+    from torch_armor.tensor.serialization import load_pretrained
+
+    ckpt = tmp_path / "ckpt"
+    make_tiny_llama().save_pretrained(str(ckpt), max_shard_size="100KB")  # several shards
+    assert len(list(ckpt.glob("*.safetensors"))) > 2
+    cfg = ArmorConfig(block_size=16, num_iters=2) if method == "armor" else BaselineConfig(block_size=32)
+    streamed = prune_model(ckpt, CALIB, method, cfg, out=tmp_path / "streamed", progress=False)
+    in_memory = make_tiny_llama()
+    reference = prune_model(in_memory, CALIB, method, cfg, out=tmp_path / "memory", progress=False)
+    assert [(r.name, r.relative_proxy_loss) for r in streamed.layers] == \
+        [(r.name, r.relative_proxy_loss) for r in reference.layers]
+    assert not (tmp_path / "streamed" / ".armor_run").exists()  # the temporary run directory is gone
+    loaded = load_pretrained(tmp_path / "streamed")
+    x = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, in_memory(x).logits)
+
+
+def test_streaming_needs_out(tmp_path):
+    make_tiny_llama().save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="out=DIR"):
+        prune_model(tmp_path, CALIB, "wanda", progress=False)

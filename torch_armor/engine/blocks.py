@@ -130,6 +130,7 @@ class BlockPipeline:
         start_all = time.perf_counter()
         self.source.prepare_inputs()
         inputs = capture_block_inputs(self.source.model, self.blocks[0], calibration, hidden_dtype=self.hidden_dtype)
+        self.source.release_inputs()
         start_block = self._resume_point(inputs)
         by_block = self._names_by_block()
         bar = tqdm(total=len(self.blocks), initial=start_block, desc=f"prune {method.label}", unit="block",

@@ -313,6 +313,11 @@ class LazyCheckpoint:
             if not (name == prefix or name.startswith(prefix + ".")):
                 self._rebuild_buffers(mod, recurse=False)
 
+    def release_non_decoder(self) -> None:
+        """Undo :meth:`materialize_non_decoder` (the embeddings go back to ``meta``)."""
+        for owner in self._split_outside()[0]:
+            self.release(owner)
+
     def _rebuild_buffers(self, module: nn.Module, recurse: bool = True) -> None:
         """Recreate non-persistent meta buffers (e.g. rotary ``inv_freq``) by re-running __init__."""
         mods = module.modules() if recurse else [module]
@@ -344,8 +349,8 @@ class LazyCheckpoint:
         for n in self._names_under(prefix):
             mod, attr, is_param = self._slots[n][0]
             t = mod._parameters[attr] if is_param else mod._buffers[attr]
-            if not t.is_meta:
-                self._set(n, torch.empty_like(t, device="meta"))
+            if not t.is_meta:  # by shape and dtype: a pruned block may hold ArmorTensor weights
+                self._set(n, torch.empty(t.shape, dtype=t.dtype, device="meta"))
         for mod in self.model.get_submodule(prefix).modules():
             for a in mod._non_persistent_buffers_set:
                 b = mod._buffers.get(a)

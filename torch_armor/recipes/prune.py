@@ -50,6 +50,9 @@ class _InMemory:
     def prepare_inputs(self) -> None:
         pass
 
+    def release_inputs(self) -> None:
+        pass
+
     def load_block(self, prefix: str) -> nn.Module:
         return self.model.get_submodule(prefix)
 
@@ -69,6 +72,9 @@ class _Streamed:
 
     def prepare_inputs(self) -> None:
         self.checkpoint.materialize_non_decoder()
+
+    def release_inputs(self) -> None:
+        self.checkpoint.release_non_decoder()
 
     def load_block(self, prefix: str) -> nn.Module:
         return self.checkpoint.materialize(prefix)
