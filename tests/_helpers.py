@@ -45,3 +45,12 @@ def check_mask(mask: torch.Tensor, pattern) -> bool:
 def solve_psd_2x2(k: torch.Tensor, u: torch.Tensor, rel_tol: float = 1e-6) -> torch.Tensor:
     """``K⁺ u`` of batched symmetric PSD 2×2 systems through :func:`psd_pinv`."""
     return (psd_pinv(k, rel_tol) @ u[..., None])[..., 0]
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for a torchrun rendezvous."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

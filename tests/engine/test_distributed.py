@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from _helpers import free_port
 from torch_armor.engine.distributed import Topology, distributed_factorize, init_distributed, layer_cost, shard_layers
 from torch_armor.engine.runstore import MANIFEST_NAME, RunStore, factorize_layers, hash_tensors
 
@@ -172,11 +173,6 @@ dist.destroy_process_group()
 """
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_two_cpu_ranks_match_one_process_bit_for_bit(tmp_path):
     layers = make_layers()
@@ -192,7 +188,7 @@ def test_two_cpu_ranks_match_one_process_bit_for_bit(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", LOGLEVEL="WARNING")
     env.pop("WORLD_SIZE", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), str(script), str(fresh), str(resumed), str(failing)]
+           "--master-port", str(free_port()), str(script), str(fresh), str(resumed), str(failing)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [ln.split(" ", 3) for ln in proc.stdout.splitlines() if ln.startswith("rank ")]
