@@ -5,7 +5,7 @@ Examples::
     # ARMOR 2:4 on the embedded SmolLM2-135M, block size chosen per layer within 5% overhead
     torch-armor prune smollm2 --block-size auto --out runs/smollm2-armor
     # the same on 2 processes (layers sharded by cost); rerunning a killed command resumes it
-    torchrun --nproc-per-node 2 -m torch_armor prune smollm2 --out runs/smollm2-armor
+    torchrun --nproc-per-node 2 -m torch_armor prune smollm2 --block-size auto --out runs/smollm2-armor
     # a baseline on a local Hugging Face checkpoint, two decoder layers only
     torch-armor prune ./Llama-3.2-1B --method sparsegpt --layers 0-1 --out runs/llama-sgpt
     # perplexity (64 non-overlapping 512-token windows of the Wikipedia text by default)
@@ -87,12 +87,13 @@ def _add_model(p: argparse.ArgumentParser, help_text: str) -> None:
 def _add_armor(p: argparse.ArgumentParser, optimizer_default: str, budget_default) -> None:
     from torch_armor.config import ArmorConfig
 
-    block_default = ArmorConfig().block_size  # the one default
+    defaults = ArmorConfig()  # the one default
+    block_default = defaults.block_size
     g = p.add_argument_group("ARMOR")
     g.add_argument("--block-size", type=_block_size, default=block_default,
                    help=f"wrapper block size d_b, or 'auto': per layer, the largest d_b dividing both "
                         f"dimensions within --max-overhead (default {block_default})")
-    g.add_argument("--max-overhead", type=_positive_float, default=0.05,
+    g.add_argument("--max-overhead", type=_positive_float, default=defaults.max_overhead,
                    help="wrapper-overhead budget of --block-size auto, a fraction (default 0.05 = 5%%)")
     g.add_argument("--optimizer", choices=("bcd", "adam"), default=optimizer_default,
                    help=f"per-layer optimizer (default {optimizer_default})")
