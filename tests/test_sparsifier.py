@@ -498,3 +498,15 @@ def test_pruning_options_and_resume(tmp_path):
 def test_docstring_examples_run():
     result = doctest.testmod(sparsifier_module, optionflags=doctest.ELLIPSIS)
     assert result.attempted >= 3 and result.failed == 0
+
+
+def test_auto_block_size_is_resolved_per_layer():
+    model = nn.Sequential(nn.Linear(48, 32), nn.ReLU(), nn.Linear(32, 64))
+    sp = ArmorSparsifier(block_size="auto", max_overhead=0.5, optimizer="bcd", num_iters=1, progress=False)
+    sp.prepare(model, [{"tensor_fqn": "0.weight"}, {"tensor_fqn": "2.weight", "max_overhead": 0.2}])
+    first, second = sp.config_for("0.weight"), sp.config_for("2.weight")
+    assert first.block_size == 8 and second.block_size == 4  # largest within 50% / 20% overhead
+    assert first.group_updates_per_sweep == 4 and sp.armor_config.block_size == "auto"
+    model(torch.randn(20, 48))
+    sp.convert(model)
+    assert model[0].weight.block_size == 8 and model[2].weight.block_size == 4

@@ -5,7 +5,7 @@ Examples::
     # ARMOR 2:4 on the embedded SmolLM2-135M, block size chosen per layer within 5% overhead
     torch-armor prune smollm2 --block-size auto --out runs/smollm2-armor
     # the same on 2 processes (layers sharded by cost); rerunning a killed command resumes it
-    torchrun --nproc-per-node 2 -m torch_armor prune smollm2 --out runs/smollm2-armor
+    torchrun --nproc-per-node 2 -m torch_armor prune smollm2 --block-size auto --out runs/smollm2-armor
     # a baseline on a local Hugging Face checkpoint, two decoder layers only
     torch-armor prune ./Llama-3.2-1B --method sparsegpt --layers 0-1 --out runs/llama-sgpt
     # perplexity (64 non-overlapping 512-token windows of the Wikipedia text by default)

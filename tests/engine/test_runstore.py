@@ -383,3 +383,16 @@ def test_statistics_shared_between_layers_are_cached(tmp_path):
     assert sorted(loaded) == ["k", "q", "v"]
     for name in stats:
         assert torch.equal(loaded[name].act_sq_norm, shared) and torch.equal(loaded[name].xtx, xtx)
+
+
+def test_auto_block_size_resolves_per_layer_and_resumes(tmp_path):
+    layers = make_layers(2)
+    cfg = ArmorConfig(block_size="auto", max_overhead=0.5, num_iters=2)
+    first = factorize_layers(layers, cfg, RunStore(tmp_path, cfg, "m", stats_hash(layers)), progress=False)
+    store = RunStore(tmp_path, cfg, "m", stats_hash(layers))
+    for name, (w, _) in layers.items():
+        want = cfg.for_layer(*w.shape).block_size
+        assert first[name].block_size == want and store.layer_info(name)["config"]["block_size"] == want
+    lazy = {name: (lambda v=v: v) for name, v in layers.items()}  # resumed: nothing recomputed, lazily given
+    again = factorize_layers(lazy, cfg, store, progress=False)
+    assert all(torch.equal(again[n].core, first[n].core) for n in layers)
