@@ -230,7 +230,7 @@ def _prune(args: argparse.Namespace, out: Path, run_dir: Path, topo) -> int:
     start = time.perf_counter()
     from torch_armor.engine.runner import BaselineConfig
     from torch_armor.recipes.data import calibration_windows
-    from torch_armor.recipes.pipeline import load_model, load_tokenizer, parse_dtype
+    from torch_armor.recipes.models import load_model, load_tokenizer, parse_dtype
     from torch_armor.recipes.prune import is_streamable_checkpoint, prune_model
 
     armor = args.method == "armor"
@@ -280,7 +280,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     _setup(args)
     from torch_armor.recipes.data import eval_windows
     from torch_armor.recipes.evaluate import perplexity
-    from torch_armor.recipes.pipeline import load_model
+    from torch_armor.recipes.models import load_model
 
     model, tokenizer = load_model(args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device)
     windows = eval_windows(args.data, tokenizer, n_windows=args.n_eval, seq_len=args.seq_len)

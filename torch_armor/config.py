@@ -74,7 +74,7 @@ _Block = Union[int, str]
 class ArmorConfig:
     """Settings for :func:`torch_armor.core.factorize` (one linear layer), immutable.
 
-    The defaults are THE defaults of torch_armor (the sparsifier, :func:`~torch_armor.recipes.pipeline.prune`,
+    The defaults are THE defaults of torch_armor (the sparsifier, :func:`~torch_armor.prune_model`,
     ``torch-armor prune`` and ``torch-armor demo`` all start from ``ArmorConfig()``): block size
     16, 2:4, ``"bcd"``, 30 sweeps per layer. A fixed number of sweeps, not a time budget, so
     the result does not depend on the machine's load (bit-identical for the same thread count);

