@@ -3,7 +3,8 @@ import dataclasses
 import pytest
 import torch
 
-from torch_armor import ArmorConfig, parse_pattern
+from torch_armor import ArmorConfig
+from torch_armor.config import parse_pattern
 
 
 @pytest.mark.parametrize("text,n,m", [("2:4", 2, 4), ("4:8", 4, 8), (" 1:2 ", 1, 2), ("5:8", 5, 8)])

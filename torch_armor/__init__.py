@@ -1,6 +1,19 @@
 """torch_armor: ARMOR 2:4 semi-structured pruning for PyTorch models.
 
-Example::
+One entry point prunes a whole model, one decoder block at a time (each block calibrated on the
+outputs of the already-pruned blocks before it)::
+
+    >>> import torch
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> from torch_armor import ArmorConfig, prune_model
+    >>> llama = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    ...                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=50))
+    >>> report = prune_model(llama, torch.randint(0, 50, (4, 16)), "armor", ArmorConfig(num_iters=2),
+    ...                      progress=False)
+    >>> len(report.layers), round(report.overhead, 3)
+    (14, 0.889)
+
+The ``torch.ao.pruning`` protocol works on any model, with your own forward passes::
 
     >>> import torch
     >>> from torch import nn
@@ -34,40 +47,33 @@ def _import_torchao_quietly() -> None:
 
 _import_torchao_quietly()
 
-from torch_armor.config import ArmorConfig, SparsityPattern, parse_pattern  # noqa: E402
-from torch_armor.engine.distributed import distributed_factorize, shared_statistics  # noqa: E402
+from torch_armor.config import ArmorConfig  # noqa: E402
 from torch_armor.core.factorize import factorize  # noqa: E402
 from torch_armor.core.factors import ArmorFactors  # noqa: E402
-from torch_armor.core.proxy import nowag_prune, proxy_loss, relative_proxy_loss  # noqa: E402
-from torch_armor.engine.runstore import RunMismatchError, RunStore, factorize_layers, hash_statistics  # noqa: E402
-from torch_armor.tensor.quant import ArmorCoreConfig, dequantize_armor_core, quantize_armor_core  # noqa: E402  (registers the handler)
-from torch_armor.tensor.serialization import load_pretrained, save_pretrained  # noqa: E402
+from torch_armor.engine.report import PruneReport  # noqa: E402
+from torch_armor.engine.runner import BaselineConfig  # noqa: E402
+from torch_armor.engine.runstore import RunMismatchError  # noqa: E402
+from torch_armor.recipes.prune import prune_model  # noqa: E402
 from torch_armor.sparsifier import ArmorSparsifier, PruningSparsifier  # noqa: E402
-from torch_armor.tensor.armor_tensor import ArmorTensor, armor_linear_from_factors  # noqa: E402
+from torch_armor.tensor.armor_tensor import ArmorTensor  # noqa: E402
+from torch_armor.tensor.quant import ArmorCoreConfig  # noqa: E402  (registers the torchao handler)
+from torch_armor.tensor.serialization import load_pretrained, save_pretrained  # noqa: E402
 
+# What a user needs; the math and the plumbing stay importable from their subpackages
+# (torch_armor.core, .calibration, .tensor, .engine, .recipes).
 __all__ = [
     "ArmorConfig",
     "ArmorCoreConfig",
     "ArmorFactors",
     "ArmorSparsifier",
     "ArmorTensor",
+    "BaselineConfig",
+    "PruneReport",
     "PruningSparsifier",
     "RunMismatchError",
-    "RunStore",
-    "SparsityPattern",
-    "armor_linear_from_factors",
-    "dequantize_armor_core",
-    "distributed_factorize",
     "factorize",
-    "factorize_layers",
-    "hash_statistics",
     "load_pretrained",
-    "nowag_prune",
-    "parse_pattern",
-    "proxy_loss",
-    "quantize_armor_core",
-    "relative_proxy_loss",
+    "prune_model",
     "save_pretrained",
-    "shared_statistics",
 ]
 __version__ = "0.1.0"

@@ -2,7 +2,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from torch_armor import ArmorConfig, factorize, nowag_prune, proxy_loss, relative_proxy_loss
+from torch_armor import ArmorConfig, factorize
+from torch_armor.core.proxy import nowag_prune, proxy_loss, relative_proxy_loss
 from torch_armor.core.proxy import normalize_weight
 
 from _helpers import block_diag_dense, check_mask, random_layer

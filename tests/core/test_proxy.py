@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from torch_armor import nowag_prune, proxy_loss, relative_proxy_loss
+from torch_armor.core.proxy import nowag_prune, proxy_loss, relative_proxy_loss
 from torch_armor.core.proxy import auto_block_size, normalize_weight, validate_layer
 
 from _helpers import check_mask, random_layer
