@@ -81,7 +81,7 @@ def test_shared_inputs_are_observed_once():
     prefix, blocks = decoder_blocks(model)
     inputs = capture_block_inputs(model, blocks[0], list(CALIB.split(4)))
     layers = {n: model.get_submodule(n) for n in decoder_linear_names(model) if n.startswith(prefix + ".0.")}
-    stats, _ = block_statistics(blocks[0], layers, inputs, device=torch.device("cpu"))
+    stats = block_statistics(blocks[0], layers, inputs, device=torch.device("cpu"))
     attn, mlp = "model.layers.0.self_attn.", "model.layers.0.mlp."
     assert stats[attn + "q_proj"].act_sq_norm is stats[attn + "v_proj"].act_sq_norm
     assert stats[mlp + "gate_proj"].act_sq_norm is stats[mlp + "up_proj"].act_sq_norm
@@ -214,3 +214,19 @@ def test_streaming_needs_out(tmp_path):
     make_tiny_llama().save_pretrained(str(tmp_path))
     with pytest.raises(ValueError, match="out=DIR"):
         prune_model(tmp_path, CALIB, "wanda", progress=False)
+
+
+@pytest.mark.parametrize("sequential", [True, False])
+def test_hidden_states_on_disk_and_in_bf16(tmp_path, sequential):
+    in_memory = make_tiny_llama()
+    prune_model(in_memory, CALIB, "wanda", sequential=sequential, progress=False)
+    on_disk = make_tiny_llama()
+    prune_model(on_disk, CALIB, "wanda", sequential=sequential, hidden_dir=tmp_path / "h", progress=False)
+    assert sorted(p.name for p in (tmp_path / "h").iterdir()) == [f"batch-{j:06d}.safetensors" for j in range(2)]
+    a, b = _weights(in_memory), _weights(on_disk)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    half = make_tiny_llama()
+    prune_model(half, CALIB, "wanda", sequential=sequential, hidden_dtype=torch.bfloat16, progress=False)
+    c = _weights(half)
+    block1 = [n for n in a if n.startswith("model.layers.1.")]
+    assert any(not torch.equal(a[n], c[n]) for n in block1)  # bf16 hidden states change the statistics

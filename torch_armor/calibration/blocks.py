@@ -20,8 +20,9 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+import os
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -31,13 +32,43 @@ from torch_armor.calibration.observer import ActSqNormObserver, LayerStatistics,
 __all__ = ["BlockInput", "decoder_blocks", "capture_block_inputs", "run_block", "block_statistics"]
 
 
-@dataclass
 class BlockInput:
     """One calibration batch at a block boundary: the hidden states and the keyword arguments
-    the decoder layer is called with (attention mask, position embeddings, …)."""
+    the decoder layer is called with (attention mask, position embeddings, …).
 
-    hidden: torch.Tensor
-    kwargs: Dict[str, Any] = field(default_factory=dict)
+    After :meth:`offload` the hidden states live in a safetensors file and are read back each
+    time :attr:`hidden` is used; assigning :attr:`hidden` then rewrites the file.
+    """
+
+    def __init__(self, hidden: torch.Tensor, kwargs: Optional[Dict[str, Any]] = None) -> None:
+        self._hidden: Optional[torch.Tensor] = hidden
+        self.kwargs: Dict[str, Any] = dict(kwargs or {})
+        self.path: Optional[Path] = None
+
+    @property
+    def hidden(self) -> torch.Tensor:
+        if self.path is None:
+            return self._hidden
+        from safetensors.torch import load_file
+
+        return load_file(str(self.path))["hidden"]
+
+    @hidden.setter
+    def hidden(self, value: torch.Tensor) -> None:
+        if self.path is None:
+            self._hidden = value
+            return
+        from safetensors.torch import save_file
+
+        save_file({"hidden": value.detach().contiguous().cpu()}, str(self.path))
+
+    def offload(self, path: Union[str, os.PathLike]) -> None:
+        """Keep the hidden states in ``path`` from now on (frees their memory)."""
+        value = self.hidden
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.hidden = value
+        self._hidden = None
 
 
 def decoder_blocks(model: nn.Module) -> Tuple[str, nn.ModuleList]:
@@ -118,15 +149,17 @@ def capture_block_inputs(
     return captured
 
 
-def run_block(block: nn.Module, inp: BlockInput, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """The block's output hidden states for one batch (computed on ``device`` in the block's dtype,
-    returned in ``dtype`` on the input's device)."""
+def run_block(block: nn.Module, inp: BlockInput, device: torch.device) -> torch.Tensor:
+    """The block's output hidden states for one batch, computed on ``device`` in the block's dtype
+    and returned like the input (its device and dtype)."""
+    hidden = inp.hidden
     param = next((p for p in block.parameters() if p.device.type != "meta"), None)
-    compute_dtype = param.dtype if param is not None else inp.hidden.dtype
-    out = block(inp.hidden.to(device=device, dtype=compute_dtype), **_to(inp.kwargs, device))
+    compute_dtype = param.dtype if param is not None else hidden.dtype
+    with torch.no_grad():
+        out = block(hidden.to(device=device, dtype=compute_dtype), **_to(inp.kwargs, device))
     if isinstance(out, (tuple, list)):
         out = out[0]
-    return out.detach().to(device=inp.hidden.device, dtype=dtype)
+    return out.detach().to(device=hidden.device, dtype=hidden.dtype)
 
 
 def block_statistics(
@@ -136,11 +169,11 @@ def block_statistics(
     *,
     device: torch.device,
     track_xtx: bool = False,
-    keep_outputs: bool = False,
-    on_batch: Optional[Callable[[], None]] = None,
-) -> Tuple[Dict[str, LayerStatistics], Optional[List[torch.Tensor]]]:
+    propagate: bool = False,
+) -> Dict[str, LayerStatistics]:
     """Input statistics of ``layers`` (``{name: linear inside block}``) while ``block`` runs on
-    ``inputs``; with ``keep_outputs`` also the block's outputs (the dense stream).
+    ``inputs``; with ``propagate`` each batch's input is replaced by the block's output once the
+    batch has run (the dense stream of a one-shot prune).
 
     Linears that read the very same input tensor (q/k/v, gate/up) are observed once and share
     one :class:`LayerStatistics` (found from which tensors the first batch hands them)."""
@@ -151,12 +184,12 @@ def block_statistics(
             seen.setdefault(_name, args[0])
         probes.append(module.register_forward_pre_hook(probe))
     observers = {name: ActSqNormObserver(track_xtx=track_xtx).attach(module, name) for name, module in layers.items()}
-    outputs: Optional[List[torch.Tensor]] = [] if keep_outputs else None
     try:
         for i, inp in enumerate(inputs):
-            out = run_block(block, inp, device, inp.hidden.dtype)
-            if outputs is not None:
-                outputs.append(out)
+            out = run_block(block, inp, device)
+            if propagate:
+                inp.hidden = out
+            del out
             if i == 0:  # the first batch showed which linears share an input: observe each input once
                 for h in probes:
                     h.remove()
@@ -170,11 +203,9 @@ def block_statistics(
                         observers[name].remove()
                         observers[name] = observers[rep]
                 seen.clear()
-            if on_batch is not None:
-                on_batch()
     finally:
         for h in probes:
             h.remove()
         for obs in observers.values():
             obs.remove()
-    return {name: obs.statistics() for name, obs in observers.items()}, outputs
+    return {name: obs.statistics() for name, obs in observers.items()}

@@ -87,6 +87,7 @@ class BlockPipeline:
     identity: str = ""
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     hidden_dtype: Optional[torch.dtype] = None
+    hidden_dir: Optional[Path] = None
     storage: str = "dense"
     progress: bool = True
     write_block: Optional[Callable[[int, str, nn.Module], None]] = None
@@ -131,6 +132,9 @@ class BlockPipeline:
         self.source.prepare_inputs()
         inputs = capture_block_inputs(self.source.model, self.blocks[0], calibration, hidden_dtype=self.hidden_dtype)
         self.source.release_inputs()
+        if self.hidden_dir is not None:
+            for j, inp in enumerate(inputs):
+                inp.offload(Path(self.hidden_dir) / f"batch-{j:06d}.safetensors")
         start_block = self._resume_point(inputs)
         by_block = self._names_by_block()
         bar = tqdm(total=len(self.blocks), initial=start_block, desc=f"prune {method.label}", unit="block",
@@ -144,19 +148,14 @@ class BlockPipeline:
                 block = self.source.load_block(prefix)
                 block.to(self.device).eval()
                 names = by_block[index]
-                dense_out = None
                 if names:
                     layers = {n: self.source.model.get_submodule(n) for n in names}
-                    stats, dense_out = block_statistics(block, layers, inputs, device=self.device,
-                                                        track_xtx=method.needs_xtx, keep_outputs=not self.sequential)
+                    stats = block_statistics(block, layers, inputs, device=self.device,
+                                             track_xtx=method.needs_xtx, propagate=not self.sequential)
                     self._solve_block(names, layers, stats, report, bar)
-                with torch.no_grad():
-                    if dense_out is not None:
-                        outs = dense_out
-                    else:
-                        outs = [run_block(block, inp, self.device, inp.hidden.dtype) for inp in inputs]
-                for inp, out in zip(inputs, outs):
-                    inp.hidden = out
+                if self.sequential or not names:  # the (pruned) block's outputs feed the next block
+                    for inp in inputs:
+                        inp.hidden = run_block(block, inp, self.device)
                 if self.write_block is not None and self.rank == 0:
                     self.write_block(index, prefix, block)
                 self.source.release_block(prefix)

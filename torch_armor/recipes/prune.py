@@ -134,6 +134,7 @@ def prune_model(
     pattern: Optional[str] = None,
     batch_size: int = 4,
     hidden_dtype: Optional[torch.dtype] = None,
+    hidden_dir: Optional[PathLike] = None,
     storage: Optional[str] = None,
     dtype: Optional[torch.dtype] = None,
     log: Optional[Callable[[str], None]] = None,
@@ -165,6 +166,8 @@ def prune_model(
         pattern: overrides the config's sparsity pattern.
         batch_size: calibration windows per forward pass.
         hidden_dtype: dtype the calibration hidden states are kept in (default: the model's).
+        hidden_dir: keep the calibration hidden states in files there instead of in memory (one
+            per batch; each is read when its batch runs).
         storage: ARMOR core storage in the model (default ``"dense"`` on CPU, ``"auto"`` on CUDA).
         dtype: streamed checkpoints only: load the weights in this dtype.
         log: called with a line of text about resuming (default: the ``torch_armor`` logger).
@@ -221,6 +224,7 @@ def prune_model(
     pipeline = BlockPipeline(
         source=source, blocks_prefix=blocks_prefix, blocks=blocks, names=names, method=method, config=cfg,
         sequential=sequential, store=store, identity=identity, device=dev, hidden_dtype=hidden_dtype,
+        hidden_dir=Path(hidden_dir) if hidden_dir is not None else None,
         storage=storage or ("auto" if dev.type == "cuda" else "dense"), progress=progress and topo.rank == 0,
         write_block=writer.write if writer else None, block_done=writer.done if writer else None,
         rank=topo.rank, world_size=topo.world_size,
