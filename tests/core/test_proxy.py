@@ -166,3 +166,27 @@ def test_auto_block_size_errors():
         auto_block_size(64, 64, 0.0)
     with pytest.raises(ValueError, match="d_out"):
         auto_block_size(0, 64, 0.05)
+
+
+def test_for_layer_resolves_block_sizes_of_a_model_and_checks_shapes():
+    """ArmorConfig.for_layer on every linear of a model (the successor of the pipeline's
+    armor_layer_configs): fixed sizes kept, "auto" within the overhead budget, a bad shape named."""
+    from torch import nn
+
+    from torch_armor import ArmorConfig
+
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 48), nn.Linear(30, 8))
+
+    def configs(names, cfg):
+        return {n: cfg.for_layer(*model.get_submodule(n).weight.shape, name=n) for n in names}
+
+    cfgs = configs(["0", "1"], ArmorConfig(block_size=16, optimizer="bcd"))
+    assert [c.block_size for c in cfgs.values()] == [16, 16]
+    auto = configs(["0", "1"], ArmorConfig(block_size="auto", max_overhead=0.5))
+    for name, cfg in auto.items():
+        d_out, d_in = model.get_submodule(name).weight.shape
+        assert cfg.block_size == auto_block_size(d_out, d_in, 0.5, 4)
+        assert d_out % cfg.block_size == 0 and d_in % cfg.block_size == 0
+        assert cfg.block_size * (d_out + d_in) <= 0.5 * d_out * d_in
+    with pytest.raises(ValueError, match="'2'"):
+        configs(["2"], ArmorConfig(block_size=16))

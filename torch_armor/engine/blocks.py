@@ -216,8 +216,11 @@ class BlockPipeline:
         for n in names:
             weight = layers[n].weight.detach()
             sol = solutions[n]
-            ref = ProxyReference(weight, stats[n].act_sq_norm, cfgs[n].pattern)
-            rel = ref.relative(weight, sol.approximation())
+            if sol.factors is not None:  # ARMOR: the loss factorize measured, as a resumed run replays it
+                rel = float(sol.factors.relative_loss)
+            else:
+                ref = ProxyReference(weight, stats[n].act_sq_norm, cfgs[n].pattern)
+                rel = ref.relative(weight, sol.approximation())
             report.layers.append(_result(n, tuple(weight.shape), rel, sol.seconds, sol.factors))
             sol.apply(layers[n], self.storage)
 

@@ -31,7 +31,7 @@ from torch_armor.calibration.blocks import decoder_blocks
 from torch_armor.config import ArmorConfig
 from torch_armor.engine.blocks import BLOCKS_DIR, BlockPipeline, hash_calibration, hash_model, identity_string
 from torch_armor.engine.report import PruneReport
-from torch_armor.engine.runner import method_config
+from torch_armor.engine.runner import layer_config, method_config
 from torch_armor.engine.runstore import RunStore
 
 __all__ = ["prune_model", "calibration_batches"]
@@ -173,8 +173,10 @@ def prune_model(
         log: called with a line of text about resuming (default: the ``torch_armor`` logger).
 
     Raises:
-        ValueError: bad arguments, a layer outside the decoder blocks, a run directory of
-            another run (:class:`~torch_armor.engine.runstore.RunMismatchError`).
+        ValueError: bad arguments, a layer outside the decoder blocks, a layer the settings do
+            not fit (block size, pattern) or whose weight is on the meta device — every layer is
+            checked before any is pruned —, a run directory of another run
+            (:class:`~torch_armor.engine.runstore.RunMismatchError`).
     """
     from torch_armor.engine.distributed import init_distributed
 
@@ -200,6 +202,15 @@ def prune_model(
         names = list(layers)
     if not names:
         raise ValueError("no layers to prune")
+    for name in names:  # every layer checked before any is pruned: a failed call leaves the model untouched
+        weight = model.get_submodule(name).weight
+        if not streamed and weight.device.type == "meta":
+            raise ValueError(
+                f"layer {name!r}: the weight is on the meta device (offloaded, e.g. by accelerate's device_map or "
+                "cpu_offload); pruning needs the weights in memory: reload the model without offloading, or pass "
+                "its checkpoint directory to stream it block by block"
+            )
+        layer_config(method, cfg, tuple(weight.shape), name)
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if not streamed and device is None:
         dev = next((p.device for p in model.parameters() if p.device.type != "meta"), dev)
