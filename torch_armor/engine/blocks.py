@@ -58,7 +58,7 @@ def hash_tensors(named: Iterable[Tuple[str, torch.Tensor]]) -> str:
             raise ValueError(f"{name} is on the meta device: hash the checkpoint it comes from instead")
         t = t.detach().contiguous().cpu()
         digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()
 
 
