@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+import torch_armor.engine.runner as runner_module
 import torch_armor.sparsifier as sparsifier_module
 from torch_armor.core import baselines
 from torch_armor.config import ArmorConfig
@@ -288,7 +289,7 @@ def test_state_dict_weights_only_roundtrip_bit_identical(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("factorize must not run when every layer was loaded")
 
-    monkeypatch.setattr(sparsifier_module, "factorize", boom)
+    monkeypatch.setattr(runner_module, "factorize", boom)
     fresh = ArmorSparsifier(**FAST)
     fresh.prepare(dense, [{"tensor_fqn": f} for f in LAYERS])
     fresh.load_state_dict(torch.load(tmp_path / "sp.pt", weights_only=True))
@@ -323,13 +324,13 @@ def test_resume_computes_only_unfinished_layers(tmp_path, monkeypatch):
     assert [f for f in LAYERS if "factors" in saved["state"][f]] == LAYERS[:2]
 
     seen = []
-    real = sparsifier_module.factorize
+    real = runner_module.factorize
 
     def counting(weight, h, config, name=None):
         seen.append(name)
         return real(weight, h, config, name=name)
 
-    monkeypatch.setattr(sparsifier_module, "factorize", counting)
+    monkeypatch.setattr(runner_module, "factorize", counting)
     model = make_mlp()
     resumed = prepared(model, calibrate=False)  # no new calibration: statistics come from the file
     resumed.load_state_dict(saved)
@@ -377,6 +378,50 @@ def test_load_state_dict_errors(caplog):
     wrong.prepare(nn.Sequential(nn.Linear(32, 32)), [{"tensor_fqn": "0.weight"}])
     with pytest.raises(ValueError, match="'0.weight'.*different model"):
         wrong.load_state_dict(state, strict=False)
+
+
+def test_state_from_other_weights_is_refused(tmp_path):
+    sp = prepared(make_mlp())
+    sp.step()
+    torch.save(sp.state_dict(), tmp_path / "sp.pt")
+    state = torch.load(tmp_path / "sp.pt", weights_only=True)
+    assert list(state["weight_hashes"]) == LAYERS
+    changed = make_mlp()
+    with torch.no_grad():
+        changed[4].weight[3, 5] += 1e-3  # same shapes, one weight differs
+    other = prepared(changed, calibrate=False)
+    with pytest.raises(ValueError) as err:
+        other.load_state_dict(state)
+    msg = str(err.value)
+    assert "'4.weight'" in msg and "other weights" in msg and "prepare() the model the state was saved from" in msg
+    assert "\n" not in msg and "'0.weight'" not in msg
+    assert not other.factors and other.statistics("0.weight").num_tokens == 0  # nothing was loaded
+    recast = prepared(make_mlp(dtype=torch.bfloat16), calibrate=False)  # the dtype is part of the identity
+    with pytest.raises(ValueError, match="'0.weight'.*other weights"):
+        recast.load_state_dict(state)
+    same = prepared(make_mlp(), calibrate=False)
+    same.load_state_dict(state)
+    assert list(same.factors) == LAYERS
+    assert torch.equal(same.statistics("4.weight").act_sq_norm, sp.statistics("4.weight").act_sq_norm)
+    pruning = PruningSparsifier("magnitude", progress=False)
+    pruning.prepare(make_mlp(), [{"tensor_fqn": "4.weight"}])
+    pruning_state = pruning.state_dict()
+    pruning = PruningSparsifier("magnitude", progress=False)
+    pruning.prepare(changed, [{"tensor_fqn": "4.weight"}])
+    with pytest.raises(ValueError, match="'4.weight'.*other weights"):
+        pruning.load_state_dict(pruning_state)
+
+
+def test_state_without_hashes_is_refused():
+    sp = prepared(make_mlp())
+    state = sp.state_dict()
+    assert state["version"] == sparsifier_module.STATE_DICT_VERSION == 2
+    old = {k: v for k, v in state.items() if k != "weight_hashes"}
+    for bad in ({**old, "version": 1}, old):
+        fresh = prepared(make_mlp(), calibrate=False)
+        with pytest.raises(ValueError, match="without weight hashes.*recompute"):
+            fresh.load_state_dict(bad)
+        assert fresh.statistics("0.weight").num_tokens == 0
 
 
 # --- PruningSparsifier -------------------------------------------------------------------------
@@ -431,7 +476,7 @@ def test_pruning_matches_direct_functions(method, tmp_path):
             assert torch.equal(got.data, pruned)
         n, m = map(int, pattern.split(":"))
         nz = (got.data != 0).reshape(got.shape[0], -1, m).sum(-1)
-        assert (nz <= n).all() and torch.equal(sp.state[fqn]["mask"], mask)
+        assert (nz <= n).all() and torch.equal(sp.solutions[fqn].mask, mask)
         assert (got.data[~mask] == 0).all()
     assert torch.equal(model[6].weight, dense[6].weight)
     assert all(no_hooks(mod) for mod in model.modules())
@@ -465,6 +510,8 @@ def test_pruning_options_and_resume(tmp_path):
         PruningSparsifier("random")
     with pytest.raises(ValueError, match="unknown options \\['damp'\\]"):
         PruningSparsifier("wanda", damp=0.1)
+    with pytest.raises(ValueError, match="compute_dtype is not an option.*sparsegpt_prune"):
+        PruningSparsifier("sparsegpt", compute_dtype=torch.float64)
     with pytest.raises(ValueError, match="pattern"):
         PruningSparsifier("wanda", pattern="4:2")
     # magnitude needs no calibration

@@ -23,7 +23,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ from torch_armor.engine.report import LayerResult, PruneReport
 from torch_armor.engine.runner import METHODS, LayerSolution, ProxyReference, layer_config, solve_layer
 from torch_armor.engine.runstore import RunStore, _atomic_write, config_to_dict
 
-__all__ = ["BlockPipeline", "hash_model", "hash_calibration", "HIDDEN_NAME"]
+__all__ = ["BlockPipeline", "hash_model", "hash_tensors", "hash_calibration", "HIDDEN_NAME"]
 
 logger = logging.getLogger("torch_armor")
 
@@ -43,16 +43,28 @@ HIDDEN_NAME = "hidden.safetensors"
 BLOCKS_DIR = "blocks"
 
 
-def hash_model(model: nn.Module) -> str:
-    """sha256 of every parameter and buffer of ``model`` (names, dtypes, shapes and bytes)."""
+def hash_tensors(named: Iterable[Tuple[str, torch.Tensor]]) -> str:
+    """sha256 over named tensors, in the given order: each one's name, dtype, shape and bytes.
+
+    Example::
+
+        >>> t = torch.arange(4.0)
+        >>> hash_tensors([("w", t)]) == hash_tensors([("w", t.clone())]) != hash_tensors([("v", t)])
+        True
+    """
     digest = hashlib.sha256()
-    for name, t in sorted(model.state_dict(keep_vars=False).items()):
+    for name, t in named:
         if t.device.type == "meta":
             raise ValueError(f"{name} is on the meta device: hash the checkpoint it comes from instead")
         t = t.detach().contiguous().cpu()
         digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()
+
+
+def hash_model(model: nn.Module) -> str:
+    """sha256 of every parameter and buffer of ``model`` (names, dtypes, shapes and bytes; :func:`hash_tensors`)."""
+    return hash_tensors(sorted(model.state_dict(keep_vars=False).items()))
 
 
 def hash_calibration(batches: Sequence[torch.Tensor]) -> str:

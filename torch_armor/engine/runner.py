@@ -77,13 +77,16 @@ class BaselineConfig:
 
 @dataclass(frozen=True)
 class Method:
-    """One pruning method: its label and what it needs from calibration."""
+    """One pruning method: its label, what it needs from calibration, and which
+    :class:`BaselineConfig` fields besides ``pattern`` it reads (``options``)."""
 
     name: str
     label: str
     needs_statistics: bool
     needs_xtx: bool
-    solve: Callable[[torch.Tensor, Optional[LayerStatistics], Any], Union[ArmorFactors, torch.Tensor]]
+    solve: Callable[[torch.Tensor, Optional[LayerStatistics], Any],
+                    Union[ArmorFactors, Tuple[torch.Tensor, torch.Tensor]]]
+    options: Tuple[str, ...] = ()
 
 
 def _armor(weight: torch.Tensor, stats: Optional[LayerStatistics], cfg: ArmorConfig, name: str = "") -> ArmorFactors:
@@ -91,22 +94,22 @@ def _armor(weight: torch.Tensor, stats: Optional[LayerStatistics], cfg: ArmorCon
 
 
 def _magnitude(weight, stats, cfg, name=""):
-    return baselines.magnitude_prune(weight, cfg.pattern)[1]
+    return baselines.magnitude_prune(weight, cfg.pattern)
 
 
 def _wanda(weight, stats, cfg, name=""):
-    return baselines.wanda_prune(weight, stats.act_sq_norm.to(weight.device), cfg.pattern)[1]
+    return baselines.wanda_prune(weight, stats.act_sq_norm.to(weight.device), cfg.pattern)
 
 
 def _nowag(weight, stats, cfg, name=""):
-    return nowag_prune(weight, stats.act_sq_norm.to(weight.device), cfg.pattern)[1]
+    return nowag_prune(weight, stats.act_sq_norm.to(weight.device), cfg.pattern)
 
 
 def _sparsegpt(weight, stats, cfg, name=""):
     if stats.xtx is None:
         raise ValueError(f"layer {name!r}: SparseGPT needs XᵀX statistics (calibrate with track_xtx=True)")
     return baselines.sparsegpt_prune(weight, stats.xtx.to(weight.device), cfg.pattern,
-                                     block_size=cfg.block_size, damp=cfg.damp)[1]
+                                     block_size=cfg.block_size, damp=cfg.damp)
 
 
 #: The method registry: every front end reads this one table.
@@ -115,7 +118,7 @@ METHODS: Dict[str, Method] = {
     for m in (
         Method("magnitude", "magnitude", False, False, _magnitude),
         Method("wanda", "Wanda", True, False, _wanda),
-        Method("sparsegpt", "SparseGPT", True, True, _sparsegpt),
+        Method("sparsegpt", "SparseGPT", True, True, _sparsegpt, options=("block_size", "damp")),
         Method("nowag", "NoWag-P", True, False, _nowag),
         Method("armor", "ARMOR", True, False, _armor),
     )
@@ -158,13 +161,18 @@ def layer_config(method: str, config: Any, shape: Tuple[int, int], name: str) ->
 
 @dataclass
 class LayerSolution:
-    """What a method made of one layer: ARMOR factors, or a pruned dense weight."""
+    """What a method made of one layer: ARMOR factors, or a pruned dense weight and its mask."""
 
     name: str
     method: str
     factors: Optional[ArmorFactors] = None
     pruned: Optional[torch.Tensor] = None
     seconds: float = 0.0
+    mask: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        if self.mask is None and self.factors is not None:
+            self.mask = self.factors.mask
 
     def approximation(self) -> torch.Tensor:
         """The dense approximation of the weight (``A·core·B`` for ARMOR)."""
@@ -207,7 +215,8 @@ def solve_layer(method: str, weight: torch.Tensor, stats: Optional[LayerStatisti
     seconds = time.perf_counter() - start
     if isinstance(result, ArmorFactors):
         return LayerSolution(name, method, factors=result, seconds=seconds)
-    return LayerSolution(name, method, pruned=result, seconds=seconds)
+    mask, pruned = result
+    return LayerSolution(name, method, pruned=pruned, seconds=seconds, mask=mask)
 
 
 class ProxyReference:

@@ -1,0 +1,505 @@
+"""The shell shared by the ``torch.ao``-style sparsifiers (:mod:`torch_armor.sparsifier`).
+
+:class:`CalibratedSparsifier` attaches statistics hooks in ``prepare``, solves each layer with
+the one per-layer runner (:func:`~torch_armor.engine.runner.solve_layer`, method
+``self.method``) in ``step``, writes results with
+:meth:`~torch_armor.engine.runner.LayerSolution.apply` in ``convert``, and saves / restores
+statistics and finished layers. A subclass only sets ``method``, passes its base config (an
+:class:`~torch_armor.config.ArmorConfig` or a :class:`~torch_armor.engine.runner.BaselineConfig`)
+and the fields a layer may override, and names its config in ``_config_dict``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import defaultdict
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.ao.pruning import BaseSparsifier
+from tqdm.auto import tqdm
+
+from torch_armor.calibration.observer import ActSqNormObserver, LayerStatistics, decoder_linear_names
+from torch_armor.core.factors import ArmorFactors
+from torch_armor.engine.blocks import hash_tensors
+from torch_armor.engine.runner import METHODS, LayerSolution, layer_config, solve_layer
+
+__all__ = ["CalibratedSparsifier", "plain", "STATE_DICT_VERSION"]
+
+logger = logging.getLogger("torch_armor")
+
+#: 2: weight hashes (``"weight_hashes"``), factors as ``to_tensors()`` + ``"factor_metadata"``.
+STATE_DICT_VERSION = 2
+_MODULE_KEYS = ("module", "module_fqn", "tensor_name")  # filled in by BaseSparsifier.prepare
+
+
+def plain(value: Any) -> Any:
+    """``value`` with dtypes/devices as strings, tensors on CPU: safe for ``weights_only`` loads."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, (torch.dtype, torch.device)):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def _solution_state(sol: LayerSolution) -> Dict[str, Any]:
+    """One finished layer as tensors and numbers: ARMOR factors, or the pruned weight and mask."""
+    if sol.factors is not None:
+        return {"factors": sol.factors.to_tensors(), "factor_metadata": sol.factors.metadata(),
+                "seconds": float(sol.seconds)}
+    return {"pruned": sol.pruned.detach().cpu(), "mask": sol.mask.detach().cpu(), "seconds": float(sol.seconds)}
+
+
+def _solution_from_state(fqn: str, method: str, entry: Dict[str, Any], shape: tuple) -> Optional[LayerSolution]:
+    """The inverse of :func:`_solution_state`, checked against the layer's ``shape``."""
+    seconds = float(entry.get("seconds") or 0.0)
+    if "factors" in entry:
+        try:
+            factors = ArmorFactors.from_tensors(entry["factors"], **entry.get("factor_metadata", {}))
+        except ValueError as err:
+            raise ValueError(f"layer {fqn!r}: saved factors: {err}") from None
+        sol = LayerSolution(fqn, method, factors=factors, seconds=seconds)
+    elif "pruned" in entry:
+        sol = LayerSolution(fqn, method, pruned=entry["pruned"], mask=entry.get("mask"), seconds=seconds)
+    else:
+        return None
+    saved = tuple((sol.factors.core if sol.factors is not None else sol.pruned).shape)
+    if saved != shape:
+        raise ValueError(f"layer {fqn!r}: the saved result is for a {saved} weight, the layer is {shape}; "
+                         "the state comes from a different model")
+    return sol
+
+
+class CalibratedSparsifier(BaseSparsifier):
+    """Shared shell: forward pre-hooks accumulate ``Σx²`` (and ``XᵀX`` if needed) per layer;
+    every layer is solved by :func:`~torch_armor.engine.runner.solve_layer`."""
+
+    method: str = ""
+
+    def __init__(self, base_config: Any, options: Sequence[str], progress: bool = True) -> None:
+        self._base_config = base_config
+        self._options = tuple(options)
+        super().__init__(defaults={k: getattr(base_config, k) for k in self._options})
+        self.progress = bool(progress)
+        self._observers: Dict[str, ActSqNormObserver] = {}
+        self._layer_configs: Dict[str, Any] = {}
+        self._weight_hashes: Dict[str, str] = {}
+        self._converted = False
+
+    @property
+    def track_xtx(self) -> bool:
+        return METHODS[self.method].needs_xtx
+
+    @property
+    def needs_statistics(self) -> bool:
+        return METHODS[self.method].needs_statistics
+
+    # -- prepare -----------------------------------------------------------------------------
+    def prepare(self, model: nn.Module, config: Optional[List[Dict[str, Any]]] = None) -> None:
+        """Attach statistics hooks to the layers to prune and hash their weights (not touched).
+
+        Args:
+            model: the dense model; modified in place (hooks only).
+            config: ``None`` — every ``nn.Linear`` (subclasses included) except the output head
+                (``model.get_output_embeddings()``) and any linear whose weight is tied to an
+                embedding; or a list of ``{"tensor_fqn": "model.layers.0.mlp.up_proj.weight",
+                <per-layer overrides>}``.
+
+        Raises:
+            ValueError: the model was already converted; a ``tensor_fqn`` names no
+                ``nn.Linear`` weight; an unknown per-layer option; a layer whose shape the
+                pattern (or block size) cannot serve — the message names the layer and the fix.
+        """
+        from torch_armor.tensor.armor_tensor import ArmorTensor
+
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"prepare(model, ...) expects an nn.Module, got {type(model).__name__}")
+        converted = [n for n, m in model.named_modules()
+                     if isinstance(m, nn.Linear) and isinstance(m.weight, ArmorTensor)]
+        if converted:
+            raise ValueError(
+                f"this model was already converted (layer {converted[0]!r} holds an ArmorTensor "
+                "weight); prepare() needs the dense model: reload it"
+            )
+        if config is None:
+            config = [{"tensor_fqn": f"{name}.weight"} for name in decoder_linear_names(model)]
+            if not config:
+                raise ValueError("no layers to prune: the model has no nn.Linear besides the output head")
+        config = self._validate_config(config)
+        # a second prepare() starts over: drop the hooks and results of the first
+        self._remove_hooks()
+        self._observers, self._layer_configs, self._weight_hashes = {}, {}, {}
+        self._converted = False
+        self.groups = []
+        self.state = defaultdict(dict)
+        super().prepare(model, config)
+
+    def _validate_config(self, config: Any) -> List[Dict[str, Any]]:
+        if not isinstance(config, (list, tuple)) or not config:
+            raise ValueError(
+                "config must be None or a non-empty list like [{'tensor_fqn': 'layers.0.fc.weight'}, ...]"
+            )
+        allowed = {"tensor_fqn", *_MODULE_KEYS, *self._options}
+        seen = set()
+        out = []
+        for entry in config:
+            if not isinstance(entry, dict) or not isinstance(entry.get("tensor_fqn"), str):
+                raise ValueError(
+                    f"every config entry must be a dict with a 'tensor_fqn' string such as "
+                    f"{{'tensor_fqn': 'layers.0.fc.weight'}}, got {entry!r}"
+                )
+            fqn = entry["tensor_fqn"]
+            unknown = set(entry) - allowed
+            if unknown:
+                raise ValueError(
+                    f"layer {fqn!r}: unknown per-layer options {sorted(unknown)}; valid: {sorted(self._options)}"
+                )
+            if fqn in seen:
+                raise ValueError(f"layer {fqn!r} appears twice in the config; list each layer once")
+            seen.add(fqn)
+            out.append(dict(entry))
+        return out
+
+    def _prepare(self, *args: Any, **kwargs: Any) -> None:
+        for group in self.groups:  # check everything before attaching anything
+            module, fqn = group["module"], group["tensor_fqn"]
+            if module is None:
+                raise ValueError(
+                    f"layer {fqn!r}: the model has no module {group['module_fqn']!r}; tensor_fqn is "
+                    "'<module name>.weight' with the name from model.named_modules()"
+                )
+            if not isinstance(module, nn.Linear) or group["tensor_name"] != "weight":
+                raise ValueError(
+                    f"layer {fqn!r}: only the 'weight' of an nn.Linear can be pruned, got "
+                    f"{group['tensor_name']!r} of a {type(module).__name__}"
+                )
+            self._layer_configs[fqn] = self._resolve_config(group)
+        self._weight_hashes = {g["tensor_fqn"]: hash_tensors([(g["tensor_fqn"], g["module"].weight)])
+                               for g in self.groups}
+        if not self.needs_statistics:
+            return
+        try:
+            for group in self.groups:
+                obs = ActSqNormObserver(track_xtx=self.track_xtx)
+                self._observers[group["tensor_fqn"]] = obs.attach(group["module"], group["module_fqn"])
+        except Exception:
+            self._remove_hooks()
+            raise
+
+    def _resolve_config(self, group: Dict[str, Any]) -> Any:
+        """One layer's settings: per-layer overrides applied, resolved for its shape by
+        :func:`~torch_armor.engine.runner.layer_config` (ARMOR: :meth:`ArmorConfig.for_layer`)."""
+        fqn = group["tensor_fqn"]
+        overrides = {k: group[k] for k in self._options if k in group and group[k] != getattr(self._base_config, k)}
+        try:
+            cfg = dataclasses.replace(self._base_config, **overrides)
+        except ValueError as err:
+            raise ValueError(f"layer {fqn!r}: invalid per-layer setting: {err}") from None
+        try:
+            return layer_config(self.method, cfg, tuple(group["module"].weight.shape), fqn)
+        except ValueError as err:
+            key = "block_size" if "block_size" in str(err) else "pattern"
+            raise ValueError(
+                f"{err}. Override it for this layer: "
+                f"prepare(model, [{{'tensor_fqn': '{fqn}', '{key}': <one that fits>}}, ...])"
+            ) from None
+
+    def config_for(self, fqn: str) -> Any:
+        """The settings used for one prepared layer (per-layer overrides applied, resolved for its shape)."""
+        if fqn not in self._layer_configs:
+            raise KeyError(f"layer {fqn!r} was not prepared")
+        return self._layer_configs[fqn]
+
+    def _remove_hooks(self) -> None:
+        for obs in self._observers.values():
+            obs.remove()
+
+    def _finish(self) -> None:
+        """Remove the hooks; keep ``Σx²`` (drop ``XᵀX``, ``d_in²`` floats per layer)."""
+        for fqn in list(self._observers):
+            stats = self.statistics(fqn)
+            self.state[fqn]["stats"] = LayerStatistics(stats.act_sq_norm, stats.num_tokens, None)
+            self._observers.pop(fqn).remove()
+
+    # -- statistics --------------------------------------------------------------------------
+    def _fqns(self) -> List[str]:
+        return [g["tensor_fqn"] for g in self.groups]
+
+    def statistics(self, fqn: str) -> LayerStatistics:
+        """Statistics of one prepared layer: loaded ones (:meth:`load_state_dict`) plus live ones.
+
+        Example::
+
+            >>> from torch_armor.sparsifier import PruningSparsifier
+            >>> lin = nn.Sequential(nn.Linear(8, 4))
+            >>> sp = PruningSparsifier("wanda", progress=False)
+            >>> sp.prepare(lin, [{"tensor_fqn": "0.weight"}])
+            >>> _ = lin(torch.ones(2, 3, 8))
+            >>> sp.statistics("0.weight").num_tokens
+            6
+        """
+        if fqn not in self._fqns():
+            raise KeyError(f"layer {fqn!r} was not prepared; prepared layers: {self._fqns()[:5]}...")
+        saved: Optional[LayerStatistics] = self.state[fqn].get("stats")
+        obs = self._observers.get(fqn)
+        live = obs.statistics() if obs is not None and obs.num_tokens > 0 else None
+        if saved is None and live is None:
+            d_in = self._module(fqn).in_features
+            zeros = torch.zeros(d_in, dtype=torch.float32)
+            return LayerStatistics(zeros, 0, torch.zeros(d_in, d_in) if self.track_xtx else None)
+        if saved is None or live is None:
+            return live if saved is None else saved
+        device = live.act_sq_norm.device
+        xtx = None
+        if saved.xtx is not None and live.xtx is not None:
+            xtx = saved.xtx.to(device) + live.xtx
+        return LayerStatistics(saved.act_sq_norm.to(device) + live.act_sq_norm,
+                               saved.num_tokens + live.num_tokens, xtx)
+
+    def _module(self, fqn: str) -> nn.Linear:
+        return next(g["module"] for g in self.groups if g["tensor_fqn"] == fqn)
+
+    def _require_statistics(self, fqn: str) -> LayerStatistics:
+        stats = self.statistics(fqn)
+        if stats.num_tokens == 0:
+            raise ValueError(
+                f"layer {fqn!r} saw no calibration data: run forward passes on calibration inputs "
+                "(model(batch)) between prepare() and step(), or load_state_dict() a saved state"
+            )
+        if self.track_xtx and stats.xtx is None:
+            raise ValueError(f"layer {fqn!r} has no XᵀX statistics (needed by SparseGPT): calibrate again")
+        return stats
+
+    # -- step --------------------------------------------------------------------------------
+    def step(self) -> None:
+        """Solve every prepared layer not solved yet (progress bar; resumes after a load).
+
+        Raises:
+            ValueError: nothing prepared, or a layer saw no calibration forward pass (checked
+                for every layer before any work starts).
+        """
+        if not self.enable_mask_update:
+            return
+        if not self.groups:
+            raise ValueError("nothing prepared: call prepare(model), then calibrate, before step()")
+        pending = [g for g in self.groups if not self._done(g["tensor_fqn"])]
+        if self.needs_statistics:
+            for group in pending:  # fail fast, before hours of work, if any layer has no data
+                self._require_statistics(group["tensor_fqn"])
+        bar = tqdm(pending, desc=type(self).__name__, unit="layer", disable=not self.progress)
+        for group in bar:
+            bar.set_postfix_str(group["tensor_fqn"].rsplit(".", 1)[0][-40:])
+            self.update_mask(**group)
+            self._after_layer(group["tensor_fqn"])
+
+    def update_mask(self, module: nn.Module, tensor_name: str, **kwargs: Any) -> None:
+        """Solve one layer with :func:`~torch_armor.engine.runner.solve_layer` (called by :meth:`step`)."""
+        fqn = kwargs["tensor_fqn"]
+        stats = self._require_statistics(fqn) if self.needs_statistics else None
+        sol = solve_layer(self.method, getattr(module, tensor_name), stats, self.config_for(fqn), fqn)
+        self.state[fqn]["solution"] = sol
+        label = METHODS[self.method].label
+        result = f"relative proxy loss {sol.factors.relative_loss:.4f}" if sol.factors is not None else f"{label} pruned"
+        logger.info("%s: %s (%.1fs)", fqn, result, sol.seconds)
+
+    def _after_layer(self, fqn: str) -> None:
+        pass
+
+    def _done(self, fqn: str) -> bool:
+        return "solution" in self.state[fqn]
+
+    @property
+    def solutions(self) -> Dict[str, LayerSolution]:
+        """Finished layers by ``tensor_fqn`` (:class:`~torch_armor.engine.runner.LayerSolution`)."""
+        return {fqn: self.state[fqn]["solution"] for fqn in self._fqns() if self._done(fqn)}
+
+    def approximation(self, fqn: str) -> torch.Tensor:
+        """The dense approximation of one solved layer's weight (ARMOR: ``A · core · B``)."""
+        return self.state[fqn]["solution"].approximation()
+
+    def _solve_pending(self) -> None:
+        """Run :meth:`step` if some layer is not solved yet; raise if it still is not."""
+        if any(not self._done(fqn) for fqn in self._fqns()):
+            self.step()
+        unsolved = [fqn for fqn in self._fqns() if not self._done(fqn)]
+        if unsolved:
+            raise ValueError(
+                f"layer {unsolved[0]!r} is not solved and step() did nothing (enable_mask_update is False); "
+                "set sparsifier.enable_mask_update = True"
+            )
+
+    # -- convert / squash --------------------------------------------------------------------
+    def _model_for(self, module: Optional[nn.Module]) -> nn.Module:
+        model = getattr(self, "model", None)
+        if module is None:
+            module = model
+        if module is None or not self.groups:
+            raise ValueError("nothing prepared: call prepare(model) and calibrate before convert()")
+        if module is not model:
+            ids = {id(m) for m in module.modules()}
+            if any(id(g["module"]) not in ids for g in self.groups):
+                raise ValueError("convert(model) got a model that this sparsifier did not prepare")
+        return module
+
+    def _convert(self, module: Optional[nn.Module], inplace: bool, storage: str) -> nn.Module:
+        """Write every solution into its layer with :meth:`LayerSolution.apply`, in place."""
+        from torch_armor.tensor.armor_tensor import ArmorTensor
+
+        if not inplace:
+            raise ValueError(
+                f"{type(self).__name__}.convert works in place; copy.deepcopy the model before prepare() to keep it"
+            )
+        model = self._model_for(module)
+        if self._converted:
+            raise ValueError(
+                "this model was already converted by this sparsifier; to convert another model, "
+                "prepare() its dense weights first"
+            )
+        for group in self.groups:
+            if isinstance(group["module"].weight, ArmorTensor):
+                raise ValueError(f"layer {group['tensor_fqn']!r} was already converted (it holds an ArmorTensor)")
+        self._solve_pending()
+        for group in self.groups:
+            self.state[group["tensor_fqn"]]["solution"].apply(group["module"], storage)
+        self._finish()
+        self._converted = True
+        return model
+
+    def squash_mask(self, *args: Any, **kwargs: Any) -> None:
+        """Write each layer's dense approximation into a plain ``nn.Parameter``; remove hooks.
+
+        Runs :meth:`step` first for layers not solved yet. The result is an ordinary dense
+        model (for export or evaluation); the weights keep their dtype, device and
+        ``requires_grad``.
+        """
+        if args or kwargs:
+            raise ValueError("squash_mask() takes no arguments (sparse_params are not kept)")
+        self._model_for(None)
+        self._solve_pending()
+        for group in self.groups:
+            module = group["module"]
+            old = module.weight
+            approx = self.approximation(group["tensor_fqn"]).to(device=old.device, dtype=old.dtype)
+            module.weight = nn.Parameter(approx, requires_grad=old.requires_grad)
+        self._finish()
+
+    # -- save / resume -----------------------------------------------------------------------
+    def _config_dict(self) -> Dict[str, Any]:
+        raise NotImplementedError
+
+    def _identity(self) -> Dict[str, Any]:
+        return {"sparsifier": type(self).__name__, "method": self.method, "config": self._config_dict()}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Statistics, finished layers and weight hashes, as tensors, strings and numbers only.
+
+        ``torch.save`` it and read it back with ``torch.load(path, weights_only=True)``.
+        Layout: ``{"version", "sparsifier", "method", "config", "groups", "weight_hashes":
+        {tensor_fqn: sha256 of the dense weight at prepare()}, "state": {tensor_fqn:
+        {"act_sq_norm", "num_tokens", ["xtx"], [result...]}}}``; an ARMOR result is
+        ``"factors"`` (:meth:`ArmorFactors.to_tensors`) and ``"factor_metadata"``, a baseline's
+        ``"pruned"`` and ``"mask"``.
+        """
+        state: Dict[str, Any] = {}
+        for fqn in self._fqns():
+            stats = self.statistics(fqn)
+            entry: Dict[str, Any] = {}
+            if stats.num_tokens > 0:
+                entry["act_sq_norm"] = stats.act_sq_norm.detach().cpu()
+                entry["num_tokens"] = int(stats.num_tokens)
+                if stats.xtx is not None:
+                    entry["xtx"] = stats.xtx.detach().cpu()
+            if self._done(fqn):
+                entry.update(_solution_state(self.state[fqn]["solution"]))
+            state[fqn] = entry
+        groups = [plain({k: v for k, v in g.items() if k not in _MODULE_KEYS}) for g in self.groups]
+        return {"version": STATE_DICT_VERSION, **self._identity(), "groups": groups,
+                "weight_hashes": dict(self._weight_hashes), "state": state}
+
+    def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> None:
+        """Restore statistics and finished layers into a sparsifier prepared on the same model.
+
+        Layers with results are not recomputed by :meth:`step`; the others are solved from the
+        loaded statistics (no new calibration needed). Forward passes run after loading add to
+        the loaded statistics. Nothing is loaded unless every check passes.
+
+        Args:
+            state_dict: from :meth:`state_dict` (possibly via ``torch.save``/``torch.load``).
+            strict: require exactly the same prepared layers.
+
+        Raises:
+            ValueError: not prepared or already converted; a state of another sparsifier or
+                method, of an older version, or from other weights (the first differing layer
+                is named); shapes or layers that do not match.
+        """
+        if not self.groups:
+            raise ValueError("call prepare(model) on the dense model before load_state_dict() so layers can be matched")
+        if self._converted:
+            raise ValueError("this sparsifier already converted its model; prepare() a dense model, then load")
+        if not isinstance(state_dict, dict) or "state" not in state_dict:
+            raise ValueError("not a sparsifier state: expected the dict returned by state_dict()")
+        mine_id, theirs_id = self._identity(), {k: state_dict.get(k) for k in ("sparsifier", "method")}
+        if {k: mine_id[k] for k in theirs_id} != theirs_id:
+            raise ValueError(
+                f"this state comes from {theirs_id['sparsifier']}(method={theirs_id['method']!r}); "
+                f"load it into the same kind of sparsifier, not {mine_id['sparsifier']}(method={mine_id['method']!r})"
+            )
+        if state_dict.get("version") != STATE_DICT_VERSION or not isinstance(state_dict.get("weight_hashes"), dict):
+            raise ValueError(
+                f"this sparsifier state is version {state_dict.get('version')!r} (without weight hashes); this "
+                f"torch_armor reads version {STATE_DICT_VERSION}: recompute it (prepare, calibrate, step, state_dict())"
+            )
+        mine, theirs = set(self._fqns()), set(state_dict["state"])
+        if strict and mine != theirs:
+            raise ValueError(
+                f"the saved layers differ from the prepared ones: missing {sorted(mine - theirs)[:5]}, "
+                f"unexpected {sorted(theirs - mine)[:5]}; prepare with the same config or pass strict=False"
+            )
+        loaded: Dict[str, tuple] = {}
+        for group in self.groups:  # check everything before loading anything
+            fqn, module = group["tensor_fqn"], group["module"]
+            if fqn not in state_dict["state"]:
+                continue
+            entry, stats = state_dict["state"][fqn], None
+            if "act_sq_norm" in entry:
+                h = entry["act_sq_norm"]
+                if tuple(h.shape) != (module.in_features,):
+                    raise ValueError(
+                        f"layer {fqn!r}: saved statistics have shape {tuple(h.shape)} but the layer has "
+                        f"d_in={module.in_features}; the state comes from a different model"
+                    )
+                xtx = entry.get("xtx")
+                if self.track_xtx and xtx is None:
+                    raise ValueError(f"layer {fqn!r}: the saved state has no XᵀX (needed by SparseGPT)")
+                stats = LayerStatistics(h.float(), int(entry["num_tokens"]), xtx.float() if self.track_xtx else None)
+            sol = _solution_from_state(fqn, self.method, entry, tuple(module.weight.shape))
+            loaded[fqn] = (stats, sol)
+        for fqn in loaded:
+            if state_dict["weight_hashes"].get(fqn) != self._weight_hashes[fqn]:
+                raise ValueError(
+                    f"layer {fqn!r}: the state comes from other weights (its sha256 differs from the prepared "
+                    "weight's); prepare() the model the state was saved from, then load it"
+                )
+        saved_groups = {g.get("tensor_fqn"): g for g in state_dict.get("groups", [])}
+        for group in (g for g in self.groups if g["tensor_fqn"] in loaded):
+            fqn = group["tensor_fqn"]
+            stats, sol = loaded[fqn]
+            if stats is not None:
+                self.state[fqn]["stats"] = stats
+                if fqn in self._observers:
+                    self._observers[fqn].reset()  # the loaded statistics replace what was seen
+            if sol is not None:
+                self.state[fqn]["solution"] = sol
+                now = plain({k: v for k, v in group.items() if k not in _MODULE_KEYS})
+                diff = sorted(k for k in now if k in saved_groups.get(fqn, {}) and saved_groups[fqn][k] != now[k])
+                if diff:
+                    logger.warning("%s: loaded result was computed with different settings %s; kept as is",
+                                   fqn, {k: saved_groups[fqn][k] for k in diff})
