@@ -63,6 +63,7 @@ from urllib.parse import quote
 import torch
 from tqdm.auto import tqdm
 
+from torch_armor._io import TMP_MARK, atomic_write, file_sha256
 from torch_armor.config import ArmorConfig
 from torch_armor.core.factorize import factorize
 from torch_armor.core.factors import ArmorFactors
@@ -90,7 +91,6 @@ MANIFEST_NAME = "manifest.json"
 STATISTICS_NAME = "statistics.safetensors"
 LAYERS_DIR = "layers"
 _SHARD_PREFIX = "manifest.rank-"
-_TMP_MARK = ".tmp-"
 #: Config fields that do not define a run: where a layer was optimized may change between
 #: resumes (a GPU run finished on CPU, ``cuda:0`` and ``cuda:1`` ranks); it is recorded per layer.
 _NOT_IDENTITY = ("device",)
@@ -163,14 +163,6 @@ def hash_statistics(stats: Mapping[str, Union[torch.Tensor, LayerStatistics]]) -
         True
     """
     return hash_tensors({fqn: _act_sq_norm(v, fqn) for fqn, v in stats.items()})
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 # --------------------------------------------------------------------------- config identity
@@ -269,38 +261,7 @@ def _eager_shapes(layers: Mapping[str, Any]) -> Dict[str, Tuple[int, int]]:
             if not callable(v) and isinstance(v, (tuple, list)) and v and isinstance(v[0], torch.Tensor)}
 
 
-# --------------------------------------------------------------------------- atomic files
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # e.g. Windows: directories cannot be opened; the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path``: temp file in the same directory, fsync, rename, fsync dir."""
-    tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise
-    _fsync_dir(path.parent)
+# --------------------------------------------------------------------------- manifest files
 
 
 def _read_json(path: Path) -> Dict[str, Any]:
@@ -497,7 +458,7 @@ class RunStore:
             "torch_version": torch.__version__,
             "layers": {k: self._own[k] for k in sorted(self._own)},
         }
-        _atomic_write(self.manifest_path, json.dumps(data, indent=1, sort_keys=True).encode())
+        atomic_write(self.manifest_path, json.dumps(data, indent=1, sort_keys=True).encode())
 
     def with_rank(self, rank: int) -> "RunStore":
         """The same run directory opened as writer ``rank`` (``self`` if it already is)."""
@@ -530,7 +491,7 @@ class RunStore:
         if st.st_size != entry.get("bytes"):
             self._damaged(fqn, path, f"has {st.st_size} bytes, the manifest recorded {entry.get('bytes')}")
             return False
-        if _file_sha256(path) != entry.get("sha256"):
+        if file_sha256(path) != entry.get("sha256"):
             self._damaged(fqn, path, "does not match the sha256 the manifest recorded (corrupt or edited)")
             return False
         self._verified[fqn] = key
@@ -619,7 +580,7 @@ class RunStore:
         }
         data = st_save(tensors, metadata=meta)
         path = self.layer_path(fqn)
-        _atomic_write(path, data)
+        atomic_write(path, data)
         st = path.stat()
         sha = hashlib.sha256(data).hexdigest()
         del data
@@ -695,7 +656,7 @@ class RunStore:
         self._write_manifest()
         for path in shards:
             path.unlink(missing_ok=True)
-        for pattern in (f".*{_TMP_MARK}*", f"{LAYERS_DIR}/.*{_TMP_MARK}*"):
+        for pattern in (f".*{TMP_MARK}*", f"{LAYERS_DIR}/.*{TMP_MARK}*"):
             for tmp in self.directory.glob(pattern):
                 tmp.unlink(missing_ok=True)
 
@@ -755,7 +716,7 @@ def save_statistics(
     digest = hash_statistics(stats)
     meta = {"format": FORMAT_NAME, "model_id": model_id, "stats_hash": digest,
             "layers": json.dumps(list(stats)), "num_tokens": json.dumps(tokens)}
-    _atomic_write(directory / STATISTICS_NAME, st_save(tensors, metadata=meta))
+    atomic_write(directory / STATISTICS_NAME, st_save(tensors, metadata=meta))
     return digest
 
 
