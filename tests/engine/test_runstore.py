@@ -24,8 +24,6 @@ from torch_armor.engine.runstore import (
     factorize_layers,
     hash_statistics,
     hash_tensors,
-    load_statistics,
-    save_statistics,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -356,33 +354,6 @@ def test_failed_layer_is_recorded_and_retried(tmp_path):
     assert info["status"] == "failed" and "NaN" in info["error"]
     out = factorize_layers(layers, CFG, RunStore(tmp_path, CFG, "m", "h"), progress=False)
     assert list(out) == names
-
-
-# ---------------------------------------------------------------------------- statistics cache
-
-
-def test_statistics_cache_roundtrip_and_identity(tmp_path):
-    stats = {"a": LayerStatistics(torch.rand(8), 12, torch.rand(8, 8)), "b": LayerStatistics(torch.rand(4), 12)}
-    assert load_statistics(tmp_path, "m") is None
-    digest = save_statistics(tmp_path, stats, "m")
-    loaded = load_statistics(tmp_path, "m")
-    assert digest == hash_statistics(stats) == hash_statistics(loaded)
-    assert torch.equal(loaded["a"].xtx, stats["a"].xtx) and loaded["b"].xtx is None
-    assert loaded["a"].num_tokens == 12
-    with pytest.raises(RunMismatchError, match="model_id 'm', not 'other'"):
-        load_statistics(tmp_path, "other")
-
-
-def test_statistics_shared_between_layers_are_cached(tmp_path):
-    """q/k/v (and gate/up) read one input, so the observer hands them one tensor."""
-    shared = torch.rand(16)
-    xtx = torch.rand(16, 16)
-    stats = {name: LayerStatistics(shared, 5, xtx) for name in ("q", "k", "v")}
-    save_statistics(tmp_path, stats, "m")
-    loaded = load_statistics(tmp_path, "m")
-    assert sorted(loaded) == ["k", "q", "v"]
-    for name in stats:
-        assert torch.equal(loaded[name].act_sq_norm, shared) and torch.equal(loaded[name].xtx, xtx)
 
 
 def test_auto_block_size_resolves_per_layer_and_resumes(tmp_path):

@@ -2,28 +2,43 @@
 
 A run directory holds::
 
-    manifest.json                   identity (format, model id, statistics hash, config) and
-                                    per-layer status ("pending" / "done" / "failed"), file,
-                                    sha256, size, shape, seconds, relative loss
-    manifest.rank-<r>.json          (distributed runs only) the entries written by rank r ≥ 1,
-                                    merged into manifest.json by rank 0 at the end
-    layers/<fqn>.safetensors        one finished layer: a_blocks, core, b_blocks, mask, history,
-                                    history_iters, history_time_s; JSON metadata in the header
-    statistics.safetensors          (optional) cached calibration statistics
-                                    (:func:`save_statistics`), so a resumed run skips calibration
+    manifest.json                 identity (format, model id, statistics hash, config) and
+                                  per-layer status ("pending" / "done" / "failed"), file, sha256,
+                                  size, shape, seconds, relative loss
+    manifest.rank-<r>.json        (distributed runs only) the entries written by rank r ≥ 1,
+                                  merged into manifest.json by rank 0 at the end
+    layers/<fqn>.safetensors      one finished layer: a_blocks, core, b_blocks, mask, history,
+                                  history_iters, history_time_s; JSON metadata in the header
+    hidden.safetensors            (block-by-block engine, ARMOR runs) the calibration hidden
+                                  states at the last finished decoder-block boundary: one tensor
+                                  per calibration batch, the index of the block they feed and the
+                                  run identity in the header; rewritten by rank 0 after every
+                                  block, a rerun resumes at that block
+    blocks/block-NNNNN.safetensors
+                                  (streamed checkpoints only) each finished decoder block, written
+                                  by :func:`~torch_armor.tensor.serialization.save_shard`; at the
+                                  end ``blocks/rest.safetensors`` (the weights outside the decoder
+                                  blocks) joins them and all are moved into the output checkpoint
+                                  by :func:`~torch_armor.tensor.serialization.assemble_checkpoint`
 
-Every file is written to a temporary name in the same directory, flushed and ``fsync``-ed,
-renamed over the final name with ``os.replace`` (atomic on POSIX and Windows) and the directory
-is ``fsync``-ed, so a crash (even ``SIGKILL`` or a power cut) leaves either the old or the new
-file, never a torn one. A layer counts as done only when its manifest entry says so *and* the
-file's size and sha256 match the entry; anything else (a file without an entry, a truncated or
-edited file) is recomputed, with a warning for the damaged ones.
+The last two are written by :class:`~torch_armor.engine.blocks.BlockPipeline` and
+:func:`~torch_armor.recipes.prune.prune_model` (which streams a model when given a checkpoint
+directory instead of a module); the store itself writes the manifests and ``layers/``.
 
-Re-running the same command resumes: :func:`factorize_layers` skips the layers the store
-holds. Factorization with the same seed and the same number of threads is bit-identical on CPU,
-so a resumed run gives exactly the factors of an uninterrupted one (another thread count changes
-the order of floating-point reductions: equally good factors, different last bits). A directory
-started with a different config, model id or statistics hash is refused with :class:`RunMismatchError` naming what differs, never mixed.
+Every file is written with :func:`torch_armor._io.atomic_write`: to a temporary name in the same
+directory, flushed and ``fsync``-ed, renamed over the final name with ``os.replace`` (atomic on
+POSIX and Windows) and the directory is ``fsync``-ed, so a crash (even ``SIGKILL`` or a power
+cut) leaves either the old or the new file, never a torn one. A layer counts as done only when
+its manifest entry says so *and* the file's size and sha256 match the entry; anything else (a
+file without an entry, a truncated or edited file) is recomputed, with a warning for the damaged
+ones.
+
+Re-running the same command resumes: :func:`factorize_layers` skips the layers the store holds.
+Factorization with the same seed and the same number of threads is bit-identical on CPU, so a
+resumed run gives exactly the factors of an uninterrupted one (another thread count changes the
+order of floating-point reductions: equally good factors, different last bits). A directory
+started with a different config, model id or statistics hash is refused with
+:class:`RunMismatchError` naming what differs, never mixed.
 
 Writers: one process per run directory, or the ranks of one distributed run (rank 0 writes
 ``manifest.json``, rank ``r ≥ 1`` only ``manifest.rank-<r>.json`` and its own layer files; see
@@ -77,10 +92,7 @@ __all__ = [
     "hash_statistics",
     "hash_tensors",
     "config_to_dict",
-    "save_statistics",
-    "load_statistics",
     "MANIFEST_NAME",
-    "STATISTICS_NAME",
 ]
 
 logger = logging.getLogger("torch_armor")
@@ -88,7 +100,6 @@ logger = logging.getLogger("torch_armor")
 FORMAT_NAME = "torch_armor.run"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
-STATISTICS_NAME = "statistics.safetensors"
 LAYERS_DIR = "layers"
 _SHARD_PREFIX = "manifest.rank-"
 #: Config fields that do not define a run: where a layer was optimized may change between
@@ -663,92 +674,6 @@ class RunStore:
     def __repr__(self) -> str:
         done = sum(1 for e in self._known.values() if e.get("status") == "done")
         return f"RunStore({str(self.directory)!r}, model_id={self.model_id!r}, rank={self.rank}, done={done})"
-
-
-# --------------------------------------------------------------------------- statistics cache
-
-
-def save_statistics(
-    directory: PathLike,
-    stats: Mapping[str, Union[torch.Tensor, LayerStatistics]],
-    model_id: str,
-) -> str:
-    """Cache calibration statistics in a run directory (atomically); returns their hash.
-
-    Stores every layer's ``act_sq_norm`` (and ``xtx`` and ``num_tokens`` when given
-    :class:`LayerStatistics` that have them), bound to ``model_id``. A resumed run loads them
-    with :func:`load_statistics` instead of calibrating again, which also keeps the statistics
-    hash stable when calibration is not bit-reproducible (e.g. another thread count).
-
-    Example::
-
-        >>> import tempfile
-        >>> with tempfile.TemporaryDirectory() as d:
-        ...     digest = save_statistics(d, {"fc": LayerStatistics(torch.ones(4), 10)}, "toy")
-        ...     loaded = load_statistics(d, "toy")
-        ...     loaded["fc"].num_tokens, digest == hash_statistics(loaded)
-        (10, True)
-    """
-    from safetensors.torch import save as st_save
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors: Dict[str, torch.Tensor] = {}
-    tokens: Dict[str, int] = {}
-    seen: set = set()
-
-    def own(t: torch.Tensor) -> torch.Tensor:
-        # layers fed by one input (q/k/v, gate/up) share their statistics; safetensors refuses
-        # shared storage, so later users get a copy
-        t = t.detach().to("cpu").contiguous()
-        key = (t.untyped_storage().data_ptr(), t.storage_offset())
-        if key in seen:
-            return t.clone()
-        seen.add(key)
-        return t
-
-    for fqn, value in stats.items():
-        tensors[f"{fqn}::act_sq_norm"] = own(_act_sq_norm(value, fqn))
-        if isinstance(value, LayerStatistics):
-            tokens[fqn] = int(value.num_tokens)
-            if value.xtx is not None:
-                tensors[f"{fqn}::xtx"] = own(value.xtx)
-    digest = hash_statistics(stats)
-    meta = {"format": FORMAT_NAME, "model_id": model_id, "stats_hash": digest,
-            "layers": json.dumps(list(stats)), "num_tokens": json.dumps(tokens)}
-    atomic_write(directory / STATISTICS_NAME, st_save(tensors, metadata=meta))
-    return digest
-
-
-def load_statistics(directory: PathLike, model_id: str) -> Optional[Dict[str, LayerStatistics]]:
-    """Statistics cached by :func:`save_statistics`, or ``None`` if the directory has none.
-
-    Raises:
-        RunMismatchError: they were cached for another ``model_id``, or the file is damaged.
-    """
-    from safetensors import safe_open
-
-    path = Path(directory) / STATISTICS_NAME
-    if not path.exists():
-        return None
-    try:
-        with safe_open(str(path), framework="pt") as fh:
-            meta = fh.metadata() or {}
-            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
-    except Exception as err:  # safetensors raises its own error types
-        raise RunMismatchError(f"{path} cannot be read ({err}); delete it to calibrate again") from None
-    if meta.get("model_id") != model_id:
-        raise RunMismatchError(
-            f"{path} holds statistics for model_id {meta.get('model_id')!r}, not {model_id!r}; "
-            "use another run directory or delete the file to calibrate again"
-        )
-    tokens = json.loads(meta.get("num_tokens", "{}"))
-    out = {}
-    for fqn in json.loads(meta.get("layers", "[]")):
-        out[fqn] = LayerStatistics(tensors[f"{fqn}::act_sq_norm"], tokens.get(fqn, 0), tensors.get(f"{fqn}::xtx"))
-    if hash_statistics(out) != meta.get("stats_hash"):
-        raise RunMismatchError(f"{path} does not match its recorded hash (corrupt); delete it to calibrate again")
-    return out
 
 
 # --------------------------------------------------------------------------- the loop
