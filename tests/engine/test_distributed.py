@@ -16,7 +16,8 @@ from hypothesis import given, settings, strategies as st
 
 from _helpers import free_port
 from torch_armor.engine.distributed import Topology, distributed_factorize, init_distributed, layer_cost, shard_layers
-from torch_armor.engine.runstore import MANIFEST_NAME, RunStore, factorize_layers, hash_tensors
+from torch_armor.engine.layers import factorize_layers
+from torch_armor.engine.runstore import MANIFEST_NAME, RunStore, hash_tensors
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_runstore import CFG, assert_same_factors, make_layers, stats_hash  # noqa: E402

@@ -49,9 +49,8 @@ import torch.distributed as dist
 
 from torch_armor.config import ArmorConfig
 from torch_armor.core.factors import ArmorFactors
-from torch_armor.engine.runstore import (
+from torch_armor.engine.layers import (
     LayerInput,
-    RunStore,
     _check_layers,
     _compute_layers,
     _eager_shapes,
@@ -59,6 +58,7 @@ from torch_armor.engine.runstore import (
     factorize_layers,
     layer_configs,
 )
+from torch_armor.engine.runstore import RunStore
 
 __all__ = [
     "Topology",
@@ -233,7 +233,7 @@ def distributed_factorize(
     hold yet and broadcasts them; they are split by :func:`shard_layers`; each rank factorizes
     its share, writing every finished layer to ``store``'s directory (its own files, its own
     manifest); after all ranks finish, rank 0 merges the manifests and returns every layer's
-    factors. With one process this is :func:`~torch_armor.engine.runstore.factorize_layers`.
+    factors. With one process this is :func:`~torch_armor.engine.layers.factorize_layers`.
 
     Args:
         layers: ``{name: (weight, act_sq_norm)}`` or ``{name: callable returning it}`` (lazy:
@@ -242,7 +242,7 @@ def distributed_factorize(
         store: the shared run directory (a path all ranks see, e.g. on one machine or a shared
             file system); required with more than one rank, optional with one.
         costs: ``{name: cost}`` (default :func:`layer_cost` of each weight's shape).
-        per_layer_overrides: as in :func:`~torch_armor.engine.runstore.factorize_layers`.
+        per_layer_overrides: as in :func:`~torch_armor.engine.layers.factorize_layers`.
         progress: progress bar (rank 0 only, showing its own share).
         on_layer_done: called on the computing rank after each layer is saved.
         return_factors: rank 0 returns all factors (loading the other ranks' from the store);
