@@ -16,7 +16,8 @@ from hypothesis import given, settings, strategies as st
 
 from _helpers import free_port
 from torch_armor.engine.distributed import Topology, distributed_factorize, init_distributed, layer_cost, shard_layers
-from torch_armor.engine.runstore import MANIFEST_NAME, RunStore, factorize_layers, hash_tensors
+from torch_armor.engine.layers import factorize_layers
+from torch_armor.engine.runstore import MANIFEST_NAME, RunStore, hash_tensors
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_runstore import CFG, assert_same_factors, make_layers, stats_hash  # noqa: E402
@@ -129,21 +130,14 @@ torch.set_num_threads(1)
 sys.path.insert(0, {root!r})
 sys.path.insert(0, {tests!r})
 from test_runstore import CFG, make_layers
-from torch_armor.engine.distributed import distributed_factorize, init_distributed, layer_cost, shard_layers, shared_statistics
-from torch_armor.calibration.observer import LayerStatistics
+from torch_armor.engine.distributed import distributed_factorize, init_distributed, layer_cost, shard_layers
 from torch_armor.engine.runstore import RunStore, hash_statistics, hash_tensors
 
 fresh, resumed, failing = sys.argv[1:4]
-topo = init_distributed()  # the CLI's path: one group for statistics and factorization
+topo = init_distributed()  # the CLI's path: one group for every call
 rank = topo.rank
 layers = make_layers()
-
-def compute():
-    print(f"rank {{rank}} computed statistics", flush=True)
-    return {{n: LayerStatistics(h, 1) for n, (w, h) in layers.items()}}
-
-stats = shared_statistics(fresh, "synthetic", compute)
-digest = hash_statistics(stats)
+digest = hash_statistics({{n: h for n, (w, h) in layers.items()}})
 
 def report(tag):
     return lambda name, f: print(f"rank {{rank}} {{tag}} {{name}}", flush=True)
@@ -195,8 +189,6 @@ def test_two_cpu_ranks_match_one_process_bit_for_bit(tmp_path):
 
     def by(tag):
         return [(int(r), rest) for _, r, t, rest in lines if t == tag]
-
-    assert by("computed") == [(0, "statistics")]  # once, on rank 0; rank 1 read the cache
 
     # fresh run: each layer computed exactly once, both ranks busy, rank 0 returns everything
     fresh_done = by("fresh")

@@ -1,15 +1,9 @@
-"""Resumable runs: atomic layer files, manifest identity checks, kill-and-resume."""
+"""The run store: atomic layer files, manifest identity checks, damaged files (the loop over it: test_layers)."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import textwrap
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,18 +11,9 @@ import torch
 from torch_armor import ArmorConfig, factorize
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.calibration.observer import LayerStatistics
-from torch_armor.engine.runstore import (
-    MANIFEST_NAME,
-    RunMismatchError,
-    RunStore,
-    factorize_layers,
-    hash_statistics,
-    hash_tensors,
-    load_statistics,
-    save_statistics,
-)
+from torch_armor.engine.layers import factorize_layers
+from torch_armor.engine.runstore import MANIFEST_NAME, RunMismatchError, RunStore, hash_statistics, hash_tensors
 
-ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [(128, 256), (256, 128), (128, 128), (64, 256), (256, 64), (128, 192)]
 CFG = ArmorConfig(block_size=16, optimizer="bcd", num_iters=20)
 # wall-clock seconds per logged point differ between runs; everything else must be identical
@@ -134,98 +119,6 @@ def test_load_of_unfinished_layer_says_so(tmp_path):
         store.load("nope")
 
 
-# ---------------------------------------------------------------------------- resume
-
-
-def test_resume_skips_finished_layers_and_matches_an_uninterrupted_run(tmp_path, one_thread):
-    layers = make_layers()
-    names = list(layers)
-    reference = factorize_layers(layers, CFG, progress=False)
-
-    store = RunStore(tmp_path, CFG, "synthetic", stats_hash(layers))
-    factorize_layers({n: layers[n] for n in names[:3]}, CFG, store, progress=False)
-
-    loads = []
-
-    def lazy(name):
-        def load():
-            loads.append(name)
-            return layers[name]
-        return load
-
-    computed = []
-    resumed_store = RunStore(tmp_path, CFG, "synthetic", stats_hash(layers))
-    resumed = factorize_layers({n: lazy(n) for n in names}, CFG, resumed_store, progress=False,
-                               on_layer_done=lambda n, f: computed.append(n))
-    assert loads == computed == names[3:]  # finished layers: neither loaded nor recomputed
-    assert list(resumed) == names
-    for n in names:
-        assert_same_factors(resumed[n], reference[n])
-    manifest = json.loads((tmp_path / MANIFEST_NAME).read_text())
-    assert {e["status"] for e in manifest["layers"].values()} == {"done"} and len(manifest["layers"]) == 6
-
-
-def test_return_factors_false_keeps_nothing_in_memory(tmp_path):
-    layers = make_layers(2)
-    store = RunStore(tmp_path, ArmorConfig(block_size=16, num_iters=1), "m", stats_hash(layers))
-    out = factorize_layers(layers, store.config, store, progress=False, return_factors=False)
-    assert out == {} and len(store.finished()) == 2
-
-
-def test_kill_and_resume_gives_the_uninterrupted_result(tmp_path, one_thread):
-    script = tmp_path / "run.py"
-    script.write_text(textwrap.dedent(f"""
-        import sys
-        import torch
-        torch.set_num_threads(1)
-        sys.path.insert(0, {str(ROOT)!r})
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from test_runstore import CFG, make_layers, stats_hash
-        from torch_armor.engine.runstore import RunStore, factorize_layers
-
-        layers = make_layers()
-        store = RunStore(sys.argv[1], CFG, "synthetic", stats_hash(layers))
-        factorize_layers(layers, CFG, store, progress=False,
-                         on_layer_done=lambda name, f: print("saved", name, flush=True))
-        print("finished", flush=True)
-    """))
-    run_dir = tmp_path / "run"
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    proc = subprocess.Popen([sys.executable, str(script), str(run_dir)], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env=env)
-    seen = []
-    try:
-        for line in proc.stdout:
-            seen.append(line.split())
-            if len(seen) == 3:
-                proc.send_signal(signal.SIGKILL)
-                break
-    finally:
-        proc.stdout.close()
-        proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL
-    assert all(s[0] == "saved" for s in seen) and len(seen) == 3
-
-    layers = make_layers()
-    killed = RunStore(run_dir, CFG, "synthetic", stats_hash(layers))
-    done_after_kill = killed.finished(layers)
-    assert 3 <= len(done_after_kill) < 6 and done_after_kill == list(layers)[:len(done_after_kill)]
-
-    resumed = subprocess.run([sys.executable, str(script), str(run_dir)], capture_output=True, text=True,
-                             env=env, timeout=120)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    lines = resumed.stdout.split("\n")
-    recomputed = [ln.split()[1] for ln in lines if ln.startswith("saved")]
-    assert recomputed == list(layers)[len(done_after_kill):] and "finished" in lines
-
-    reference = factorize_layers(layers, CFG, RunStore(tmp_path / "uninterrupted", CFG, "synthetic",
-                                                       stats_hash(layers)), progress=False)
-    final = RunStore(run_dir, CFG, "synthetic", stats_hash(layers))
-    for name in layers:
-        assert_same_factors(final.load(name), reference[name])
-    assert not list(run_dir.rglob("*.tmp-*"))
-
-
 # ---------------------------------------------------------------------------- refusals
 
 
@@ -253,26 +146,6 @@ def test_other_model_or_statistics_is_refused(tmp_path):
         RunStore(tmp_path, CFG, "model-a", stats_hash(make_layers(1, seed=1)))
 
 
-def test_other_per_layer_settings_are_refused(tmp_path):
-    layers = make_layers(2)
-    store = RunStore(tmp_path, CFG, "m", stats_hash(layers))
-    factorize_layers(layers, CFG, store, progress=False, per_layer_overrides={"model.layers.1.proj": {"block_size": 32}})
-    assert store.load("model.layers.1.proj").block_size == 32
-    assert store.layer_info("model.layers.1.proj")["config"]["group_updates"] == 16  # derived for 32
-    with pytest.raises(RunMismatchError, match=r"'model.layers.1.proj'.*\n.*block_size: run has 32, now 16"):
-        factorize_layers(layers, CFG, RunStore(tmp_path, CFG, "m", stats_hash(layers)), progress=False)
-
-
-def test_other_shape_is_refused(tmp_path):
-    layers = make_layers(1)
-    store = RunStore(tmp_path, CFG, "m", "h")
-    factorize_layers(layers, CFG, store, progress=False)
-    name = next(iter(layers))
-    with pytest.raises(RunMismatchError, match="shape"):
-        factorize_layers({name: (torch.randn(256, 128), torch.rand(128))}, CFG, RunStore(tmp_path, CFG, "m", "h"),
-                         progress=False)
-
-
 def test_unreadable_manifest_is_refused(tmp_path):
     (tmp_path / MANIFEST_NAME).write_text("{not json")
     with pytest.raises(RunMismatchError, match="cannot be read.*delete"):
@@ -287,14 +160,6 @@ def test_bad_arguments_say_what_to_do(tmp_path):
         RunStore(tmp_path, CFG, "", "h")
     with pytest.raises(ValueError, match="hash_statistics"):
         RunStore(tmp_path, CFG, "m", None)
-    with pytest.raises(ValueError, match="mapping"):
-        factorize_layers([torch.randn(4, 4)], CFG)
-    with pytest.raises(ValueError, match="not being factorized"):
-        factorize_layers(make_layers(1), CFG, per_layer_overrides={"other": {"block_size": 32}})
-    with pytest.raises(ValueError, match="unknown ArmorConfig fields"):
-        factorize_layers(make_layers(1), CFG, per_layer_overrides={"model.layers.0.proj": {"blocksize": 32}})
-    with pytest.raises(ValueError, match="distributed_factorize"):
-        factorize_layers(make_layers(1), CFG, RunStore(tmp_path, CFG, "m", "h", rank=1))
 
 
 # ---------------------------------------------------------------------------- damage
@@ -344,55 +209,3 @@ def test_layer_file_without_manifest_entry_is_recomputed(tmp_path):
     assert fresh.layer_info(name)["status"] == "pending"
 
 
-def test_failed_layer_is_recorded_and_retried(tmp_path):
-    layers = make_layers(2)
-    names = list(layers)
-    bad = dict(layers)
-    bad[names[1]] = (torch.full_like(layers[names[1]][0], float("nan")), layers[names[1]][1])
-    store = RunStore(tmp_path, CFG, "m", "h")
-    with pytest.raises(ValueError, match="NaN"):
-        factorize_layers(bad, CFG, store, progress=False)
-    info = RunStore(tmp_path, CFG, "m", "h").layer_info(names[1])
-    assert info["status"] == "failed" and "NaN" in info["error"]
-    out = factorize_layers(layers, CFG, RunStore(tmp_path, CFG, "m", "h"), progress=False)
-    assert list(out) == names
-
-
-# ---------------------------------------------------------------------------- statistics cache
-
-
-def test_statistics_cache_roundtrip_and_identity(tmp_path):
-    stats = {"a": LayerStatistics(torch.rand(8), 12, torch.rand(8, 8)), "b": LayerStatistics(torch.rand(4), 12)}
-    assert load_statistics(tmp_path, "m") is None
-    digest = save_statistics(tmp_path, stats, "m")
-    loaded = load_statistics(tmp_path, "m")
-    assert digest == hash_statistics(stats) == hash_statistics(loaded)
-    assert torch.equal(loaded["a"].xtx, stats["a"].xtx) and loaded["b"].xtx is None
-    assert loaded["a"].num_tokens == 12
-    with pytest.raises(RunMismatchError, match="model_id 'm', not 'other'"):
-        load_statistics(tmp_path, "other")
-
-
-def test_statistics_shared_between_layers_are_cached(tmp_path):
-    """q/k/v (and gate/up) read one input, so the observer hands them one tensor."""
-    shared = torch.rand(16)
-    xtx = torch.rand(16, 16)
-    stats = {name: LayerStatistics(shared, 5, xtx) for name in ("q", "k", "v")}
-    save_statistics(tmp_path, stats, "m")
-    loaded = load_statistics(tmp_path, "m")
-    assert sorted(loaded) == ["k", "q", "v"]
-    for name in stats:
-        assert torch.equal(loaded[name].act_sq_norm, shared) and torch.equal(loaded[name].xtx, xtx)
-
-
-def test_auto_block_size_resolves_per_layer_and_resumes(tmp_path):
-    layers = make_layers(2)
-    cfg = ArmorConfig(block_size="auto", max_overhead=0.5, num_iters=2)
-    first = factorize_layers(layers, cfg, RunStore(tmp_path, cfg, "m", stats_hash(layers)), progress=False)
-    store = RunStore(tmp_path, cfg, "m", stats_hash(layers))
-    for name, (w, _) in layers.items():
-        want = cfg.for_layer(*w.shape).block_size
-        assert first[name].block_size == want and store.layer_info(name)["config"]["block_size"] == want
-    lazy = {name: (lambda v=v: v) for name, v in layers.items()}  # resumed: nothing recomputed, lazily given
-    again = factorize_layers(lazy, cfg, store, progress=False)
-    assert all(torch.equal(again[n].core, first[n].core) for n in layers)

@@ -449,7 +449,7 @@ def test_interrupted_assembly_does_not_load(tmp_path, monkeypatch, stage):
     shards = [tmp_path / f"{i}.safetensors" for i in (0, 2, 4)]
     for i, shard in zip((0, 2, 4), shards):
         save_shard(shard, model[i], prefix=f"{i}.")
-    real_move, real_write = serialization._move, serialization._atomic_write
+    real_move, real_write = serialization._move, serialization.atomic_write
     moves = []
 
     def failing_move(src, dst):
@@ -466,7 +466,7 @@ def test_interrupted_assembly_does_not_load(tmp_path, monkeypatch, stage):
     if stage == "move":
         monkeypatch.setattr(serialization, "_move", failing_move)
     else:
-        monkeypatch.setattr(serialization, "_atomic_write", failing_write)
+        monkeypatch.setattr(serialization, "atomic_write", failing_write)
     with pytest.raises(OSError, match="disk unplugged"):
         assemble_checkpoint(path, shards)
     assert WEIGHTS_NAME not in os.listdir(path)  # the old single file is gone too

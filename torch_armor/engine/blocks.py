@@ -30,10 +30,11 @@ import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
+from torch_armor._io import atomic_write
 from torch_armor.calibration.blocks import BlockInput, block_statistics, capture_block_inputs, run_block
 from torch_armor.engine.report import LayerResult, PruneReport
 from torch_armor.engine.runner import METHODS, LayerSolution, ProxyReference, layer_config, solve_layer
-from torch_armor.engine.runstore import RunStore, _atomic_write, config_to_dict
+from torch_armor.engine.runstore import RunStore, config_to_dict
 
 __all__ = ["BlockPipeline", "hash_model", "hash_tensors", "hash_calibration", "HIDDEN_NAME"]
 
@@ -118,7 +119,7 @@ class BlockPipeline:
         from safetensors.torch import save
 
         tensors = {f"batch.{j:06d}": inp.hidden.contiguous() for j, inp in enumerate(inputs)}
-        _atomic_write(path, save(tensors, metadata={"block": str(index), "identity": self.identity}))
+        atomic_write(path, save(tensors, metadata={"block": str(index), "identity": self.identity}))
 
     def _load_hidden(self, inputs: List[BlockInput]) -> int:
         """Replace the captured inputs by the saved ones; returns the block they feed (0: none)."""

@@ -49,20 +49,16 @@ import torch.distributed as dist
 
 from torch_armor.config import ArmorConfig
 from torch_armor.core.factors import ArmorFactors
-from torch_armor.calibration.observer import LayerStatistics
-from torch_armor.engine.runstore import (
+from torch_armor.engine.layers import (
     LayerInput,
-    PathLike,
-    RunStore,
     _check_layers,
     _compute_layers,
     _eager_shapes,
     _pending,
     factorize_layers,
     layer_configs,
-    load_statistics,
-    save_statistics,
 )
+from torch_armor.engine.runstore import RunStore
 
 __all__ = [
     "Topology",
@@ -70,7 +66,6 @@ __all__ = [
     "shard_layers",
     "init_distributed",
     "distributed_factorize",
-    "shared_statistics",
 ]
 
 #: Process-group timeout when this module creates the group: ranks wait at the final
@@ -238,7 +233,7 @@ def distributed_factorize(
     hold yet and broadcasts them; they are split by :func:`shard_layers`; each rank factorizes
     its share, writing every finished layer to ``store``'s directory (its own files, its own
     manifest); after all ranks finish, rank 0 merges the manifests and returns every layer's
-    factors. With one process this is :func:`~torch_armor.engine.runstore.factorize_layers`.
+    factors. With one process this is :func:`~torch_armor.engine.layers.factorize_layers`.
 
     Args:
         layers: ``{name: (weight, act_sq_norm)}`` or ``{name: callable returning it}`` (lazy:
@@ -247,7 +242,7 @@ def distributed_factorize(
         store: the shared run directory (a path all ranks see, e.g. on one machine or a shared
             file system); required with more than one rank, optional with one.
         costs: ``{name: cost}`` (default :func:`layer_cost` of each weight's shape).
-        per_layer_overrides: as in :func:`~torch_armor.engine.runstore.factorize_layers`.
+        per_layer_overrides: as in :func:`~torch_armor.engine.layers.factorize_layers`.
         progress: progress bar (rank 0 only, showing its own share).
         on_layer_done: called on the computing rank after each layer is saved.
         return_factors: rank 0 returns all factors (loading the other ranks' from the store);
@@ -323,51 +318,3 @@ def distributed_factorize(
         if topo.initialized_here:
             dist.destroy_process_group()
 
-
-def shared_statistics(
-    directory: PathLike,
-    model_id: str,
-    compute: Callable[[], Mapping[str, LayerStatistics]],
-) -> Dict[str, LayerStatistics]:
-    """Calibration statistics computed once per run directory, shared by all ranks.
-
-    If ``directory`` caches statistics for ``model_id`` (:func:`~torch_armor.engine.runstore.save_statistics`)
-    they are loaded; otherwise rank 0 (or the only process) calls ``compute()`` and caches the
-    result, and the other ranks load it. Needs the process group if there are several ranks
-    (call :func:`init_distributed` first).
-
-    Example::
-
-        >>> import tempfile
-        >>> with tempfile.TemporaryDirectory() as d:
-        ...     calls = []
-        ...     compute = lambda: calls.append(1) or {"fc": LayerStatistics(torch.ones(4), 3)}
-        ...     _ = shared_statistics(d, "toy", compute)
-        ...     stats = shared_statistics(d, "toy", compute)  # a resumed run: loaded, not computed
-        ...     len(calls), stats["fc"].num_tokens
-        (1, 3)
-    """
-    topo = init_distributed() if dist.is_available() and dist.is_initialized() else Topology()
-    if topo.world_size == 1 and _env_int("WORLD_SIZE", 1) > 1:
-        raise ValueError("WORLD_SIZE > 1 but no process group: call init_distributed() before shared_statistics()")
-    stats: Optional[Dict[str, LayerStatistics]] = None
-    error: Optional[BaseException] = None
-    if topo.rank == 0:
-        try:
-            stats = load_statistics(directory, model_id)
-            if stats is None:
-                stats = dict(compute())
-                save_statistics(directory, stats, model_id)
-        except Exception as err:
-            error = err
-    if topo.world_size > 1:
-        statuses = _agree(None if error is None else f"{type(error).__name__}: {error}", topo.world_size)
-        if error is None and statuses[0] is not None:
-            raise RuntimeError(f"rank 0 failed to compute the statistics: {statuses[0]}")
-    if error is not None:
-        raise error
-    if stats is None:
-        stats = load_statistics(directory, model_id)
-        if stats is None:
-            raise RuntimeError(f"rank 0 cached no statistics in {directory}; is the directory shared by all ranks?")
-    return stats

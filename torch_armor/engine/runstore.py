@@ -2,49 +2,47 @@
 
 A run directory holds::
 
-    manifest.json                   identity (format, model id, statistics hash, config) and
-                                    per-layer status ("pending" / "done" / "failed"), file,
-                                    sha256, size, shape, seconds, relative loss
-    manifest.rank-<r>.json          (distributed runs only) the entries written by rank r ≥ 1,
-                                    merged into manifest.json by rank 0 at the end
-    layers/<fqn>.safetensors        one finished layer: a_blocks, core, b_blocks, mask, history,
-                                    history_iters, history_time_s; JSON metadata in the header
-    statistics.safetensors          (optional) cached calibration statistics
-                                    (:func:`save_statistics`), so a resumed run skips calibration
+    manifest.json                 identity (format, model id, statistics hash, config) and
+                                  per-layer status ("pending" / "done" / "failed"), file, sha256,
+                                  size, shape, seconds, relative loss
+    manifest.rank-<r>.json        (distributed runs only) the entries written by rank r ≥ 1,
+                                  merged into manifest.json by rank 0 at the end
+    layers/<fqn>.safetensors      one finished layer: a_blocks, core, b_blocks, mask, history,
+                                  history_iters, history_time_s; JSON metadata in the header
+    hidden.safetensors            (block-by-block engine, ARMOR runs) the calibration hidden
+                                  states at the last finished decoder-block boundary: one tensor
+                                  per calibration batch, the index of the block they feed and the
+                                  run identity in the header; rewritten by rank 0 after every
+                                  block, a rerun resumes at that block
+    blocks/block-NNNNN.safetensors
+                                  (streamed checkpoints only) each finished decoder block, written
+                                  by :func:`~torch_armor.tensor.serialization.save_shard`; at the
+                                  end ``blocks/rest.safetensors`` (the weights outside the decoder
+                                  blocks) joins them and all are moved into the output checkpoint
+                                  by :func:`~torch_armor.tensor.serialization.assemble_checkpoint`
 
-Every file is written to a temporary name in the same directory, flushed and ``fsync``-ed,
-renamed over the final name with ``os.replace`` (atomic on POSIX and Windows) and the directory
-is ``fsync``-ed, so a crash (even ``SIGKILL`` or a power cut) leaves either the old or the new
-file, never a torn one. A layer counts as done only when its manifest entry says so *and* the
-file's size and sha256 match the entry; anything else (a file without an entry, a truncated or
-edited file) is recomputed, with a warning for the damaged ones.
+The last two are written by :class:`~torch_armor.engine.blocks.BlockPipeline` and
+:func:`~torch_armor.recipes.prune.prune_model` (which streams a model when given a checkpoint
+directory instead of a module); the store itself writes the manifests and ``layers/``.
 
-Re-running the same command resumes: :func:`factorize_layers` skips the layers the store
-holds. Factorization with the same seed and the same number of threads is bit-identical on CPU,
-so a resumed run gives exactly the factors of an uninterrupted one (another thread count changes
-the order of floating-point reductions: equally good factors, different last bits). A directory
-started with a different config, model id or statistics hash is refused with :class:`RunMismatchError` naming what differs, never mixed.
+Every file is written with :func:`torch_armor._io.atomic_write`: to a temporary name in the same
+directory, flushed and ``fsync``-ed, renamed over the final name with ``os.replace`` (atomic on
+POSIX and Windows) and the directory is ``fsync``-ed, so a crash (even ``SIGKILL`` or a power
+cut) leaves either the old or the new file, never a torn one. A layer counts as done only when
+its manifest entry says so *and* the file's size and sha256 match the entry; anything else (a
+file without an entry, a truncated or edited file) is recomputed, with a warning for the damaged
+ones.
+
+Re-running the same command resumes: :func:`~torch_armor.engine.layers.factorize_layers` skips
+the layers the store holds. Factorization with the same seed and the same number of threads is
+bit-identical on CPU, so a resumed run gives exactly the factors of an uninterrupted one
+(another thread count changes the order of floating-point reductions: equally good factors,
+different last bits). A directory started with a different config, model id or statistics hash
+is refused with :class:`RunMismatchError` naming what differs, never mixed.
 
 Writers: one process per run directory, or the ranks of one distributed run (rank 0 writes
 ``manifest.json``, rank ``r ≥ 1`` only ``manifest.rank-<r>.json`` and its own layer files; see
 :mod:`torch_armor.engine.distributed`).
-
-Example::
-
-    >>> import tempfile, torch
-    >>> from torch_armor import ArmorConfig
-    >>> g = torch.Generator().manual_seed(0)
-    >>> layers = {f"fc{i}": (torch.randn(32, 32, generator=g), torch.rand(32, generator=g) + 0.1)
-    ...           for i in range(3)}
-    >>> cfg = ArmorConfig(block_size=16, num_iters=3)
-    >>> stats_hash = hash_statistics({k: h for k, (w, h) in layers.items()})
-    >>> with tempfile.TemporaryDirectory() as run_dir:
-    ...     store = RunStore(run_dir, cfg, model_id="toy", stats_hash=stats_hash)
-    ...     first = factorize_layers(layers, cfg, store, progress=False)
-    ...     again = RunStore(run_dir, cfg, model_id="toy", stats_hash=stats_hash)  # e.g. after a crash
-    ...     second = factorize_layers(layers, cfg, again, progress=False)  # nothing is recomputed
-    ...     sorted(again.finished()), torch.equal(first["fc1"].core, second["fc1"].core)
-    (['fc0', 'fc1', 'fc2'], True)
 """
 
 from __future__ import annotations
@@ -52,53 +50,39 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import logging
 import os
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 from urllib.parse import quote
 
 import torch
-from tqdm.auto import tqdm
 
+from torch_armor._io import TMP_MARK, atomic_write, file_sha256
 from torch_armor.config import ArmorConfig
-from torch_armor.core.factorize import factorize
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.calibration.observer import LayerStatistics
 
 __all__ = [
     "RunStore",
     "RunMismatchError",
-    "factorize_layers",
-    "layer_configs",
     "hash_statistics",
     "hash_tensors",
     "config_to_dict",
-    "save_statistics",
-    "load_statistics",
     "MANIFEST_NAME",
-    "STATISTICS_NAME",
 ]
-
-logger = logging.getLogger("torch_armor")
 
 FORMAT_NAME = "torch_armor.run"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
-STATISTICS_NAME = "statistics.safetensors"
 LAYERS_DIR = "layers"
 _SHARD_PREFIX = "manifest.rank-"
-_TMP_MARK = ".tmp-"
 #: Config fields that do not define a run: where a layer was optimized may change between
 #: resumes (a GPU run finished on CPU, ``cuda:0`` and ``cuda:1`` ranks); it is recorded per layer.
 _NOT_IDENTITY = ("device",)
 _STATUS_RANK = {"pending": 0, "failed": 1, "done": 2}
 
-#: A layer: ``(weight, act_sq_norm)``, or a callable returning it (called only if the layer
-#: still has to be computed). ``act_sq_norm`` may also be a :class:`LayerStatistics`.
-LayerInput = Union[Tuple[torch.Tensor, Any], Callable[[], Tuple[torch.Tensor, Any]]]
 PathLike = Union[str, "os.PathLike[str]"]
 
 
@@ -165,14 +149,6 @@ def hash_statistics(stats: Mapping[str, Union[torch.Tensor, LayerStatistics]]) -
     return hash_tensors({fqn: _act_sq_norm(v, fqn) for fqn, v in stats.items()})
 
 
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 # --------------------------------------------------------------------------- config identity
 
 
@@ -213,94 +189,7 @@ def _config_diff(stored: Mapping[str, Any], current: Mapping[str, Any]) -> List[
             if stored.get(k) != current.get(k)]
 
 
-def _layer_config(base: ArmorConfig, override: Any, fqn: str, shape: Optional[Sequence[int]]) -> ArmorConfig:
-    """``base`` with ``override`` applied, resolved by :meth:`ArmorConfig.for_layer` if ``shape`` is known."""
-    if override is None:
-        cfg = base
-    elif isinstance(override, ArmorConfig):
-        cfg = override
-    elif isinstance(override, Mapping):
-        unknown = set(override) - {f.name for f in dataclasses.fields(ArmorConfig)}
-        if unknown:
-            raise ValueError(f"layer {fqn!r}: unknown ArmorConfig fields in per_layer_overrides: {sorted(unknown)}")
-        try:
-            cfg = dataclasses.replace(base, **override)
-        except ValueError as err:
-            raise ValueError(f"layer {fqn!r}: invalid per-layer setting: {err}") from None
-    else:
-        raise ValueError(
-            f"layer {fqn!r}: per_layer_overrides values must be an ArmorConfig or a dict of ArmorConfig "
-            f"fields, got {type(override).__name__}"
-        )
-    return cfg if shape is None else cfg.for_layer(int(shape[0]), int(shape[1]), name=fqn)
-
-
-def layer_configs(
-    names: Iterable[str],
-    config: ArmorConfig,
-    per_layer_overrides: Optional[Mapping[str, Any]] = None,
-    shapes: Optional[Mapping[str, Sequence[int]]] = None,
-) -> Dict[str, ArmorConfig]:
-    """The config of every layer: ``config`` with its per-layer override applied and, for the
-    layers in ``shapes`` (``{name: (d_out, d_in)}``), resolved by :meth:`ArmorConfig.for_layer`
-    (concrete block size, shape checked). Derived values follow the override: a layer that
-    overrides ``block_size`` gets that block size's default ``group_updates``.
-
-    Example::
-
-        >>> cfgs = layer_configs(["a", "b"], ArmorConfig(block_size=16), {"b": {"block_size": 32}})
-        >>> cfgs["a"].block_size, cfgs["b"].block_size, cfgs["b"].group_updates_per_sweep
-        (16, 32, 16)
-    """
-    if not isinstance(config, ArmorConfig):
-        raise ValueError(f"config must be an ArmorConfig, got {type(config).__name__}")
-    overrides = dict(per_layer_overrides or {})
-    shapes = shapes or {}
-    names = list(names)
-    stray = sorted(set(overrides) - set(names))
-    if stray:
-        raise ValueError(f"per_layer_overrides names layers that are not being factorized: {stray[:5]}")
-    return {n: _layer_config(config, overrides.get(n), n, shapes.get(n)) for n in names}
-
-
-def _eager_shapes(layers: Mapping[str, Any]) -> Dict[str, Tuple[int, int]]:
-    """``{name: weight shape}`` of the layers given as ``(weight, act_sq_norm)`` (not lazily)."""
-    return {fqn: tuple(v[0].shape) for fqn, v in layers.items()
-            if not callable(v) and isinstance(v, (tuple, list)) and v and isinstance(v[0], torch.Tensor)}
-
-
-# --------------------------------------------------------------------------- atomic files
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # e.g. Windows: directories cannot be opened; the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path``: temp file in the same directory, fsync, rename, fsync dir."""
-    tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise
-    _fsync_dir(path.parent)
+# --------------------------------------------------------------------------- manifest files
 
 
 def _read_json(path: Path) -> Dict[str, Any]:
@@ -497,7 +386,7 @@ class RunStore:
             "torch_version": torch.__version__,
             "layers": {k: self._own[k] for k in sorted(self._own)},
         }
-        _atomic_write(self.manifest_path, json.dumps(data, indent=1, sort_keys=True).encode())
+        atomic_write(self.manifest_path, json.dumps(data, indent=1, sort_keys=True).encode())
 
     def with_rank(self, rank: int) -> "RunStore":
         """The same run directory opened as writer ``rank`` (``self`` if it already is)."""
@@ -530,7 +419,7 @@ class RunStore:
         if st.st_size != entry.get("bytes"):
             self._damaged(fqn, path, f"has {st.st_size} bytes, the manifest recorded {entry.get('bytes')}")
             return False
-        if _file_sha256(path) != entry.get("sha256"):
+        if file_sha256(path) != entry.get("sha256"):
             self._damaged(fqn, path, "does not match the sha256 the manifest recorded (corrupt or edited)")
             return False
         self._verified[fqn] = key
@@ -619,7 +508,7 @@ class RunStore:
         }
         data = st_save(tensors, metadata=meta)
         path = self.layer_path(fqn)
-        _atomic_write(path, data)
+        atomic_write(path, data)
         st = path.stat()
         sha = hashlib.sha256(data).hexdigest()
         del data
@@ -680,7 +569,7 @@ class RunStore:
         """Merge the rank manifests into ``manifest.json`` and remove them and stale temp files.
 
         Rank 0 only, once every rank has finished writing (after a barrier). Single-process
-        runs call it at the end of :func:`factorize_layers`.
+        runs call it at the end of :func:`~torch_armor.engine.layers.factorize_layers`.
         """
         if self.rank != 0:
             raise ValueError(f"finalize() merges the rank manifests and must run on rank 0, not rank {self.rank}")
@@ -695,245 +584,10 @@ class RunStore:
         self._write_manifest()
         for path in shards:
             path.unlink(missing_ok=True)
-        for pattern in (f".*{_TMP_MARK}*", f"{LAYERS_DIR}/.*{_TMP_MARK}*"):
+        for pattern in (f".*{TMP_MARK}*", f"{LAYERS_DIR}/.*{TMP_MARK}*"):
             for tmp in self.directory.glob(pattern):
                 tmp.unlink(missing_ok=True)
 
     def __repr__(self) -> str:
         done = sum(1 for e in self._known.values() if e.get("status") == "done")
         return f"RunStore({str(self.directory)!r}, model_id={self.model_id!r}, rank={self.rank}, done={done})"
-
-
-# --------------------------------------------------------------------------- statistics cache
-
-
-def save_statistics(
-    directory: PathLike,
-    stats: Mapping[str, Union[torch.Tensor, LayerStatistics]],
-    model_id: str,
-) -> str:
-    """Cache calibration statistics in a run directory (atomically); returns their hash.
-
-    Stores every layer's ``act_sq_norm`` (and ``xtx`` and ``num_tokens`` when given
-    :class:`LayerStatistics` that have them), bound to ``model_id``. A resumed run loads them
-    with :func:`load_statistics` instead of calibrating again, which also keeps the statistics
-    hash stable when calibration is not bit-reproducible (e.g. another thread count).
-
-    Example::
-
-        >>> import tempfile
-        >>> with tempfile.TemporaryDirectory() as d:
-        ...     digest = save_statistics(d, {"fc": LayerStatistics(torch.ones(4), 10)}, "toy")
-        ...     loaded = load_statistics(d, "toy")
-        ...     loaded["fc"].num_tokens, digest == hash_statistics(loaded)
-        (10, True)
-    """
-    from safetensors.torch import save as st_save
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors: Dict[str, torch.Tensor] = {}
-    tokens: Dict[str, int] = {}
-    seen: set = set()
-
-    def own(t: torch.Tensor) -> torch.Tensor:
-        # layers fed by one input (q/k/v, gate/up) share their statistics; safetensors refuses
-        # shared storage, so later users get a copy
-        t = t.detach().to("cpu").contiguous()
-        key = (t.untyped_storage().data_ptr(), t.storage_offset())
-        if key in seen:
-            return t.clone()
-        seen.add(key)
-        return t
-
-    for fqn, value in stats.items():
-        tensors[f"{fqn}::act_sq_norm"] = own(_act_sq_norm(value, fqn))
-        if isinstance(value, LayerStatistics):
-            tokens[fqn] = int(value.num_tokens)
-            if value.xtx is not None:
-                tensors[f"{fqn}::xtx"] = own(value.xtx)
-    digest = hash_statistics(stats)
-    meta = {"format": FORMAT_NAME, "model_id": model_id, "stats_hash": digest,
-            "layers": json.dumps(list(stats)), "num_tokens": json.dumps(tokens)}
-    _atomic_write(directory / STATISTICS_NAME, st_save(tensors, metadata=meta))
-    return digest
-
-
-def load_statistics(directory: PathLike, model_id: str) -> Optional[Dict[str, LayerStatistics]]:
-    """Statistics cached by :func:`save_statistics`, or ``None`` if the directory has none.
-
-    Raises:
-        RunMismatchError: they were cached for another ``model_id``, or the file is damaged.
-    """
-    from safetensors import safe_open
-
-    path = Path(directory) / STATISTICS_NAME
-    if not path.exists():
-        return None
-    try:
-        with safe_open(str(path), framework="pt") as fh:
-            meta = fh.metadata() or {}
-            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
-    except Exception as err:  # safetensors raises its own error types
-        raise RunMismatchError(f"{path} cannot be read ({err}); delete it to calibrate again") from None
-    if meta.get("model_id") != model_id:
-        raise RunMismatchError(
-            f"{path} holds statistics for model_id {meta.get('model_id')!r}, not {model_id!r}; "
-            "use another run directory or delete the file to calibrate again"
-        )
-    tokens = json.loads(meta.get("num_tokens", "{}"))
-    out = {}
-    for fqn in json.loads(meta.get("layers", "[]")):
-        out[fqn] = LayerStatistics(tensors[f"{fqn}::act_sq_norm"], tokens.get(fqn, 0), tensors.get(f"{fqn}::xtx"))
-    if hash_statistics(out) != meta.get("stats_hash"):
-        raise RunMismatchError(f"{path} does not match its recorded hash (corrupt); delete it to calibrate again")
-    return out
-
-
-# --------------------------------------------------------------------------- the loop
-
-
-def _materialize(fqn: str, value: LayerInput) -> Tuple[torch.Tensor, torch.Tensor]:
-    if callable(value):
-        value = value()
-    if not (isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[0], torch.Tensor)):
-        raise ValueError(
-            f"layer {fqn!r}: expected (weight, act_sq_norm) or a callable returning it, got {type(value).__name__}"
-        )
-    return value[0], _act_sq_norm(value[1], fqn)
-
-
-def _check_layers(layers: Any) -> Mapping[str, LayerInput]:
-    if not isinstance(layers, Mapping):
-        raise ValueError(
-            "layers must be a mapping {name: (weight, act_sq_norm)} or {name: callable returning it}, "
-            f"got {type(layers).__name__}"
-        )
-    if not layers:
-        raise ValueError("layers is empty: nothing to factorize")
-    return layers
-
-
-def _compute_layers(
-    layers: Mapping[str, LayerInput],
-    todo: Sequence[str],
-    configs: Mapping[str, ArmorConfig],
-    store: Optional[RunStore],
-    *,
-    progress: bool,
-    on_layer_done: Optional[Callable[[str, ArmorFactors], None]],
-    keep: bool,
-    total: Optional[int] = None,
-    desc: str = "factorize",
-) -> Dict[str, ArmorFactors]:
-    """Factorize ``todo`` in order, saving each to ``store`` as soon as it is finished."""
-    total = len(todo) if total is None else total
-    out: Dict[str, ArmorFactors] = {}
-    bar = tqdm(total=total, initial=total - len(todo), desc=desc, unit="layer", disable=not progress)
-    try:
-        with torch.no_grad():
-            for fqn in todo:
-                bar.set_postfix_str(fqn[-40:])
-                weight, h = _materialize(fqn, layers[fqn])
-                start = time.perf_counter()
-                try:
-                    cfg = configs[fqn].for_layer(*weight.shape, name=fqn) if weight.dim() == 2 else configs[fqn]
-                    factors = factorize(weight, h, cfg, name=fqn)
-                except Exception as err:
-                    if store is not None:
-                        store.mark_failed(fqn, err)
-                    raise
-                seconds = time.perf_counter() - start
-                del weight, h
-                if store is not None:
-                    store.save(fqn, factors, config=cfg, seconds=seconds)
-                logger.info("%s: relative proxy loss %.4f (%.1fs)", fqn, factors.relative_loss, seconds)
-                if on_layer_done is not None:
-                    on_layer_done(fqn, factors)
-                if keep:
-                    out[fqn] = factors
-                bar.update(1)
-    finally:
-        bar.close()
-    return out
-
-
-def _pending(
-    layers: Mapping[str, LayerInput], configs: Mapping[str, ArmorConfig], store: RunStore
-) -> List[str]:
-    """Layers not finished in ``store``; raises if a finished one has other settings or shape."""
-    pending = []
-    for fqn in layers:
-        if not store.done(fqn):
-            pending.append(fqn)
-            continue
-        shape = store.layer_info(fqn).get("shape")
-        cfg = configs[fqn]
-        if isinstance(shape, list) and len(shape) == 2:  # compare with the config the layer was resolved to
-            cfg = cfg.for_layer(*shape, name=fqn)
-        store.check_layer_config(fqn, cfg)
-        value = layers[fqn]
-        if not callable(value) and isinstance(value, (tuple, list)) and isinstance(value[0], torch.Tensor):
-            if shape is not None and list(value[0].shape) != list(shape):
-                raise RunMismatchError(
-                    f"run directory {store.directory}: finished layer {fqn!r} has shape {tuple(shape)}, the "
-                    f"weight given now is {tuple(value[0].shape)}; this run is for another model"
-                )
-    return pending
-
-
-def factorize_layers(
-    layers: Mapping[str, LayerInput],
-    config: ArmorConfig,
-    store: Optional[RunStore] = None,
-    *,
-    progress: bool = True,
-    per_layer_overrides: Optional[Mapping[str, Any]] = None,
-    on_layer_done: Optional[Callable[[str, ArmorFactors], None]] = None,
-    return_factors: bool = True,
-) -> Dict[str, ArmorFactors]:
-    """Factorize many layers, skipping those ``store`` already holds; save each as it finishes.
-
-    Args:
-        layers: ``{name: (weight, act_sq_norm)}`` in the order to process them; a value may be a
-            zero-argument callable returning the pair, called only if the layer has to be
-            computed (so a resumed run loads only the weights it needs). ``act_sq_norm`` may be a
-            :class:`~torch_armor.calibration.observer.LayerStatistics`.
-        config: the :class:`ArmorConfig` for every layer.
-        store: a :class:`RunStore`; ``None`` computes everything and saves nothing.
-        progress: show a tqdm progress bar.
-        per_layer_overrides: ``{name: ArmorConfig or {field: value}}`` for layers that need other
-            settings (e.g. another ``block_size``); kept per layer in the store.
-        on_layer_done: ``on_layer_done(name, factors)`` after each computed layer is saved.
-        return_factors: return the factors of every layer (finished ones are loaded from the
-            store); ``False`` returns only the ones computed now (none are kept in memory).
-
-    Returns:
-        ``{name: ArmorFactors}`` in the order of ``layers``.
-
-    Raises:
-        RunMismatchError: a finished layer was computed with other per-layer settings or has
-            another shape (checked for every layer before any work starts).
-        ValueError: malformed ``layers`` or overrides.
-    """
-    layers = _check_layers(layers)
-    configs = layer_configs(layers, config, per_layer_overrides, _eager_shapes(layers))
-    if store is not None and store.rank != 0:
-        raise ValueError(
-            f"this store writes as rank {store.rank}; factorize_layers runs a single process (rank 0). "
-            "Use torch_armor.engine.distributed.distributed_factorize for multi-rank runs"
-        )
-    todo = list(layers) if store is None else _pending(layers, configs, store)
-    if store is not None:
-        skipped = len(layers) - len(todo)
-        if skipped:
-            logger.info("run %s: %d of %d layers already finished, %d to compute",
-                        store.directory, skipped, len(layers), len(todo))
-        store.plan(todo)
-    computed = _compute_layers(layers, todo, configs, store, progress=progress, on_layer_done=on_layer_done,
-                               keep=return_factors, total=len(layers))
-    if store is not None:
-        store.finalize()
-    if not return_factors:
-        return computed
-    return {fqn: computed[fqn] if fqn in computed else store.load(fqn) for fqn in layers}

@@ -57,6 +57,7 @@ from typing import Any, BinaryIO, Callable, Dict, List, Mapping, Optional, Seque
 import torch
 from torch import nn
 
+from torch_armor._io import atomic_write, file_sha256, fsync_dir
 from torch_armor.tensor.flatten import (
     ARMOR_CONFIG_NAME,
     FORMAT_NAME,
@@ -95,47 +96,8 @@ for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
         _ST_DTYPES[getattr(torch, _name)] = _code
 
 
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"))
-
-
-# ------------------------------------------------------------------ atomic file writes
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # e.g. platforms that cannot open directories
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Write ``path`` through a temp file in the same directory: flush, fsync, ``os.replace``, fsync dir."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
 
 
 def _write_safetensors(fh: BinaryIO, tensors: Dict[str, torch.Tensor], metadata: Dict[str, str]) -> None:
@@ -210,7 +172,7 @@ def save_shard(
         _HEADER_META: text,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, lambda fh: _write_safetensors(fh, tensors, header))
+    atomic_write(path, lambda fh: _write_safetensors(fh, tensors, header))
     return metadata
 
 
@@ -247,14 +209,14 @@ def _move(src: Path, dst: Path) -> None:
         if err.errno != errno.EXDEV:
             raise
         with open(src, "rb") as fin:
-            _atomic_write(dst, lambda fout: shutil.copyfileobj(fin, fout, 1 << 24))
+            atomic_write(dst, lambda fout: shutil.copyfileobj(fin, fout, 1 << 24))
         os.remove(src)
 
 
 def _write_hf_config(path: Path, hf_config: Any) -> None:
     if isinstance(hf_config, Mapping):
         text = json.dumps(dict(hf_config), indent=2, sort_keys=True) + "\n"
-        _atomic_write(path / "config.json", lambda fh: fh.write(text.encode()))
+        atomic_write(path / "config.json", text.encode())
     elif hasattr(hf_config, "save_pretrained"):
         hf_config.save_pretrained(str(path))
     else:
@@ -329,11 +291,11 @@ def assemble_checkpoint(
         if (old.name == WEIGHTS_NAME or _SHARD_RE.fullmatch(old.name)) and old.resolve() not in dest_resolved \
                 and old.resolve() not in src_resolved:
             old.unlink()
-    _fsync_dir(path)
+    fsync_dir(path)
     for src, dst in zip(sources, dests):
         _move(src, dst)
-    _fsync_dir(path)
-    files = [{"file": d.name, "sha256": _file_sha256(d)} for d in dests]
+    fsync_dir(path)
+    files = [{"file": d.name, "sha256": file_sha256(d)} for d in dests]
     if hf_config is not None:
         _write_hf_config(path, hf_config)
     config = dict(merged)
@@ -344,7 +306,7 @@ def assemble_checkpoint(
     if model_class is not None:
         config["model_class"] = model_class
     text = json.dumps(config, indent=2, sort_keys=True)
-    _atomic_write(path / ARMOR_CONFIG_NAME, lambda fh: fh.write(text.encode()))
+    atomic_write(path / ARMOR_CONFIG_NAME, text.encode())
 
 
 # ----------------------------------------------------------------------- save / load
@@ -532,7 +494,7 @@ def load_pretrained(
                 f"{path} has no {name} (listed in {ARMOR_CONFIG_NAME}): the checkpoint is incomplete; "
                 "copy the missing file or re-save the model"
             )
-        actual_hash = _file_sha256(weights)
+        actual_hash = file_sha256(weights)
         if actual_hash != expected_hash:
             raise ValueError(
                 f"{weights} does not match the sha256 recorded in {ARMOR_CONFIG_NAME} "

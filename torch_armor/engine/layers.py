@@ -1,0 +1,261 @@
+"""Factorize many layers through a run store: skip the finished ones, save each as it finishes.
+
+:func:`factorize_layers` is the single-process loop over ``{name: (weight, act_sq_norm)}``:
+every layer's config (:func:`layer_configs`: the run's config, per-layer overrides, block size
+resolved for the layer's shape), the layers a :class:`~torch_armor.engine.runstore.RunStore`
+does not hold yet (a finished layer computed with other settings or of another shape is
+refused with :class:`~torch_armor.engine.runstore.RunMismatchError`), then each of them
+factorized and written to the store as soon as it is done, so an interrupted run loses at most
+the layer in progress. :func:`~torch_armor.engine.distributed.distributed_factorize` shares the
+same pieces out across ``torchrun`` ranks.
+
+Example::
+
+    >>> import tempfile, torch
+    >>> from torch_armor import ArmorConfig
+    >>> from torch_armor.engine.runstore import RunStore, hash_statistics
+    >>> g = torch.Generator().manual_seed(0)
+    >>> layers = {f"fc{i}": (torch.randn(32, 32, generator=g), torch.rand(32, generator=g) + 0.1)
+    ...           for i in range(3)}
+    >>> cfg = ArmorConfig(block_size=16, num_iters=3)
+    >>> stats_hash = hash_statistics({k: h for k, (w, h) in layers.items()})
+    >>> with tempfile.TemporaryDirectory() as run_dir:
+    ...     store = RunStore(run_dir, cfg, model_id="toy", stats_hash=stats_hash)
+    ...     first = factorize_layers(layers, cfg, store, progress=False)
+    ...     again = RunStore(run_dir, cfg, model_id="toy", stats_hash=stats_hash)  # e.g. after a crash
+    ...     second = factorize_layers(layers, cfg, again, progress=False)  # nothing is recomputed
+    ...     sorted(again.finished()), torch.equal(first["fc1"].core, second["fc1"].core)
+    (['fc0', 'fc1', 'fc2'], True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from tqdm.auto import tqdm
+
+from torch_armor.config import ArmorConfig
+from torch_armor.core.factorize import factorize
+from torch_armor.core.factors import ArmorFactors
+from torch_armor.engine.runstore import RunMismatchError, RunStore, _act_sq_norm
+
+__all__ = ["factorize_layers", "layer_configs"]
+
+logger = logging.getLogger("torch_armor")
+
+#: A layer: ``(weight, act_sq_norm)``, or a callable returning it (called only if the layer
+#: still has to be computed). ``act_sq_norm`` may also be a
+#: :class:`~torch_armor.calibration.observer.LayerStatistics`.
+LayerInput = Union[Tuple[torch.Tensor, Any], Callable[[], Tuple[torch.Tensor, Any]]]
+
+
+# --------------------------------------------------------------------------- per-layer configs
+
+
+def _layer_config(base: ArmorConfig, override: Any, fqn: str, shape: Optional[Sequence[int]]) -> ArmorConfig:
+    """``base`` with ``override`` applied, resolved by :meth:`ArmorConfig.for_layer` if ``shape`` is known."""
+    if override is None:
+        cfg = base
+    elif isinstance(override, ArmorConfig):
+        cfg = override
+    elif isinstance(override, Mapping):
+        unknown = set(override) - {f.name for f in dataclasses.fields(ArmorConfig)}
+        if unknown:
+            raise ValueError(f"layer {fqn!r}: unknown ArmorConfig fields in per_layer_overrides: {sorted(unknown)}")
+        try:
+            cfg = dataclasses.replace(base, **override)
+        except ValueError as err:
+            raise ValueError(f"layer {fqn!r}: invalid per-layer setting: {err}") from None
+    else:
+        raise ValueError(
+            f"layer {fqn!r}: per_layer_overrides values must be an ArmorConfig or a dict of ArmorConfig "
+            f"fields, got {type(override).__name__}"
+        )
+    return cfg if shape is None else cfg.for_layer(int(shape[0]), int(shape[1]), name=fqn)
+
+
+def layer_configs(
+    names: Iterable[str],
+    config: ArmorConfig,
+    per_layer_overrides: Optional[Mapping[str, Any]] = None,
+    shapes: Optional[Mapping[str, Sequence[int]]] = None,
+) -> Dict[str, ArmorConfig]:
+    """The config of every layer: ``config`` with its per-layer override applied and, for the
+    layers in ``shapes`` (``{name: (d_out, d_in)}``), resolved by :meth:`ArmorConfig.for_layer`
+    (concrete block size, shape checked). Derived values follow the override: a layer that
+    overrides ``block_size`` gets that block size's default ``group_updates``.
+
+    Example::
+
+        >>> cfgs = layer_configs(["a", "b"], ArmorConfig(block_size=16), {"b": {"block_size": 32}})
+        >>> cfgs["a"].block_size, cfgs["b"].block_size, cfgs["b"].group_updates_per_sweep
+        (16, 32, 16)
+    """
+    if not isinstance(config, ArmorConfig):
+        raise ValueError(f"config must be an ArmorConfig, got {type(config).__name__}")
+    overrides = dict(per_layer_overrides or {})
+    shapes = shapes or {}
+    names = list(names)
+    stray = sorted(set(overrides) - set(names))
+    if stray:
+        raise ValueError(f"per_layer_overrides names layers that are not being factorized: {stray[:5]}")
+    return {n: _layer_config(config, overrides.get(n), n, shapes.get(n)) for n in names}
+
+
+def _eager_shapes(layers: Mapping[str, Any]) -> Dict[str, Tuple[int, int]]:
+    """``{name: weight shape}`` of the layers given as ``(weight, act_sq_norm)`` (not lazily)."""
+    return {fqn: tuple(v[0].shape) for fqn, v in layers.items()
+            if not callable(v) and isinstance(v, (tuple, list)) and v and isinstance(v[0], torch.Tensor)}
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+def _materialize(fqn: str, value: LayerInput) -> Tuple[torch.Tensor, torch.Tensor]:
+    if callable(value):
+        value = value()
+    if not (isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[0], torch.Tensor)):
+        raise ValueError(
+            f"layer {fqn!r}: expected (weight, act_sq_norm) or a callable returning it, got {type(value).__name__}"
+        )
+    return value[0], _act_sq_norm(value[1], fqn)
+
+
+def _check_layers(layers: Any) -> Mapping[str, LayerInput]:
+    if not isinstance(layers, Mapping):
+        raise ValueError(
+            "layers must be a mapping {name: (weight, act_sq_norm)} or {name: callable returning it}, "
+            f"got {type(layers).__name__}"
+        )
+    if not layers:
+        raise ValueError("layers is empty: nothing to factorize")
+    return layers
+
+
+def _compute_layers(
+    layers: Mapping[str, LayerInput],
+    todo: Sequence[str],
+    configs: Mapping[str, ArmorConfig],
+    store: Optional[RunStore],
+    *,
+    progress: bool,
+    on_layer_done: Optional[Callable[[str, ArmorFactors], None]],
+    keep: bool,
+    total: Optional[int] = None,
+    desc: str = "factorize",
+) -> Dict[str, ArmorFactors]:
+    """Factorize ``todo`` in order, saving each to ``store`` as soon as it is finished."""
+    total = len(todo) if total is None else total
+    out: Dict[str, ArmorFactors] = {}
+    bar = tqdm(total=total, initial=total - len(todo), desc=desc, unit="layer", disable=not progress)
+    try:
+        with torch.no_grad():
+            for fqn in todo:
+                bar.set_postfix_str(fqn[-40:])
+                weight, h = _materialize(fqn, layers[fqn])
+                start = time.perf_counter()
+                try:
+                    cfg = configs[fqn].for_layer(*weight.shape, name=fqn) if weight.dim() == 2 else configs[fqn]
+                    factors = factorize(weight, h, cfg, name=fqn)
+                except Exception as err:
+                    if store is not None:
+                        store.mark_failed(fqn, err)
+                    raise
+                seconds = time.perf_counter() - start
+                del weight, h
+                if store is not None:
+                    store.save(fqn, factors, config=cfg, seconds=seconds)
+                logger.info("%s: relative proxy loss %.4f (%.1fs)", fqn, factors.relative_loss, seconds)
+                if on_layer_done is not None:
+                    on_layer_done(fqn, factors)
+                if keep:
+                    out[fqn] = factors
+                bar.update(1)
+    finally:
+        bar.close()
+    return out
+
+
+def _pending(
+    layers: Mapping[str, LayerInput], configs: Mapping[str, ArmorConfig], store: RunStore
+) -> List[str]:
+    """Layers not finished in ``store``; raises if a finished one has other settings or shape."""
+    pending = []
+    for fqn in layers:
+        if not store.done(fqn):
+            pending.append(fqn)
+            continue
+        shape = store.layer_info(fqn).get("shape")
+        cfg = configs[fqn]
+        if isinstance(shape, list) and len(shape) == 2:  # compare with the config the layer was resolved to
+            cfg = cfg.for_layer(*shape, name=fqn)
+        store.check_layer_config(fqn, cfg)
+        value = layers[fqn]
+        if not callable(value) and isinstance(value, (tuple, list)) and isinstance(value[0], torch.Tensor):
+            if shape is not None and list(value[0].shape) != list(shape):
+                raise RunMismatchError(
+                    f"run directory {store.directory}: finished layer {fqn!r} has shape {tuple(shape)}, the "
+                    f"weight given now is {tuple(value[0].shape)}; this run is for another model"
+                )
+    return pending
+
+
+def factorize_layers(
+    layers: Mapping[str, LayerInput],
+    config: ArmorConfig,
+    store: Optional[RunStore] = None,
+    *,
+    progress: bool = True,
+    per_layer_overrides: Optional[Mapping[str, Any]] = None,
+    on_layer_done: Optional[Callable[[str, ArmorFactors], None]] = None,
+    return_factors: bool = True,
+) -> Dict[str, ArmorFactors]:
+    """Factorize many layers, skipping those ``store`` already holds; save each as it finishes.
+
+    Args:
+        layers: ``{name: (weight, act_sq_norm)}`` in the order to process them; a value may be a
+            zero-argument callable returning the pair, called only if the layer has to be
+            computed (so a resumed run loads only the weights it needs). ``act_sq_norm`` may be a
+            :class:`~torch_armor.calibration.observer.LayerStatistics`.
+        config: the :class:`ArmorConfig` for every layer.
+        store: a :class:`RunStore`; ``None`` computes everything and saves nothing.
+        progress: show a tqdm progress bar.
+        per_layer_overrides: ``{name: ArmorConfig or {field: value}}`` for layers that need other
+            settings (e.g. another ``block_size``); kept per layer in the store.
+        on_layer_done: ``on_layer_done(name, factors)`` after each computed layer is saved.
+        return_factors: return the factors of every layer (finished ones are loaded from the
+            store); ``False`` returns only the ones computed now (none are kept in memory).
+
+    Returns:
+        ``{name: ArmorFactors}`` in the order of ``layers``.
+
+    Raises:
+        RunMismatchError: a finished layer was computed with other per-layer settings or has
+            another shape (checked for every layer before any work starts).
+        ValueError: malformed ``layers`` or overrides.
+    """
+    layers = _check_layers(layers)
+    configs = layer_configs(layers, config, per_layer_overrides, _eager_shapes(layers))
+    if store is not None and store.rank != 0:
+        raise ValueError(
+            f"this store writes as rank {store.rank}; factorize_layers runs a single process (rank 0). "
+            "Use torch_armor.engine.distributed.distributed_factorize for multi-rank runs"
+        )
+    todo = list(layers) if store is None else _pending(layers, configs, store)
+    if store is not None:
+        skipped = len(layers) - len(todo)
+        if skipped:
+            logger.info("run %s: %d of %d layers already finished, %d to compute",
+                        store.directory, skipped, len(layers), len(todo))
+        store.plan(todo)
+    computed = _compute_layers(layers, todo, configs, store, progress=progress, on_layer_done=on_layer_done,
+                               keep=return_factors, total=len(layers))
+    if store is not None:
+        store.finalize()
+    if not return_factors:
+        return computed
+    return {fqn: computed[fqn] if fqn in computed else store.load(fqn) for fqn in layers}
