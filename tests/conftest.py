@@ -80,6 +80,16 @@ def make_tiny_llama(seed: int = 0, tie: bool = False, vocab: int = 128):
 
 
 @pytest.fixture
+def one_thread():
+    """One torch thread for the test: tiny tensors gain nothing from threads (badly so on a shared
+    machine), and bit-identical comparisons with subprocesses need the same thread count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def tiny_llama():
     return make_tiny_llama()
 

@@ -28,12 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CALIB = torch.randint(0, 128, (6, 24), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny tensors, no thread sync
 
 
 def _weights(model) -> dict:

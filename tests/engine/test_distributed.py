@@ -25,12 +25,7 @@ from test_runstore import CFG, assert_same_factors, make_layers, stats_hash  # n
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny tensors, no thread sync
 
 
 # ---------------------------------------------------------------------------- sharding

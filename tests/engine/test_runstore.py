@@ -43,14 +43,7 @@ def assert_same_factors(a: ArmorFactors, b: ArmorFactors) -> None:
     assert a.nowag_loss == b.nowag_loss
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One thread: determinism needs the same thread count as the subprocesses, and small
-    problems run faster single-threaded (2 threads on a busy 2-core machine: ~30x slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny tensors, no thread sync
 
 
 # ---------------------------------------------------------------------------- hashing

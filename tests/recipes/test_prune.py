@@ -25,13 +25,7 @@ FAST_ARMOR = ArmorConfig(block_size=16, optimizer="bcd", num_iters=1)
 CALIB = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: threads only add synchronization (badly so on a shared machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny tensors, no thread sync
 
 
 def _approx(weight) -> torch.Tensor:

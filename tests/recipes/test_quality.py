@@ -19,13 +19,7 @@ from torch_armor.recipes.quality import DEMO_METHODS, QualityRow, quality_table,
 FAST_ARMOR = ArmorConfig(block_size=16, optimizer="bcd", num_iters=1)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: threads only add synchronization (badly so on a shared machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny tensors, no thread sync
 
 
 def test_quality_table_formatting():
