@@ -260,12 +260,19 @@ def run_quality(
     timings["total"] = time.perf_counter() - t0
     settings_out = {
         "model": model if isinstance(model, str) else type(model).__name__,
-        "pattern": pattern, "calib": str(calib), "n_calib": n_calib, "eval": str(eval_data),
+        "pattern": pattern, "calib": _describe(calib), "n_calib": n_calib, "eval": _describe(eval_data),
         "n_eval": n_eval, "seq_len": seq_len, "layers": layers, "num_layers": len(names),
         "threads": torch.get_num_threads(), "armor_eval": armor_eval,
         "sequential": {m: modes(m) for m in methods if m != "dense"},
     }
     return QualityResult(rows=rows, reports=reports, timings=timings, settings=settings_out)
+
+
+def _describe(source: Any) -> str:
+    """A text source by name; token ids by shape (never a tensor's whole repr)."""
+    if isinstance(source, torch.Tensor):
+        return f"token ids {tuple(source.shape)}"
+    return str(source)
 
 
 def _restore(model: nn.Module, dense: Mapping[str, nn.Parameter]) -> None:
