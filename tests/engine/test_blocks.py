@@ -226,3 +226,14 @@ def test_hidden_states_on_disk_and_in_bf16(tmp_path, sequential):
     c = _weights(half)
     block1 = [n for n in a if n.startswith("model.layers.1.")]
     assert any(not torch.equal(a[n], c[n]) for n in block1)  # bf16 hidden states change the statistics
+
+
+def test_changed_checkpoint_at_the_same_path_is_refused(tmp_path):
+    ckpt, run = tmp_path / "ckpt", tmp_path / "run"
+    make_tiny_llama(seed=0).save_pretrained(str(ckpt))
+    cfg = ArmorConfig(block_size=16, num_iters=1)
+    prune_model(ckpt, CALIB, "armor", cfg, run_dir=run, out=tmp_path / "a", progress=False)
+    make_tiny_llama(seed=1).save_pretrained(str(ckpt))  # replaced in place: same path, same shapes
+    with pytest.raises(RunMismatchError, match="model_id"):
+        prune_model(ckpt, CALIB, "armor", cfg, run_dir=run, out=tmp_path / "b", progress=False)
+    assert not (tmp_path / "b").exists() or not any((tmp_path / "b").glob("*.safetensors"))

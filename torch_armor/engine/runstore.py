@@ -237,6 +237,26 @@ def _default_rank() -> int:
         return 0
 
 
+def _short(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return text if len(text) <= 40 else text[:16] + "…"
+
+
+def _identity_diff(stored: Any, current: str) -> List[str]:
+    """What differs between two run identities; JSON identities (``prune_model``'s: content hash of
+    the weights, of the calibration data, method, layers, …) are compared key by key."""
+    try:
+        old, new = json.loads(stored), json.loads(current)
+    except (TypeError, ValueError):
+        old = new = None
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return [f"  model_id: run has {stored!r}, now {current!r}"]
+    why = {"model": " (other weights: a changed checkpoint at the same path?)",
+           "calibration": " (other calibration token ids)"}
+    return [f"  model_id.{k}: run has {_short(old.get(k))}, now {_short(new.get(k))}{why.get(k, '')}"
+            for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+
+
 class RunStore:
     """A run directory: finished layers as safetensors files plus an atomically written manifest.
 
@@ -325,7 +345,7 @@ class RunStore:
     def _check_identity(self, data: Mapping[str, Any], path: Path) -> None:
         problems = []
         if data.get("model_id") != self.model_id:
-            problems.append(f"  model_id: run has {data.get('model_id')!r}, now {self.model_id!r}")
+            problems += _identity_diff(data.get("model_id"), self.model_id)
         if data.get("stats_hash") != self.stats_hash:
             problems.append(
                 f"  stats_hash: run has {str(data.get('stats_hash'))[:16]}…, now {self.stats_hash[:16]}… "
