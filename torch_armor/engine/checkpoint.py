@@ -189,6 +189,16 @@ class LazyCheckpoint:
         """Checkpoint tensor names, in file order."""
         return list(self._where)
 
+    def nbytes(self, key: str) -> int:
+        """Stored size of tensor ``key`` in bytes, from its file's header (no data is read)."""
+        if key not in self._where:
+            raise ValueError(f"tensor {key!r} is not in the checkpoint at {self.directory}")
+        fname = self._where[key]
+        if fname not in self._headers:
+            self._headers[fname] = _header(self.directory / fname)
+        a, b = self._headers[fname][1][key]["data_offsets"]
+        return b - a
+
     def content_hash(self) -> str:
         """sha256 of the safetensors files' bytes (sorted by name) and ``config.json``; cached."""
         if self._hash is None:

@@ -80,7 +80,10 @@ class _Streamed:
         return self.checkpoint.materialize(prefix)
 
     def release_block(self, prefix: str) -> None:
+        from torch_armor.engine.memory import trim
+
         self.checkpoint.release(prefix)
+        trim()
 
     def content_hash(self) -> str:
         return self.checkpoint.content_hash()
@@ -187,8 +190,11 @@ def prune_model(
         if out is None:
             raise ValueError("prune_model on a checkpoint directory streams it block by block and needs out=DIR "
                              "to write the pruned model")
+        from torch_armor.engine import memory
         from torch_armor.engine.checkpoint import LazyCheckpoint
 
+        memory.fix_mmap_threshold()  # process-wide: freed blocks go back to the system (engine/memory.py)
+        memory.trim()  # e.g. the tokenizer's temporaries
         source: Any = _Streamed(LazyCheckpoint(model_or_path, dtype=dtype))
     else:
         source = _InMemory(model_or_path)
@@ -276,9 +282,34 @@ class _ShardWriter:
         from torch_armor.tensor.serialization import assemble_checkpoint, save_shard
 
         rest_keys = [k for k in checkpoint.keys() if not k.startswith(blocks_prefix + ".")]
-        rest = self.directory / "rest.safetensors"
-        save_shard(rest, checkpoint.read_tensors(rest_keys))
-        shards = sorted(self.directory.glob("block-*.safetensors")) + [rest]
+        rest = []  # one shard per large tensor (embeddings, lm_head): never two of them in memory
+        for j, keys in enumerate(_group_keys(rest_keys, checkpoint.nbytes, REST_SHARD_BYTES)):
+            rest.append(self.directory / f"rest-{j:05d}.safetensors")
+            save_shard(rest[-1], checkpoint.read_tensors(keys))
+        shards = sorted(self.directory.glob("block-*.safetensors")) + rest
         model = checkpoint.model
         assemble_checkpoint(out, shards, hf_config=getattr(model, "config", None),
                             model_class=f"{type(model).__module__}.{type(model).__qualname__}")
+
+
+REST_SHARD_BYTES = 64 << 20
+
+
+def _group_keys(keys: Sequence[str], nbytes: Callable[[str], int], limit: int) -> List[List[str]]:
+    """Consecutive keys in groups of at most ``limit`` bytes (a larger tensor alone in its group).
+
+    Example::
+
+        >>> _group_keys(["a", "b", "c", "d"], {"a": 1, "b": 9, "c": 1, "d": 1}.get, 4)
+        [['a'], ['b'], ['c', 'd']]
+    """
+    groups: List[List[str]] = []
+    size = limit + 1
+    for k in keys:
+        n = nbytes(k)
+        if size + n > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(k)
+        size += n
+    return groups
