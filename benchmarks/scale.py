@@ -245,7 +245,7 @@ def smollm2_cache(report: Report) -> Path:
     from torch_armor.recipes.assets import load_smollm2
     from torch_armor.recipes.data import calibration_windows
     from torch_armor.calibration.observer import collect_statistics, decoder_linear_names
-    from torch_armor.engine.runstore import hash_statistics
+    from torch_armor.engine.identity import hash_statistics
 
     start = time.perf_counter()
     model, tokenizer = load_smollm2(torch.float32)
@@ -274,7 +274,8 @@ def cmd_prune_worker(args: argparse.Namespace) -> None:
 
     from torch_armor import ArmorConfig
     from torch_armor.engine.distributed import distributed_factorize, init_distributed, layer_cost
-    from torch_armor.engine.runstore import RunStore, hash_tensors
+    from torch_armor.engine.identity import hash_tensors
+    from torch_armor.engine.runstore import RunStore
 
     topo = init_distributed()
     cfg = ArmorConfig(**SMOL_CONFIG)

@@ -17,7 +17,8 @@ from hypothesis import given, settings, strategies as st
 from _helpers import free_port
 from torch_armor.engine.distributed import Topology, distributed_factorize, init_distributed, layer_cost, shard_layers
 from torch_armor.engine.layers import factorize_layers
-from torch_armor.engine.runstore import MANIFEST_NAME, RunStore, hash_tensors
+from torch_armor.engine.identity import hash_tensors
+from torch_armor.engine.runstore import MANIFEST_NAME, RunStore
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_runstore import CFG, assert_same_factors, make_layers, stats_hash  # noqa: E402
@@ -126,7 +127,8 @@ sys.path.insert(0, {root!r})
 sys.path.insert(0, {tests!r})
 from test_runstore import CFG, make_layers
 from torch_armor.engine.distributed import distributed_factorize, init_distributed, layer_cost, shard_layers
-from torch_armor.engine.runstore import RunStore, hash_statistics, hash_tensors
+from torch_armor.engine.identity import hash_statistics, hash_tensors
+from torch_armor.engine.runstore import RunStore
 
 fresh, resumed, failing = sys.argv[1:4]
 topo = init_distributed()  # the CLI's path: one group for every call

@@ -12,7 +12,8 @@ from torch_armor import ArmorConfig, factorize
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.calibration.observer import LayerStatistics
 from torch_armor.engine.layers import factorize_layers
-from torch_armor.engine.runstore import MANIFEST_NAME, RunMismatchError, RunStore, hash_statistics, hash_tensors
+from torch_armor.engine.identity import hash_statistics, hash_tensors
+from torch_armor.engine.runstore import MANIFEST_NAME, RunMismatchError, RunStore
 
 SHAPES = [(128, 256), (256, 128), (128, 128), (64, 256), (256, 64), (128, 192)]
 CFG = ArmorConfig(block_size=16, optimizer="bcd", num_iters=20)

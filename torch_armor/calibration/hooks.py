@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from torch_armor.calibration.observer import ActSqNormObserver, LayerStatistics, decoder_linear_names
 from torch_armor.core.factors import ArmorFactors
-from torch_armor.engine.blocks import hash_tensors
+from torch_armor.engine.identity import hash_tensors
 from torch_armor.engine.runner import METHODS, LayerSolution, layer_config, solve_layer
 
 __all__ = ["CalibratedSparsifier", "plain", "STATE_DICT_VERSION"]
@@ -182,7 +182,7 @@ class CalibratedSparsifier(BaseSparsifier):
                     f"{group['tensor_name']!r} of a {type(module).__name__}"
                 )
             self._layer_configs[fqn] = self._resolve_config(group)
-        self._weight_hashes = {g["tensor_fqn"]: hash_tensors([(g["tensor_fqn"], g["module"].weight)])
+        self._weight_hashes = {g["tensor_fqn"]: hash_tensors({g["tensor_fqn"]: g["module"].weight})
                                for g in self.groups}
         if not self.needs_statistics:
             return

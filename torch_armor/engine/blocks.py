@@ -17,13 +17,11 @@ resumes at the first unfinished block bit-identically to an uninterrupted run.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,46 +34,12 @@ from torch_armor.engine.report import LayerResult, PruneReport
 from torch_armor.engine.runner import METHODS, LayerSolution, ProxyReference, layer_config, solve_layer
 from torch_armor.engine.runstore import RunStore, config_to_dict
 
-__all__ = ["BlockPipeline", "hash_model", "hash_tensors", "hash_calibration", "HIDDEN_NAME"]
+__all__ = ["BlockPipeline", "HIDDEN_NAME", "BLOCKS_DIR"]
 
 logger = logging.getLogger("torch_armor")
 
 HIDDEN_NAME = "hidden.safetensors"
 BLOCKS_DIR = "blocks"
-
-
-def hash_tensors(named: Iterable[Tuple[str, torch.Tensor]]) -> str:
-    """sha256 over named tensors, in the given order: each one's name, dtype, shape and bytes.
-
-    Example::
-
-        >>> t = torch.arange(4.0)
-        >>> hash_tensors([("w", t)]) == hash_tensors([("w", t.clone())]) != hash_tensors([("v", t)])
-        True
-    """
-    digest = hashlib.sha256()
-    for name, t in named:
-        if t.device.type == "meta":
-            raise ValueError(f"{name} is on the meta device: hash the checkpoint it comes from instead")
-        t = t.detach().contiguous().cpu()
-        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return digest.hexdigest()
-
-
-def hash_model(model: nn.Module) -> str:
-    """sha256 of every parameter and buffer of ``model`` (names, dtypes, shapes and bytes; :func:`hash_tensors`)."""
-    return hash_tensors(sorted(model.state_dict(keep_vars=False).items()))
-
-
-def hash_calibration(batches: Sequence[torch.Tensor]) -> str:
-    """sha256 of the calibration token ids, batch by batch."""
-    digest = hashlib.sha256()
-    for b in batches:
-        b = b.detach().to(torch.int64).contiguous().cpu()
-        digest.update(f"{tuple(b.shape)}|".encode())
-        digest.update(b.numpy().tobytes())
-    return digest.hexdigest()
 
 
 @dataclass
@@ -262,8 +226,3 @@ def _result(name: str, shape, rel: float, seconds: float, factors=None) -> Layer
         extra = {"block_size": factors.block_size, "wrapper_params": factors.num_wrapper_params(),
                  "iterations": int(factors.history_iters[-1])}
     return LayerResult(name=name, shape=tuple(shape), relative_proxy_loss=rel, seconds=seconds, **extra)
-
-
-def identity_string(**parts: Any) -> str:
-    """The run identity as canonical JSON (what must not change between a run and its resume)."""
-    return json.dumps(parts, sort_keys=True, default=str)

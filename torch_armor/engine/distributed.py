@@ -23,7 +23,8 @@ Example (one process; the same call runs sharded under ``torchrun``)::
 
     >>> import tempfile
     >>> from torch_armor import ArmorConfig
-    >>> from torch_armor.engine.runstore import RunStore, hash_statistics
+    >>> from torch_armor.engine.runstore import RunStore
+    >>> from torch_armor.engine.identity import hash_statistics
     >>> g = torch.Generator().manual_seed(0)
     >>> layers = {f"fc{i}": (torch.randn(32, 64, generator=g), torch.rand(64, generator=g) + 0.1)
     ...           for i in range(4)}

@@ -13,7 +13,8 @@ Example::
 
     >>> import tempfile, torch
     >>> from torch_armor import ArmorConfig
-    >>> from torch_armor.engine.runstore import RunStore, hash_statistics
+    >>> from torch_armor.engine.runstore import RunStore
+    >>> from torch_armor.engine.identity import hash_statistics
     >>> g = torch.Generator().manual_seed(0)
     >>> layers = {f"fc{i}": (torch.randn(32, 32, generator=g), torch.rand(32, generator=g) + 0.1)
     ...           for i in range(3)}
@@ -41,7 +42,8 @@ from tqdm.auto import tqdm
 from torch_armor.config import ArmorConfig
 from torch_armor.core.factorize import factorize
 from torch_armor.core.factors import ArmorFactors
-from torch_armor.engine.runstore import RunMismatchError, RunStore, _act_sq_norm
+from torch_armor.engine.identity import act_sq_norm_of
+from torch_armor.engine.runstore import RunMismatchError, RunStore
 
 __all__ = ["factorize_layers", "layer_configs"]
 
@@ -122,7 +124,7 @@ def _materialize(fqn: str, value: LayerInput) -> Tuple[torch.Tensor, torch.Tenso
         raise ValueError(
             f"layer {fqn!r}: expected (weight, act_sq_norm) or a callable returning it, got {type(value).__name__}"
         )
-    return value[0], _act_sq_norm(value[1], fqn)
+    return value[0], act_sq_norm_of(value[1], fqn)
 
 
 def _check_layers(layers: Any) -> Mapping[str, LayerInput]:

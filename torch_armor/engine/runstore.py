@@ -62,13 +62,10 @@ import torch
 from torch_armor._io import TMP_MARK, atomic_write, file_sha256
 from torch_armor.config import ArmorConfig
 from torch_armor.core.factors import ArmorFactors
-from torch_armor.calibration.observer import LayerStatistics
 
 __all__ = [
     "RunStore",
     "RunMismatchError",
-    "hash_statistics",
-    "hash_tensors",
     "config_to_dict",
     "MANIFEST_NAME",
 ]
@@ -91,62 +88,6 @@ class RunMismatchError(ValueError):
 
 
 # --------------------------------------------------------------------------- hashing
-
-
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    flat = t.detach().to("cpu").contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
-
-
-def hash_tensors(tensors: Mapping[str, torch.Tensor]) -> str:
-    """sha256 over ``tensors`` in sorted key order: each key, dtype, shape and raw bytes.
-
-    Independent of the mapping's order and of devices; any change of a value, dtype or shape
-    changes it.
-
-    Example::
-
-        >>> a = hash_tensors({"x": torch.ones(2), "y": torch.zeros(3)})
-        >>> a == hash_tensors({"y": torch.zeros(3), "x": torch.ones(2)})
-        True
-        >>> a == hash_tensors({"x": torch.ones(2, dtype=torch.float64), "y": torch.zeros(3)})
-        False
-    """
-    digest = hashlib.sha256()
-    for key in sorted(tensors):
-        t = tensors[key]
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"hash_tensors: {key!r} is a {type(t).__name__}, expected a torch.Tensor")
-        head = json.dumps([key, str(t.dtype), list(t.shape)])
-        digest.update(len(head).to_bytes(8, "little") + head.encode())
-        data = _tensor_bytes(t)
-        digest.update(len(data).to_bytes(8, "little") + data)
-    return digest.hexdigest()
-
-
-def _act_sq_norm(value: Any, fqn: str) -> torch.Tensor:
-    if isinstance(value, LayerStatistics):
-        return value.act_sq_norm
-    if isinstance(value, torch.Tensor):
-        return value
-    raise ValueError(
-        f"layer {fqn!r}: expected its act_sq_norm tensor or a LayerStatistics, got {type(value).__name__}"
-    )
-
-
-def hash_statistics(stats: Mapping[str, Union[torch.Tensor, LayerStatistics]]) -> str:
-    """The statistics hash of a run: :func:`hash_tensors` of every layer's ``act_sq_norm``.
-
-    Values may be tensors or :class:`~torch_armor.calibration.observer.LayerStatistics` (only
-    ``act_sq_norm``, the input ARMOR factorizes with, is hashed).
-
-    Example::
-
-        >>> h = torch.tensor([1.0, 2.0])
-        >>> hash_statistics({"fc": h}) == hash_statistics({"fc": LayerStatistics(h, num_tokens=7)})
-        True
-    """
-    return hash_tensors({fqn: _act_sq_norm(v, fqn) for fqn, v in stats.items()})
 
 
 # --------------------------------------------------------------------------- config identity
@@ -279,6 +220,7 @@ class RunStore:
 
         >>> import tempfile
         >>> from torch_armor import ArmorConfig, factorize
+        >>> from torch_armor.engine.identity import hash_statistics
         >>> w, h = torch.randn(16, 32), torch.rand(32) + 0.1
         >>> cfg = ArmorConfig(block_size=16, num_iters=2)
         >>> with tempfile.TemporaryDirectory() as d:

@@ -29,7 +29,8 @@ from torch import nn
 
 from torch_armor.calibration.blocks import decoder_blocks
 from torch_armor.config import ArmorConfig
-from torch_armor.engine.blocks import BLOCKS_DIR, BlockPipeline, hash_calibration, hash_model, identity_string
+from torch_armor.engine.blocks import BLOCKS_DIR, BlockPipeline
+from torch_armor.engine.identity import hash_calibration, hash_model, identity_string
 from torch_armor.engine.report import PruneReport
 from torch_armor.engine.runner import layer_config, method_config
 from torch_armor.engine.runstore import RunStore
