@@ -1,7 +1,6 @@
 """GPU inference benchmark: dense vs plain 2:4 vs ARMOR, per layer and on a ~1B random Llama.
 
-    python benchmarks/inference_gpu.py [--device cuda] [--shapes 4096x4096 ...] [--tokens 1 16 ...]
-        [--block-sizes 16 64 128] [--no-compile] [--skip-model] [--json out.json]
+    python benchmarks/inference_gpu.py [--shapes 4096x4096 ...] [--tokens 1 16 ...] [--json out.json]
     python benchmarks/inference_gpu.py --dry-run      # CPU, tiny shapes: runs every code path here
     python benchmarks/inference_gpu.py --flops-only   # meta-device FLOP trace only (no GPU needed)
 
@@ -12,8 +11,8 @@ Per layer (bf16; Llama-2-7B and Llama-3-70B linears, ``d_out x d_in``), at each 
 * ``armor d_b=k``: an :class:`ArmorTensor` built with ``from_factors(..., storage="semi_structured")``
   from random block-diagonal ``A``, ``B`` and a random 2:4 core (timing does not depend on values);
 
-each eager and ``torch.compile(fullgraph=True)``d (``compiled`` rows: one compile per variant and
-shape, recompiled per token count; compile time is not timed). Times: CUDA events, ``--warmup``
+each eager and ``torch.compile(fullgraph=True, dynamic=False)``d (``compiled`` rows: one compile per
+variant, shape and token count; compile time is not timed). Times: CUDA events, ``--warmup``
 calls, then the median of ``--repeats`` calls, each preceded by a 256 MB write that flushes L2 so
 small-token rows do not read L2-hot weights. ``x dense`` / ``x 2:4``: speed-up (reference time /
 row time) against the same mode's dense / 2:4 row of the same shape and token count. A variant whose
@@ -23,15 +22,12 @@ shows ``refused`` and why, never a time.
 Whole model: a random-weight bf16 Llama (hidden 2048, intermediate 5632, 22 layers, 32 heads,
 4 kv heads, vocab 32000: ~1.1B parameters), prefill ``model(ids, use_cache=False,
 logits_to_keep=1)`` at ``--prefill`` tokens and decode tokens/s (``--new-tokens`` greedy steps with a
-``DynamicCache`` after a ``--prompt-len`` prompt, batch 1), for dense / 2:4 (every decoder linear) /
-ARMOR (``--model-block-size``, every decoder linear; ``lm_head`` stays dense in all three). Each
-variant is built alone on the device; ``peak MB`` is ``torch.cuda.max_memory_allocated`` during
-that workload (weights included), ``weights MB`` the resident parameter bytes.
+``DynamicCache`` after a ``--prompt-len`` prompt, batch 1), for dense / 2:4 / ARMOR
+(``--model-block-size``) decoder linears (``lm_head`` stays dense). Each variant is built alone;
+``peak MB``: ``torch.cuda.max_memory_allocated`` during that workload (weights included).
 
-FLOPs (meta device, no GPU): the wrapper-vs-2:4-GEMM FLOP table of ``benchmarks/armor_flops.py``
-(checked with ``FlopCounterMode``), for the same shapes and block sizes.
-
-``--dry-run`` runs the same control flow on CPU (fp32, ``time.perf_counter``, dense cores instead of
+FLOPs: the meta-device table of ``benchmarks/armor_flops.py`` for the same shapes. ``--dry-run``
+runs the same control flow on CPU (fp32, ``time.perf_counter``, dense cores instead of
 semi-structured ones, ``torch.compile(backend="eager")``, a 2-layer tiny Llama): its numbers mean
 nothing. No CUDA number exists unless this script ran on a CUDA machine.
 """
@@ -107,6 +103,11 @@ def refusal(err: BaseException, mode: str = "eager") -> str:
     return ("compile failed: " if mode == "compiled" else "refused: ") + first
 
 
+def ratio(ref, t) -> Optional[float]:
+    """Speed-up ``ref / t``; ``None`` when either is not a time."""
+    return ref / t if isinstance(ref, float) and isinstance(t, float) and t > 0 else None
+
+
 # ------------------------------------------------------------------------------ weights
 
 
@@ -162,15 +163,19 @@ def bench_layers(args, clock: Clock, device: str, dtype: torch.dtype, semi: bool
             weights[f"armor d_b={d_b}"] = (armor_weight(d_out, d_in, d_b, device, dtype, semi, gen) if ok
                                            else (None, f"skipped: d_b={d_b} does not divide {shape}"))
         del w24
-        fns: Dict[tuple, Callable] = {}
-        for name, (w, _) in weights.items():
-            if w is not None:
-                fns[name, "eager"] = (lambda x, w=w: F.linear(x, w))
-                if "compiled" in modes:
-                    fns[name, "compiled"] = torch.compile(fns[name, "eager"], fullgraph=True, dynamic=False,
-                                                          backend=args.compile_backend)
         compile_s = 0.0
         for tokens in args.tokens:
+            # fresh compiles per token count: the variants share one code object, whose recompile limit
+            # (8) would otherwise be hit; fail_on_recompile_limit_hit makes that an error, not eager runs
+            torch._dynamo.reset()
+            torch._dynamo.config.fail_on_recompile_limit_hit = True
+            fns: Dict[tuple, Callable] = {}
+            for name, (w, _) in weights.items():
+                if w is not None:
+                    fns[name, "eager"] = (lambda x, w=w: F.linear(x, w))
+                    if "compiled" in modes:
+                        fns[name, "compiled"] = torch.compile(fns[name, "eager"], fullgraph=True, dynamic=False,
+                                                              backend=args.compile_backend)
             x = torch.randn(tokens, d_in, device=device, dtype=dtype, generator=gen)
             times: Dict[tuple, object] = {}
             for mode in modes:
@@ -196,19 +201,14 @@ def bench_layers(args, clock: Clock, device: str, dtype: torch.dtype, semi: bool
                                  "ms": t if isinstance(t, float) else None,
                                  "x_dense": ratio(ref["dense"], t), "x_24": ratio(ref["2:4"], t),
                                  "note": t if isinstance(t, str) else ""})
-            del x
+            del x, fns
         if "compiled" in modes:
-            print(f"  (compiled {len(fns) // 2} variants of {shape} for {len(args.tokens)} token counts "
-                  f"in {compile_s:.0f} s)", file=sys.stderr)
-        del weights, fns
-        torch._dynamo.reset()
+            print(f"  (compiled the variants of {shape} for {len(args.tokens)} token counts in {compile_s:.0f} s)",
+                  file=sys.stderr)
+        del weights
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
-
-
-def ratio(ref, t) -> Optional[float]:
-    return ref / t if isinstance(ref, float) and isinstance(t, float) and t > 0 else None
 
 
 # ------------------------------------------------------------------------------ whole model
@@ -363,7 +363,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     if dry:
-        args.warmup, args.repeats, args.model_repeats = min(args.warmup, 1), min(args.repeats, 3), min(args.model_repeats, 2)
+        args.warmup, args.repeats = min(args.warmup, 1), min(args.repeats, 3)
+        args.model_repeats = min(args.model_repeats, 2)
     return args
 
 
