@@ -39,7 +39,9 @@ model, which is what quantization adds.
 
 With a CUDA device the same tables are printed for fp16 on CUDA, adding ``armor semi-structured``
 (``torch.sparse`` 2:4 kernels); there peak memory is ``torch.cuda.max_memory_allocated`` above
-the resident weights. No CUDA numbers exist unless this script ran on a CUDA machine.
+the resident weights. No CUDA numbers exist unless this script ran on a CUDA machine. For the
+bf16 GPU benchmark (Llama-2-7B / Llama-3-70B layer shapes, a ~1B random Llama, plain 2:4 and ARMOR
+at several block sizes) use ``benchmarks/inference_gpu.py`` (``--dry-run`` checks it on CPU).
 
 The converted model uses cheap factors (BCD, 1 iteration, a few calibration windows): speed and
 memory do not depend on the factor values.
@@ -327,6 +329,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         )
     if not torch.cuda.is_available():
         print("\nno CUDA device: no semi-structured (2:4 kernel) numbers were measured.")
+        print("GPU benchmark (bf16, Llama-7B/70B layer shapes, ~1B Llama): benchmarks/inference_gpu.py")
 
 
 if __name__ == "__main__":
