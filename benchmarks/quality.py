@@ -46,6 +46,7 @@ def main(argv=None) -> int:
                         help="ARMOR time budgets in seconds per layer (0 = no budget)")
     parser.add_argument("--optimizer", choices=("bcd", "adam"), default=DEFAULT.optimizer)
     parser.add_argument("--iters", type=int, default=None, help="ARMOR iterations per layer (default: config's)")
+    parser.add_argument("--armor-seed", type=int, default=DEFAULT.seed, help="seed of ARMOR's group selection")
     parser.add_argument("--pattern", default="2:4")
     parser.add_argument("--n-calib", type=int, default=64)
     parser.add_argument("--n-eval", type=int, default=64)
@@ -65,7 +66,7 @@ def main(argv=None) -> int:
     configs = []
     for block in args.armor_blocks:
         for budget in args.budgets:
-            changes = {"block_size": block, "optimizer": args.optimizer, "pattern": args.pattern,
+            changes = {"block_size": block, "optimizer": args.optimizer, "pattern": args.pattern, "seed": args.armor_seed,
                        "time_budget_s": budget if budget > 0 else None}
             if args.iters is not None:
                 changes["num_iters"] = args.iters
