@@ -154,7 +154,7 @@ def _armor_args(model_dir, calib) -> list:
 
 
 def test_interrupted_prune_resumes_from_run_dir(tmp_path, capsys, monkeypatch, tiny_hf_dir, text_files, keep_threads):
-    import torch_armor.engine.layers as engine_layers
+    import torch_armor.engine.runner as engine_runner
 
     calib, _ = text_files
     args = _armor_args(tiny_hf_dir, calib)
@@ -163,7 +163,7 @@ def test_interrupted_prune_resumes_from_run_dir(tmp_path, capsys, monkeypatch, t
     assert not (reference / "armor_run").exists()  # the default run directory goes after a successful save
     capsys.readouterr()
 
-    real_factorize = engine_layers.factorize
+    real_factorize = engine_runner.factorize
     calls = {"factorize": 0}
 
     def crashing_factorize(*a, **k):
@@ -172,7 +172,7 @@ def test_interrupted_prune_resumes_from_run_dir(tmp_path, capsys, monkeypatch, t
             raise RuntimeError("simulated crash")
         return real_factorize(*a, **k)
 
-    monkeypatch.setattr(engine_layers, "factorize", crashing_factorize)
+    monkeypatch.setattr(engine_runner, "factorize", crashing_factorize)
     out, run_dir = tmp_path / "out", tmp_path / "run"
     with pytest.raises(RuntimeError, match="simulated crash"):
         main(["prune", *args, "--out", str(out), "--run-dir", str(run_dir)])
@@ -181,7 +181,7 @@ def test_interrupted_prune_resumes_from_run_dir(tmp_path, capsys, monkeypatch, t
     assert calls == {"factorize": 6}
 
     counted = []
-    monkeypatch.setattr(engine_layers, "factorize", lambda *a, **k: counted.append(1) or real_factorize(*a, **k))
+    monkeypatch.setattr(engine_runner, "factorize", lambda *a, **k: counted.append(1) or real_factorize(*a, **k))
     assert main(["prune", *args, "--out", str(out), "--run-dir", str(run_dir), "--overwrite"]) == 0
     assert "5 of 14 layers already finished" in capsys.readouterr().err
     assert len(counted) == 14 - 5  # finished layers are not recomputed

@@ -122,7 +122,7 @@ _SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from conftest import make_tiny_llama
     import torch_armor.engine.blocks as blocks
-    import torch_armor.engine.layers as engine_layers
+    import torch_armor.engine.runner as engine_runner
     import torch_armor.engine.runstore as runstore
     from torch_armor.config import ArmorConfig
     from torch_armor.recipes.prune import prune_model
@@ -130,7 +130,7 @@ _SCRIPT = textwrap.dedent("""
     torch.set_num_threads(1)
     kind, count = (os.environ.get("KILL_AT") or "none:0").split(":")
     calls = {{"save": 0, "hidden": 0, "factorize": 0}}
-    real_save, real_hidden, real_fact = runstore.RunStore.save, blocks.BlockPipeline._save_hidden, engine_layers.factorize
+    real_save, real_hidden, real_fact = runstore.RunStore.save, blocks.BlockPipeline._save_hidden, engine_runner.factorize
 
     def save(self, *a, **k):
         path = real_save(self, *a, **k)
@@ -149,7 +149,7 @@ _SCRIPT = textwrap.dedent("""
         calls["factorize"] += 1
         return real_fact(*a, **k)
 
-    runstore.RunStore.save, blocks.BlockPipeline._save_hidden, engine_layers.factorize = save, hidden, fact
+    runstore.RunStore.save, blocks.BlockPipeline._save_hidden, engine_runner.factorize = save, hidden, fact
     calib = torch.randint(0, 128, (6, 24), generator=torch.Generator().manual_seed(1))
     prune_model(make_tiny_llama(), calib, "armor", ArmorConfig(block_size=16, num_iters=3),
                 run_dir=sys.argv[1], out=sys.argv[2], progress=False)

@@ -154,13 +154,11 @@ def test_finished_factors_convert_without_factorizing(monkeypatch, tmp_path, tin
     """The successor of prune(..., factors=given): layers already in the run directory are
     converted from their stored factors, not factorized again; other settings are refused."""
     import torch_armor.engine.runner as runner
-    import torch_armor.engine.runstore as runstore
 
     names = ["model.layers.0.mlp.up_proj"]
     cfg = ArmorConfig(block_size=16, optimizer="bcd", num_iters=2)
     first = tiny_llama_factory()
     fresh = prune_model(first, CALIB, "armor", cfg, layers=names, run_dir=tmp_path / "run", progress=False)
-    monkeypatch.setattr(runstore, "factorize", lambda *a, **k: pytest.fail("factorized again"))
     monkeypatch.setattr(runner, "factorize", lambda *a, **k: pytest.fail("factorized again"))
     model = tiny_llama_factory()
     report = prune_model(model, CALIB, "armor", cfg, layers=names, run_dir=tmp_path / "run", progress=False)

@@ -40,9 +40,9 @@ import torch
 from tqdm.auto import tqdm
 
 from torch_armor.config import ArmorConfig
-from torch_armor.core.factorize import factorize
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.engine.identity import act_sq_norm_of
+from torch_armor.engine.runner import solve_layer
 from torch_armor.engine.runstore import RunMismatchError, RunStore
 
 __all__ = ["factorize_layers", "layer_configs"]
@@ -162,7 +162,7 @@ def _compute_layers(
                 start = time.perf_counter()
                 try:
                     cfg = configs[fqn].for_layer(*weight.shape, name=fqn) if weight.dim() == 2 else configs[fqn]
-                    factors = factorize(weight, h, cfg, name=fqn)
+                    factors = solve_layer("armor", weight, h, cfg, fqn).factors
                 except Exception as err:
                     if store is not None:
                         store.mark_failed(fqn, err)

@@ -89,8 +89,16 @@ class Method:
     options: Tuple[str, ...] = ()
 
 
-def _armor(weight: torch.Tensor, stats: Optional[LayerStatistics], cfg: ArmorConfig, name: str = "") -> ArmorFactors:
-    return factorize(weight, stats.act_sq_norm.to(weight.device), cfg, name=name or None)
+Statistics = Union[LayerStatistics, torch.Tensor]  # or just the act_sq_norm tensor (Σx² per input channel)
+
+
+def _h(stats: Statistics, weight: torch.Tensor) -> torch.Tensor:
+    h = stats if isinstance(stats, torch.Tensor) else stats.act_sq_norm
+    return h.to(weight.device)
+
+
+def _armor(weight: torch.Tensor, stats: Statistics, cfg: ArmorConfig, name: str = "") -> ArmorFactors:
+    return factorize(weight, _h(stats, weight), cfg, name=name or None)
 
 
 def _magnitude(weight, stats, cfg, name=""):
@@ -106,7 +114,7 @@ def _nowag(weight, stats, cfg, name=""):
 
 
 def _sparsegpt(weight, stats, cfg, name=""):
-    if stats.xtx is None:
+    if getattr(stats, "xtx", None) is None:
         raise ValueError(f"layer {name!r}: SparseGPT needs XᵀX statistics (calibrate with track_xtx=True)")
     return baselines.sparsegpt_prune(weight, stats.xtx.to(weight.device), cfg.pattern,
                                      block_size=cfg.block_size, damp=cfg.damp)
@@ -191,16 +199,17 @@ class LayerSolution:
                                      requires_grad=old.requires_grad)
 
 
-def solve_layer(method: str, weight: torch.Tensor, stats: Optional[LayerStatistics], config: Any,
+def solve_layer(method: str, weight: torch.Tensor, stats: Optional[Statistics], config: Any,
                 name: str = "") -> LayerSolution:
-    """Run ``method`` on one weight with its input statistics and (per-layer) settings.
+    """Run ``method`` on one weight with its input statistics (a :class:`LayerStatistics`, or just
+    the ``act_sq_norm`` tensor where ``XᵀX`` is not needed) and (per-layer) settings.
 
     Raises:
         ValueError: the method needs statistics and none (or no tokens) were given; errors of
             the method itself name the layer.
     """
     m = _method(method)
-    if m.needs_statistics and (stats is None or stats.num_tokens == 0):
+    if m.needs_statistics and (stats is None or getattr(stats, "num_tokens", None) == 0):
         raise ValueError(
             f"layer {name!r} saw no calibration data: run forward passes on calibration inputs before solving it"
         )
