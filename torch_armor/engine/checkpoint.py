@@ -211,21 +211,11 @@ class LazyCheckpoint:
         return self._hash
 
     def decoder_layers(self) -> tuple:
-        """``(name, ModuleList)`` of the decoder blocks: the ModuleList holding the most linears."""
-        head = self.model.get_output_embeddings()
-        best, best_n = None, 0
-        for name, mod in self.model.named_modules():
-            if not isinstance(mod, nn.ModuleList) or len(mod) == 0:
-                continue
-            n = sum(isinstance(m, nn.Linear) and m is not head for m in mod.modules())
-            if n > best_n:
-                best, best_n = (name, mod), n
-        if best is None:
-            raise ValueError(
-                f"{type(self.model).__name__} has no nn.ModuleList of blocks holding nn.Linear layers; "
-                "block streaming needs a decoder made of a list of layers"
-            )
-        return best
+        """``(name, ModuleList)`` of the decoder blocks, found as the engine finds them
+        (:func:`~torch_armor.calibration.blocks.decoder_blocks`)."""
+        from torch_armor.calibration.blocks import decoder_blocks
+
+        return decoder_blocks(self.model)
 
     def post_decoder_prefixes(self) -> list:
         """Top-level prefixes of modules with tensors registered after the decoder blocks."""
