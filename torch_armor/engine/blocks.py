@@ -112,8 +112,8 @@ class BlockPipeline:
         if self.hidden_dir is not None:
             for j, inp in enumerate(inputs):
                 inp.offload(Path(self.hidden_dir) / f"batch-{j:06d}.safetensors")
-        start_block = self._resume_point(inputs)
         by_block = self._names_by_block()
+        start_block = self._resume_point(inputs, by_block)
         bar = tqdm(total=len(self.blocks), initial=start_block, desc=f"prune {method.label}", unit="block",
                    disable=not self.progress, mininterval=1.0)
         try:
@@ -154,12 +154,11 @@ class BlockPipeline:
             by_block[int(head)].append(name)
         return by_block
 
-    def _resume_point(self, inputs: List[BlockInput]) -> int:
+    def _resume_point(self, inputs: List[BlockInput], by_block: List[List[str]]) -> int:
         """The first block to compute: blocks before it are finished and their outputs saved."""
         if self.store is None or self.method != "armor":
             return 0
         saved = self._load_hidden(inputs)
-        by_block = self._names_by_block()
         for index in range(saved):
             if not all(self.store.done(n) for n in by_block[index]):
                 raise ValueError(f"run directory {self.store.directory}: saved hidden states follow block "
