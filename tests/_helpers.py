@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from torch_armor.config import parse_pattern
+from torch_armor.core.factors import ArmorFactors
 from torch_armor.core.proxy import mask_from_scores
 from torch_armor.core.sparse_core import psd_pinv
 
@@ -54,3 +55,20 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def random_pattern_factors(
+    d_out: int, d_in: int, d_b: int, pattern: str = "2:4", seed: int = 0, dtype: torch.dtype = torch.float32
+) -> ArmorFactors:
+    """Random block-diagonal wrappers and a random core with a valid N:M (or random unstructured) mask."""
+    gen = torch.Generator().manual_seed(seed)
+    if pattern.startswith("unstructured"):
+        mask = torch.rand(d_out, d_in, generator=gen) < 0.5
+    else:
+        n, m = (int(v) for v in pattern.split(":"))
+        ranks = torch.rand(d_out, d_in // m, m, generator=gen).argsort(-1).argsort(-1)
+        mask = (ranks < n).reshape(d_out, d_in)
+    core = torch.randn(d_out, d_in, generator=gen) * mask
+    a = torch.randn(d_out // d_b, d_b, d_b, generator=gen) / d_b**0.5
+    b = torch.randn(d_in // d_b, d_b, d_b, generator=gen) / d_b**0.5
+    return ArmorFactors(a.to(dtype), core.to(dtype), b.to(dtype), mask, pattern)

@@ -8,6 +8,8 @@ import os
 
 import pytest
 import torch
+
+from _helpers import random_pattern_factors
 from safetensors.torch import save_file
 from torch import nn
 
@@ -26,20 +28,6 @@ from torch_armor.tensor.serialization import (
 from torch_armor.tensor.armor_tensor import ArmorTensor, armor_linear_from_factors
 
 
-def random_factors(d_out: int, d_in: int, d_b: int, pattern: str = "2:4", seed: int = 0) -> ArmorFactors:
-    gen = torch.Generator().manual_seed(seed)
-    if pattern.startswith("unstructured"):
-        mask = torch.rand(d_out, d_in, generator=gen) < 0.5
-    else:
-        n, m = (int(v) for v in pattern.split(":"))
-        ranks = torch.rand(d_out, d_in // m, m, generator=gen).argsort(-1).argsort(-1)
-        mask = (ranks < n).reshape(d_out, d_in)
-    core = torch.randn(d_out, d_in, generator=gen) * mask
-    a = torch.randn(d_out // d_b, d_b, d_b, generator=gen) / d_b**0.5
-    b = torch.randn(d_in // d_b, d_b, d_b, generator=gen) / d_b**0.5
-    return ArmorFactors(a, core, b, mask, pattern)
-
-
 def make_sequential() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 32))
@@ -47,8 +35,8 @@ def make_sequential() -> nn.Sequential:
 
 def converted_sequential() -> nn.Sequential:
     model = make_sequential()
-    armor_linear_from_factors(model[0], random_factors(128, 64, 16, seed=1), storage="compact")
-    armor_linear_from_factors(model[2], random_factors(64, 128, 32, pattern="4:8", seed=2), storage="dense")
+    armor_linear_from_factors(model[0], random_pattern_factors(128, 64, 16, seed=1), storage="compact")
+    armor_linear_from_factors(model[2], random_pattern_factors(64, 128, 32, pattern="4:8", seed=2), storage="dense")
     # model[4] stays a plain nn.Linear
     return model.eval()
 
@@ -84,8 +72,8 @@ def test_sequential_roundtrip_bit_identical(saved):
 
 def test_bf16_and_unstructured_roundtrip(tmp_path):
     model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 16))
-    armor_linear_from_factors(model[0], random_factors(32, 32, 8, pattern="unstructured:0.5", seed=3))
-    armor_linear_from_factors(model[1], random_factors(16, 32, 8, seed=4), storage="dense")
+    armor_linear_from_factors(model[0], random_pattern_factors(32, 32, 8, pattern="unstructured:0.5", seed=3))
+    armor_linear_from_factors(model[1], random_pattern_factors(16, 32, 8, seed=4), storage="dense")
     model = model.bfloat16()
     save_pretrained(model, tmp_path)
     meta = json.loads((tmp_path / ARMOR_CONFIG_NAME).read_text())
@@ -132,7 +120,7 @@ def test_shared_tensors_saved_once(tmp_path):
 
 def test_compact_core_bytes_smaller_than_dense(tmp_path):
     model = nn.Sequential(nn.Linear(256, 256, bias=False)).half()
-    armor_linear_from_factors(model[0], random_factors(256, 256, 16, seed=5))
+    armor_linear_from_factors(model[0], random_pattern_factors(256, 256, 16, seed=5))
     save_pretrained(model, tmp_path / "armor")
     tensors, _ = flatten_armor_state(model)
     core_bytes = sum(tensors[f"0.weight.{k}"].numel() * tensors[f"0.weight.{k}"].element_size()
@@ -259,7 +247,7 @@ def test_tiny_llama_roundtrip(tmp_path):
         if isinstance(module, nn.Linear):
             seed += 1
             storage = "dense" if "mlp" in name else "compact"
-            f = random_factors(module.out_features, module.in_features, 16, seed=seed)
+            f = random_pattern_factors(module.out_features, module.in_features, 16, seed=seed)
             armor_linear_from_factors(module, f, storage=storage)
     ids = torch.randint(0, 128, (2, 12))
     with torch.no_grad():
@@ -282,7 +270,7 @@ def test_tied_llama_roundtrip(tmp_path, tiny_llama_factory):
     pytest.importorskip("transformers")
     model = tiny_llama_factory(seed=1, tie=True)
     for i, module in enumerate(m for m in model.model.layers.modules() if isinstance(m, nn.Linear)):
-        armor_linear_from_factors(module, random_factors(module.out_features, module.in_features, 16, seed=40 + i))
+        armor_linear_from_factors(module, random_pattern_factors(module.out_features, module.in_features, 16, seed=40 + i))
     ids = torch.randint(0, 128, (2, 9))
     with torch.no_grad():
         ref = model(ids).logits
@@ -309,7 +297,7 @@ def test_sharded_llama_matches_memory_and_single_file(tmp_path, tiny_llama_facto
     pytest.importorskip("transformers")
     model = tiny_llama_factory(seed=2, tie=True)
     for i, (name, module) in enumerate((n, m) for n, m in model.model.layers.named_modules() if isinstance(m, nn.Linear)):
-        f = random_factors(module.out_features, module.in_features, 16, pattern="4:8" if "mlp" in name else "2:4", seed=60 + i)
+        f = random_pattern_factors(module.out_features, module.in_features, 16, pattern="4:8" if "mlp" in name else "2:4", seed=60 + i)
         armor_linear_from_factors(module, f, storage="dense" if "up_proj" in name else "compact")
     ids = torch.randint(0, 128, (2, 11))
     with torch.no_grad():

@@ -7,6 +7,8 @@ import warnings
 
 import pytest
 import torch
+
+from _helpers import random_pattern_factors
 import torch.nn.functional as F
 from torch import nn
 
@@ -23,27 +25,10 @@ def assert_half_close(out: torch.Tensor, ref: torch.Tensor, rel: float = 1e-2) -
     assert (out - ref).abs().max() <= 5 * rel * ref.abs().max()
 
 
-def random_factors(
-    d_out: int, d_in: int, d_b: int, pattern: str = "2:4", seed: int = 0, dtype: torch.dtype = torch.float32
-) -> ArmorFactors:
-    """Random block-diagonal wrappers and a random core with a valid N:M (or random unstructured) mask."""
-    gen = torch.Generator().manual_seed(seed)
-    if pattern.startswith("unstructured"):
-        mask = torch.rand(d_out, d_in, generator=gen) < 0.5
-    else:
-        n, m = (int(v) for v in pattern.split(":"))
-        ranks = torch.rand(d_out, d_in // m, m, generator=gen).argsort(-1).argsort(-1)
-        mask = (ranks < n).reshape(d_out, d_in)
-    core = torch.randn(d_out, d_in, generator=gen) * mask
-    a = torch.randn(d_out // d_b, d_b, d_b, generator=gen) / d_b**0.5
-    b = torch.randn(d_in // d_b, d_b, d_b, generator=gen) / d_b**0.5
-    return ArmorFactors(a.to(dtype), core.to(dtype), b.to(dtype), mask, pattern)
-
-
 @pytest.mark.parametrize("storage", ["compact", "dense"])
 @pytest.mark.parametrize("lead", [(), (3,), (2, 5), (2, 3, 4)])
 def test_linear_matches_dense_fp32(storage, lead):
-    f = random_factors(32, 64, 16)
+    f = random_pattern_factors(32, 64, 16)
     w = ArmorTensor.from_factors(f, storage=storage)
     x = torch.randn(*lead, 64)
     bias = torch.randn(32)
@@ -56,7 +41,7 @@ def test_linear_matches_dense_fp32(storage, lead):
 
 @pytest.mark.parametrize("pattern, storage", [("4:8", "compact"), ("1:4", "dense"), ("unstructured:0.5", "dense")])
 def test_linear_other_patterns(pattern, storage):
-    f = random_factors(24, 48, 8, pattern=pattern, seed=1)
+    f = random_pattern_factors(24, 48, 8, pattern=pattern, seed=1)
     w = ArmorTensor.from_factors(f, storage=storage)
     assert w.pattern == pattern and w.storage == storage
     x = torch.randn(4, 7, 48)
@@ -65,7 +50,7 @@ def test_linear_other_patterns(pattern, storage):
 
 @pytest.mark.parametrize("storage", ["compact", "dense"])
 def test_linear_bf16(storage):
-    f = random_factors(64, 128, 32, seed=2)
+    f = random_pattern_factors(64, 128, 32, seed=2)
     w = ArmorTensor.from_factors(f, storage=storage, dtype=torch.bfloat16)
     assert w.dtype == torch.bfloat16 and w.a_blocks.dtype == torch.bfloat16
     x = torch.randn(2, 6, 128)
@@ -76,7 +61,7 @@ def test_linear_bf16(storage):
 
 
 def test_core_and_dense_weight_are_exact():
-    f = random_factors(32, 64, 16, seed=3)
+    f = random_pattern_factors(32, 64, 16, seed=3)
     for storage in ("compact", "dense"):
         w = ArmorTensor.from_factors(f, storage=storage)
         assert torch.equal(w.core_dense(), f.core)
@@ -85,7 +70,7 @@ def test_core_and_dense_weight_are_exact():
 
 
 def test_with_storage_roundtrip_exact():
-    f = random_factors(32, 64, 16, seed=4)
+    f = random_pattern_factors(32, 64, 16, seed=4)
     w = ArmorTensor.from_factors(f, storage="compact")
     d = w.with_storage("dense")
     assert d.storage == "dense" and d.core is not None and d.values is None
@@ -96,12 +81,12 @@ def test_with_storage_roundtrip_exact():
 
 
 def test_auto_storage_on_cpu():
-    assert ArmorTensor.from_factors(random_factors(16, 32, 8)).storage == "compact"
-    assert ArmorTensor.from_factors(random_factors(16, 32, 8, pattern="unstructured:0.5")).storage == "dense"
+    assert ArmorTensor.from_factors(random_pattern_factors(16, 32, 8)).storage == "compact"
+    assert ArmorTensor.from_factors(random_pattern_factors(16, 32, 8, pattern="unstructured:0.5")).storage == "dense"
 
 
 def test_compact_storage_is_smaller():
-    f = random_factors(64, 128, 16, seed=5, dtype=torch.float16)
+    f = random_pattern_factors(64, 128, 16, seed=5, dtype=torch.float16)
     w = ArmorTensor.from_factors(f, storage="compact")
     compact = w.values.numel() * w.values.element_size() + w.indices.numel()
     dense = f.core.numel() * f.core.element_size()
@@ -110,7 +95,7 @@ def test_compact_storage_is_smaller():
 
 @pytest.mark.parametrize("storage", ["compact", "dense"])
 def test_to_dtype_really_converts(storage):
-    f = random_factors(32, 64, 16, seed=6)
+    f = random_pattern_factors(32, 64, 16, seed=6)
     w = ArmorTensor.from_factors(f, storage=storage)
     for conv, dtype in [
         (lambda t: t.to(torch.bfloat16), torch.bfloat16),
@@ -136,7 +121,7 @@ def test_to_dtype_really_converts(storage):
 
 
 def test_repr():
-    w = ArmorTensor.from_factors(random_factors(32, 64, 16), storage="compact")
+    w = ArmorTensor.from_factors(random_pattern_factors(32, 64, 16), storage="compact")
     text = repr(w)
     for part in ("ArmorTensor", "shape=(32, 64)", "block_size=16", "pattern=2:4", "storage=compact", "float32"):
         assert part in text
@@ -147,7 +132,7 @@ def test_nn_linear_swap_and_module_conversions():
     torch.manual_seed(0)
     lin = nn.Linear(64, 32)
     bias = lin.bias
-    f = random_factors(32, 64, 16, seed=7)
+    f = random_pattern_factors(32, 64, 16, seed=7)
     assert armor_linear_from_factors(lin, f, storage="compact") is lin
     assert isinstance(lin.weight, nn.Parameter) and isinstance(lin.weight, ArmorTensor)
     assert not lin.weight.requires_grad
@@ -175,13 +160,13 @@ def test_nn_linear_swap_and_module_conversions():
 
 
 def test_errors():
-    f = random_factors(32, 64, 16)
+    f = random_pattern_factors(32, 64, 16)
     with pytest.raises(ValueError, match="storage must be one of"):
         ArmorTensor.from_factors(f, storage="csr")
     with pytest.raises(ValueError, match="CUDA"):
         ArmorTensor.from_factors(f, storage="semi_structured")
     with pytest.raises(ValueError, match="needs an N:M pattern"):
-        ArmorTensor.from_factors(random_factors(16, 32, 8, pattern="unstructured:0.5"), storage="compact")
+        ArmorTensor.from_factors(random_pattern_factors(16, 32, 8, pattern="unstructured:0.5"), storage="compact")
     bad = ArmorFactors(f.a_blocks[:1], f.core, f.b_blocks, f.mask, "2:4")
     with pytest.raises(ValueError, match="a_blocks must be"):
         ArmorTensor.from_factors(bad)
@@ -204,8 +189,8 @@ class _TwoLayer(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(64, 32)
         self.fc2 = nn.Linear(32, 64)
-        armor_linear_from_factors(self.fc1, random_factors(32, 64, 16, seed=8), storage=storage_1)
-        armor_linear_from_factors(self.fc2, random_factors(64, 32, 16, seed=9), storage=storage_2)
+        armor_linear_from_factors(self.fc1, random_pattern_factors(32, 64, 16, seed=8), storage=storage_1)
+        armor_linear_from_factors(self.fc2, random_pattern_factors(64, 32, 16, seed=9), storage=storage_2)
 
     def forward(self, x):
         return self.fc2(torch.relu(self.fc1(x)))
@@ -236,7 +221,7 @@ def test_compile_fullgraph_inductor():
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_semi_structured(dtype):
-    f = random_factors(128, 256, 64, seed=10)
+    f = random_pattern_factors(128, 256, 64, seed=10)
     w = ArmorTensor.from_factors(f, storage="auto", dtype=dtype, device="cuda")
     assert w.storage == "semi_structured" and w.device.type == "cuda"
     x = torch.randn(4, 16, 256, device="cuda", dtype=dtype)
@@ -251,7 +236,7 @@ def test_cuda_semi_structured(dtype):
 
 @needs_cuda
 def test_cuda_small_shape_falls_back_to_dense():
-    f = random_factors(16, 16, 8, seed=11)
+    f = random_pattern_factors(16, 16, 8, seed=11)
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         w = ArmorTensor.from_factors(f, storage="semi_structured", dtype=torch.float16, device="cuda")
@@ -263,7 +248,7 @@ def test_cuda_small_shape_falls_back_to_dense():
 @needs_cuda
 @pytest.mark.parametrize("storage", ["compact", "dense"])
 def test_cuda_compact_dense(storage):
-    f = random_factors(64, 128, 32, seed=12)
+    f = random_pattern_factors(64, 128, 32, seed=12)
     w = ArmorTensor.from_factors(f, storage=storage).to("cuda")
     assert w.storage == storage and w.a_blocks.is_cuda
     x = torch.randn(5, 128, device="cuda")
