@@ -326,9 +326,9 @@ def test_resume_computes_only_unfinished_layers(tmp_path, monkeypatch):
     seen = []
     real = runner_module.factorize
 
-    def counting(weight, h, config, name=None):
+    def counting(weight, h, config, xtx=None, name=None):
         seen.append(name)
-        return real(weight, h, config, name=name)
+        return real(weight, h, config, xtx=xtx, name=name)
 
     monkeypatch.setattr(runner_module, "factorize", counting)
     model = make_mlp()

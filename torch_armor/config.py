@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional, Union
+import fnmatch
+from typing import Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -16,6 +17,23 @@ _DEFAULT_SELECTION = {"adam": "l1-random", "bcd": "mixed"}
 _OPTIMIZERS = ("adam", "bcd")
 _FLOAT_DTYPES = (torch.float32, torch.float64)
 _DEFAULT_ITERS = {"adam": 1000, "bcd": 30}
+_REFINES = ("output", None)
+_NAMED_BLOCK_SIZES = ("auto", "budget")
+
+
+def _block_sizes(value) -> Tuple[Tuple[str, int], ...]:
+    """``block_sizes`` as a tuple of ``(layer-name pattern, size)`` pairs (a mapping is accepted)."""
+    items = value.items() if isinstance(value, Mapping) else value
+    try:
+        pairs = tuple((pat, size) for pat, size in items)
+    except (TypeError, ValueError):
+        raise ValueError(f"block_sizes must map layer-name patterns to block sizes, e.g. {{'*.mlp.*': 8}}, "
+                         f"got {value!r}") from None
+    for pat, size in pairs:
+        if not isinstance(pat, str) or isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"block_sizes entry {pat!r}: {size!r} — expected a layer-name pattern (str) and a "
+                             "positive integer block size")
+    return pairs
 
 
 @dataclass(frozen=True)
@@ -89,7 +107,13 @@ class ArmorConfig:
         block_size: size ``d_b`` of the diagonal blocks of ``A`` and ``B`` (default 16); must
             divide both ``d_out`` and ``d_in`` of every layer it is applied to. ``"auto"``:
             per layer (:meth:`for_layer`), the largest valid block size whose wrappers add at
-            most ``max_overhead`` parameters.
+            most ``max_overhead`` parameters. ``"budget"``: one overhead budget for the whole
+            model — :func:`~torch_armor.prune_model` gives each layer the block size that buys
+            the most loss within ``max_overhead`` of all the pruned weights
+            (:mod:`torch_armor.engine.allocate`) and writes the choice into ``block_sizes``.
+        block_sizes: per-layer block sizes, ``{layer-name pattern: size}`` (``fnmatch`` patterns,
+            e.g. ``{"*.mlp.*": 8}``; the first match wins; stored as a tuple of pairs); layers
+            that match none get ``block_size``.
         pattern: ``"2:4"`` (default), any ``"N:M"`` with ``M`` dividing ``block_size``,
             or ``"unstructured:F"``.
         num_iters: iterations (``None``: the optimizer's default, see :attr:`iterations`): for
@@ -122,6 +146,19 @@ class ArmorConfig:
         log_every: record the relative proxy loss every this many iterations (1 = all).
         max_overhead: wrapper-overhead budget of ``block_size="auto"``: the extra parameters
             ``d_b·(d_out + d_in)`` as a fraction of the layer's ``d_out·d_in`` (default 0.05).
+        refine: ``"output"`` (default): after the optimizer, refine ``A``, the kept core values
+            and ``B`` (mask fixed) under the output-space loss ``tr((W − Ŵ) H (W − Ŵ)ᵀ)``,
+            ``H = XᵀX`` (:func:`torch_armor.core.refine.refine_output`) — wherever ``XᵀX`` is
+            known: :func:`~torch_armor.prune_model` and the sparsifiers collect it, a direct
+            :func:`~torch_armor.factorize` call refines when given ``xtx=``. ``None``: off.
+        refine_rounds: alternations of exact ``A`` / CG on the core / CG on ``B`` (default 3).
+        refine_cg_steps: CG steps per core and ``B`` update (default 30).
+        refine_damp: dampening of ``H`` as a fraction of its mean diagonal (default 0.01).
+        reconstruct_steps: block reconstruction in :func:`~torch_armor.prune_model` (default 0:
+            off): after a decoder block's linears are factorized, this many Adam steps (one
+            calibration batch each) on the block's ``A``, ``B`` and kept core values, masks
+            fixed, towards the dense block's outputs (:mod:`torch_armor.engine.reconstruct`).
+        reconstruct_lr: Adam's step relative to each factor's RMS (default 5e-3).
 
     Example::
 
@@ -151,12 +188,20 @@ class ArmorConfig:
     dtype: torch.dtype = torch.float32
     log_every: int = 1
     max_overhead: float = 0.05
+    block_sizes: Tuple[Tuple[str, int], ...] = ()
+    refine: Optional[str] = "output"
+    refine_rounds: int = 3
+    refine_cg_steps: int = 30
+    refine_damp: float = 0.01
+    reconstruct_steps: int = 0
+    reconstruct_lr: float = 5e-3
 
     def __post_init__(self) -> None:
-        auto = self.block_size == "auto"
+        auto = self.block_size in _NAMED_BLOCK_SIZES
+        object.__setattr__(self, "block_sizes", _block_sizes(self.block_sizes))
         if not auto and (not isinstance(self.block_size, int) or isinstance(self.block_size, bool)
                          or self.block_size < 1):
-            raise ValueError(f"block_size must be a positive integer or 'auto', got {self.block_size!r}")
+            raise ValueError(f"block_size must be a positive integer, 'auto' or 'budget', got {self.block_size!r}")
         sparsity = parse_pattern(self.pattern)
         object.__setattr__(self, "pattern", str(sparsity))  # the one normalization: "2:4", "unstructured:0.5"
         if not auto and sparsity.structured and self.block_size % sparsity.m != 0:
@@ -195,6 +240,18 @@ class ArmorConfig:
         if (isinstance(self.max_overhead, bool) or not isinstance(self.max_overhead, (int, float))
                 or not self.max_overhead > 0):
             raise ValueError(f"max_overhead must be a positive fraction (0.05 = 5%), got {self.max_overhead!r}")
+        if self.refine not in _REFINES:
+            raise ValueError(f"refine must be one of {_REFINES}, got {self.refine!r}")
+        if not (isinstance(self.reconstruct_lr, (int, float)) and math.isfinite(self.reconstruct_lr)
+                and self.reconstruct_lr > 0):
+            raise ValueError(f"reconstruct_lr must be a positive finite number, got {self.reconstruct_lr!r}")
+        for key in ("refine_rounds", "refine_cg_steps", "reconstruct_steps"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{key} must be a non-negative integer, got {value!r}")
+        if (isinstance(self.refine_damp, bool) or not isinstance(self.refine_damp, (int, float))
+                or not 0.0 <= self.refine_damp < 1.0):
+            raise ValueError(f"refine_damp must be in [0, 1), got {self.refine_damp!r}")
 
     # -- derived values ------------------------------------------------------------------------
     @property
@@ -217,8 +274,8 @@ class ArmorConfig:
         """
         if self.group_updates is not None:
             return self.group_updates
-        if self.block_size == "auto":
-            raise ValueError("block_size='auto' is chosen per layer: call config.for_layer(d_out, d_in) first")
+        if self.block_size in _NAMED_BLOCK_SIZES:
+            raise ValueError(f"block_size={self.block_size!r} is chosen per layer: call config.for_layer(d_out, d_in) first")
         return max(1, self.block_size // 2)
 
     @property
@@ -250,6 +307,16 @@ class ArmorConfig:
         from torch_armor.core.proxy import auto_block_size, check_layer_shape
 
         sparsity = self.sparsity
+        chosen = next((size for pat, size in self.block_sizes if name is not None and fnmatch.fnmatchcase(name, pat)),
+                      None)
+        if chosen is not None:
+            check_layer_shape(d_out, d_in, sparsity, chosen, name=name)
+            return dataclasses.replace(self, block_size=chosen)
+        if self.block_size == "budget":
+            raise ValueError(
+                f"layer {name!r}: block_size='budget' is one overhead budget for the whole model, resolved by "
+                "prune_model (torch_armor.engine.allocate); give this layer a size in block_sizes, or use "
+                "block_size='auto' (per layer) or an integer")
         if self.block_size == "auto":
             check_layer_shape(d_out, d_in, sparsity, None, name=name)
             try:

@@ -1,5 +1,7 @@
 """ArmorFactors: the one serialized form (to_tensors / metadata / from_tensors)."""
 
+import math
+
 import pytest
 import torch
 
@@ -8,22 +10,30 @@ from torch_armor import ArmorConfig, ArmorFactors, factorize
 from _helpers import random_layer
 
 
-@pytest.fixture(scope="module")
-def factors():
+@pytest.fixture(scope="module", params=["proxy", "refined"])
+def factors(request):
     w, h = random_layer(32, 48, seed=4, dtype=torch.float32)
-    return factorize(w, h, ArmorConfig(block_size=16, num_iters=3))
+    xtx = None
+    if request.param == "refined":
+        x = torch.randn(200, 48, generator=torch.Generator().manual_seed(5))
+        xtx = x.T @ x
+        h = xtx.diagonal().clone()
+    return factorize(w, h, ArmorConfig(block_size=16, num_iters=3), xtx=xtx)
 
 
 def test_round_trip_is_bit_identical(factors):
     tensors = factors.to_tensors()
     assert list(tensors) == ["a_blocks", "core", "b_blocks", "mask", "history", "history_iters", "history_time_s"]
     meta = factors.metadata()
-    assert meta == {"pattern": "2:4", "nowag_loss": factors.nowag_loss, "best_iter": factors.best_iter}
+    assert set(meta) == {"pattern", "nowag_loss", "best_iter", "relative_output_loss"}
+    assert (meta["pattern"], meta["nowag_loss"], meta["best_iter"]) == ("2:4", factors.nowag_loss, factors.best_iter)
+    assert math.isnan(meta["relative_output_loss"]) != factors.refined
     back = ArmorFactors.from_tensors(tensors, **meta)
     for name, value in tensors.items():
         original = getattr(factors, name)
         assert value.dtype == original.dtype and torch.equal(getattr(back, name), original), name
     assert (back.pattern, back.nowag_loss, back.best_iter) == (factors.pattern, factors.nowag_loss, factors.best_iter)
+    assert back.refined == factors.refined and back.relative_loss == factors.relative_loss
     assert torch.equal(back.dense(), factors.dense())
 
 

@@ -48,11 +48,23 @@ def _sequential_reference_stats(pruned, names) -> dict:
     whole-model pass of the dense model with block 0 replaced by its pruned weights."""
     dense = make_tiny_llama()
     block0 = [n for n in names if n.startswith("model.layers.0.")]
-    stats = collect_statistics(dense, block0, CALIB, progress=False)
+    stats = collect_statistics(dense, block0, CALIB, progress=False, track_xtx=True)
     for n in block0:
         dense.get_submodule(n).weight = nn.Parameter(_approx(pruned.get_submodule(n).weight).clone())
-    stats.update(collect_statistics(dense, [n for n in names if n not in block0], CALIB, progress=False))
+    stats.update(collect_statistics(dense, [n for n in names if n not in block0], CALIB, progress=False,
+                                    track_xtx=True))
     return stats
+
+
+def _out_loss(diff, xtx) -> float:
+    return float(torch.einsum("ij,jk,ik->", diff, xtx, diff))
+
+
+def _nowag_keep(w, h):
+    """NoWag-P's mask the slow way: per row and group of 4, the two largest (W/(r c))² h."""
+    col = w.square().sum(0).sqrt()
+    row = (w / col).square().sum(1, keepdim=True).sqrt()
+    return _magnitude_keep(w / (row * col) * h.sqrt())
 
 
 def _magnitude_keep(w):
@@ -81,7 +93,12 @@ def test_prune_model_every_method_gives_pattern_and_report(tiny_llama, method):
             assert isinstance(module.weight, ArmorTensor)
             core = module.weight.core_dense()
             assert int((core.reshape(core.shape[0], -1, 4) != 0).sum(-1).max()) <= 2
-            assert layer.relative_proxy_loss <= 1.0 + 1e-6
+            # refined in output space: ‖(W − Ŵ)Xᵀ‖² ÷ NoWag-P's, recomputed in float64, never above 1
+            xtx, w = stats[layer.name].xtx.double(), dense[layer.name].double()
+            nowag = w * _nowag_keep(w, stats[layer.name].act_sq_norm.double())
+            want_out = _out_loss(w - _approx(module.weight).double(), xtx) / _out_loss(w - nowag, xtx)
+            assert layer.relative_output_loss == pytest.approx(want_out, rel=1e-4)
+            assert layer.relative_output_loss <= 1.0 + 1e-6
             assert layer.block_size == 16 and layer.wrapper_params == 16 * sum(layer.shape)
         else:
             w = module.weight.detach()
@@ -170,3 +187,23 @@ def test_finished_factors_convert_without_factorizing(monkeypatch, tmp_path, tin
     with pytest.raises(RunMismatchError, match="block_size"):
         prune_model(tiny_llama_factory(), CALIB, "armor", ArmorConfig(block_size=32, num_iters=2), layers=names,
                     run_dir=tmp_path / "run", progress=False)
+
+
+def test_block_size_budget_spends_one_model_wide_overhead(tiny_llama_factory):
+    from torch_armor.engine.allocate import layer_kind
+
+    report = prune_model(tiny_llama_factory(), CALIB, "armor",
+                         ArmorConfig(block_size="budget", max_overhead=0.25, num_iters=2), progress=False)
+    sizes = {layer.name: layer.block_size for layer in report.layers}
+    extra = sum(layer.block_size * sum(layer.shape) for layer in report.layers)
+    total = sum(layer.shape[0] * layer.shape[1] for layer in report.layers)
+    assert extra <= 0.25 * total
+    assert dict(report.settings["block_sizes"]) == sizes  # the allocation is in the report's settings
+    by_kind = {}
+    for name, size in sizes.items():
+        by_kind.setdefault(layer_kind(name), set()).add(size)
+    assert all(len(v) == 1 for v in by_kind.values())  # one measured curve per kind
+    assert len({s for v in by_kind.values() for s in v}) > 1  # the budget is spent unevenly
+    with pytest.raises(ValueError, match="below the smallest wrapper overhead"):
+        prune_model(tiny_llama_factory(), CALIB, "armor", ArmorConfig(block_size="budget", max_overhead=0.1,
+                                                                      num_iters=1), progress=False)

@@ -96,7 +96,7 @@ class CalibratedSparsifier(BaseSparsifier):
 
     @property
     def track_xtx(self) -> bool:
-        return METHODS[self.method].needs_xtx
+        return METHODS[self.method].needs_xtx(self._base_config)
 
     @property
     def needs_statistics(self) -> bool:
@@ -478,7 +478,8 @@ class CalibratedSparsifier(BaseSparsifier):
                     )
                 xtx = entry.get("xtx")
                 if self.track_xtx and xtx is None:
-                    raise ValueError(f"layer {fqn!r}: the saved state has no XᵀX (needed by SparseGPT)")
+                    raise ValueError(f"layer {fqn!r}: the saved state has no XᵀX (needed by {self.method!r} with these "
+                                     "settings): recalibrate and save the state again")
                 stats = LayerStatistics(h.float(), int(entry["num_tokens"]), xtx.float() if self.track_xtx else None)
             sol = _solution_from_state(fqn, self.method, entry, tuple(module.weight.shape))
             loaded[fqn] = (stats, sol)

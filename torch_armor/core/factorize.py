@@ -220,6 +220,7 @@ def factorize(
     act_sq_norm: torch.Tensor,
     config: Optional[ArmorConfig] = None,
     *,
+    xtx: Optional[torch.Tensor] = None,
     name: Optional[str] = None,
 ) -> ArmorFactors:
     """Factorize one linear weight as ``W_hat = A · (W' ⊙ M) · B`` (ARMOR).
@@ -242,6 +243,8 @@ def factorize(
         act_sq_norm: ``(d_in,)`` ``Σ_tokens x_j²`` from calibration.
         config: :class:`ArmorConfig` (defaults if ``None``), resolved for this weight's shape
             with :meth:`ArmorConfig.for_layer` (``block_size="auto"`` allowed).
+        xtx: ``(d_in, d_in)`` ``Σ_tokens x xᵀ``; with ``config.refine == "output"`` the factors are
+            then refined under the output-space loss (:func:`~torch_armor.core.refine.refine_output`).
         name: layer name used in error messages.
 
     Example::
@@ -276,7 +279,7 @@ def factorize(
     nowag_loss = float(problem.nowag_loss)
     history = losses / nowag_loss if nowag_loss > 0 else torch.zeros_like(losses)
     out_dtype = weight.dtype
-    return ArmorFactors(
+    factors = ArmorFactors(
         a_blocks=(row_norm.reshape(p, d_b, 1) * a).detach().to(out_dtype),
         core=core.detach().to(out_dtype),
         b_blocks=(b * col_norm.reshape(q, 1, d_b)).detach().to(out_dtype),
@@ -288,3 +291,10 @@ def factorize(
         nowag_loss=nowag_loss,
         best_iter=int(log.best_iter),
     )
+    if xtx is not None and config.refine == "output":
+        from torch_armor.core.refine import refine_output
+
+        factors = refine_output(weight.detach().to(device), xtx.to(device), factors, rounds=config.refine_rounds,
+                                cg_steps=config.refine_cg_steps, damp=config.refine_damp,
+                                act_sq_norm=act_sq_norm.to(device))
+    return factors

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional
 
@@ -14,7 +15,7 @@ __all__ = ["ArmorFactors"]
 #: The tensors of :class:`ArmorFactors`, in the order :meth:`ArmorFactors.to_tensors` gives them.
 TENSOR_NAMES = ("a_blocks", "core", "b_blocks", "mask", "history", "history_iters", "history_time_s")
 #: Its scalar fields (:meth:`ArmorFactors.metadata`).
-SCALAR_NAMES = ("pattern", "nowag_loss", "best_iter")
+SCALAR_NAMES = ("pattern", "nowag_loss", "best_iter", "relative_output_loss")
 
 
 @dataclass
@@ -32,6 +33,9 @@ class ArmorFactors:
         history_time_s: wall time since the start of optimization at each ``history`` entry.
         nowag_loss: the NoWag-P proxy loss this run started from.
         best_iter: iteration whose factors were returned (the best seen).
+        relative_output_loss: after output-space refinement (:mod:`torch_armor.core.refine`),
+            ``tr((W − Ŵ) H (W − Ŵ)ᵀ)`` ÷ NoWag-P's; ``nan`` for unrefined factors. Refinement
+            appends the refined factors' proxy loss to ``history``.
     """
 
     a_blocks: torch.Tensor
@@ -44,6 +48,7 @@ class ArmorFactors:
     history_time_s: torch.Tensor = field(default_factory=lambda: torch.zeros(1, dtype=torch.float64))
     nowag_loss: float = float("nan")
     best_iter: int = 0
+    relative_output_loss: float = float("nan")
 
     @property
     def block_size(self) -> int:
@@ -55,8 +60,14 @@ class ArmorFactors:
 
     @property
     def relative_loss(self) -> float:
-        """Relative proxy loss of the returned factors (÷ NoWag-P's)."""
-        return float(self.history.min())
+        """Relative proxy loss of the returned factors (÷ NoWag-P's): the best of ``history``,
+        or its last entry for refined factors (refinement optimizes another loss)."""
+        return float(self.history[-1]) if self.refined else float(self.history.min())
+
+    @property
+    def refined(self) -> bool:
+        """Whether output-space refinement produced these factors."""
+        return not math.isnan(self.relative_output_loss)
 
     def dense(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """Materialize ``W_hat = A · core · B`` as a dense ``(d_out, d_in)`` matrix."""
@@ -75,8 +86,10 @@ class ArmorFactors:
         return {k: getattr(self, k).detach().to("cpu").contiguous() for k in TENSOR_NAMES}
 
     def metadata(self) -> Dict[str, Any]:
-        """The scalar fields as JSON-able values: ``pattern``, ``nowag_loss``, ``best_iter``."""
-        return {"pattern": str(self.pattern), "nowag_loss": float(self.nowag_loss), "best_iter": int(self.best_iter)}
+        """The scalar fields as JSON-able values: ``pattern``, ``nowag_loss``, ``best_iter``,
+        ``relative_output_loss``."""
+        return {"pattern": str(self.pattern), "nowag_loss": float(self.nowag_loss), "best_iter": int(self.best_iter),
+                "relative_output_loss": float(self.relative_output_loss)}
 
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, torch.Tensor], **scalars: Any) -> "ArmorFactors":

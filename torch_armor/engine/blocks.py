@@ -17,6 +17,8 @@ resumes at the first unfinished block bit-identically to an uninterrupted run.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -39,6 +41,10 @@ __all__ = ["BlockPipeline", "HIDDEN_NAME", "BLOCKS_DIR"]
 logger = logging.getLogger("torch_armor")
 
 HIDDEN_NAME = "hidden.safetensors"
+RECONSTRUCTED_DIR = "reconstructed"
+#: ``block_size="budget"`` measures loss-versus-block-size curves on this many decoder blocks
+#: (first, middle, last) and applies each layer kind's mean curve to every block.
+ALLOCATION_SAMPLE_BLOCKS = 3
 BLOCKS_DIR = "blocks"
 
 
@@ -103,16 +109,18 @@ class BlockPipeline:
     # -- the loop ------------------------------------------------------------------------------
     def run(self, calibration: Sequence[torch.Tensor]) -> PruneReport:
         method = METHODS[self.method]
-        report = PruneReport(method=self.method, pattern=self.config.pattern, settings=config_to_dict(self.config)
-                             if self.method == "armor" else dict(vars(self.config)))
         start_all = time.perf_counter()
         self.source.prepare_inputs()
         inputs = capture_block_inputs(self.source.model, self.blocks[0], calibration, hidden_dtype=self.hidden_dtype)
         self.source.release_inputs()
+        by_block = self._names_by_block()
+        if self.method == "armor" and self.config.block_size == "budget" and not self.config.block_sizes:
+            self.config = self._allocate(inputs, by_block)
+        report = PruneReport(method=self.method, pattern=self.config.pattern, settings=config_to_dict(self.config)
+                             if self.method == "armor" else dict(vars(self.config)))
         if self.hidden_dir is not None:
             for j, inp in enumerate(inputs):
                 inp.offload(Path(self.hidden_dir) / f"batch-{j:06d}.safetensors")
-        by_block = self._names_by_block()
         start_block = self._resume_point(inputs, by_block)
         bar = tqdm(total=len(self.blocks), initial=start_block, desc=f"prune {method.label}", unit="block",
                    disable=not self.progress, mininterval=1.0)
@@ -127,9 +135,10 @@ class BlockPipeline:
                 names = by_block[index]
                 if names:
                     layers = {n: self.source.model.get_submodule(n) for n in names}
+                    recon = self._reconstruction_data(block, inputs)
                     stats = block_statistics(block, layers, inputs, device=self.device,
-                                             track_xtx=method.needs_xtx, propagate=not self.sequential)
-                    self._solve_block(names, layers, stats, report, bar)
+                                             track_xtx=method.needs_xtx(self.config), propagate=not self.sequential)
+                    self._solve_block(names, layers, stats, report, bar, index=index, block=block, recon=recon)
                 if self.sequential or not names:  # the (pruned) block's outputs feed the next block
                     for inp in inputs:
                         inp.hidden = run_block(block, inp, self.device)
@@ -142,6 +151,44 @@ class BlockPipeline:
             bar.close()
         report.seconds = time.perf_counter() - start_all
         return report
+
+    def _allocate(self, inputs: Sequence[BlockInput], by_block: List[List[str]]) -> Any:
+        """``block_size="budget"``: measure each layer kind's loss at every candidate block size on
+        a few blocks (dense stream), then give every layer its size within the model-wide budget."""
+        from torch_armor.engine.allocate import allocate_block_sizes, candidate_block_sizes, loss_curves
+
+        cfg = dataclasses.replace(self.config, block_size=16)
+        with_layers = [i for i, names in enumerate(by_block) if names]
+        count = min(ALLOCATION_SAMPLE_BLOCKS, len(with_layers))
+        sample = sorted({with_layers[round(k * (len(with_layers) - 1) / max(1, count - 1))] for k in range(count)})
+        work = [BlockInput(inp.hidden, inp.kwargs) for inp in inputs]
+        multiple = cfg.sparsity.m if cfg.sparsity.structured else 1
+        measured: Dict[str, Dict[int, float]] = {}
+        start = time.perf_counter()
+        for index in range(sample[-1] + 1):
+            prefix = f"{self.blocks_prefix}.{index}"
+            block = self.source.load_block(prefix)
+            block.to(self.device).eval()
+            if index in sample:
+                layers = {n: self.source.model.get_submodule(n) for n in by_block[index]}
+                stats = block_statistics(block, layers, work, device=self.device,
+                                         track_xtx=METHODS["armor"].needs_xtx(cfg), propagate=True)
+                for n, layer in layers.items():
+                    d_out, d_in = layer.weight.shape
+                    measured[n] = {}
+                    for size in candidate_block_sizes(d_out, d_in, multiple):
+                        f = solve_layer("armor", layer.weight, stats[n], dataclasses.replace(cfg, block_size=size), n).factors
+                        measured[n][size] = f.relative_output_loss if f.refined else f.relative_loss
+            else:
+                for inp in work:
+                    inp.hidden = run_block(block, inp, self.device)
+            self.source.release_block(prefix)
+        shapes = {n: tuple(self.source.model.get_submodule(n).weight.shape) for n in self.names}
+        sizes = allocate_block_sizes(loss_curves(measured, self.names), shapes, cfg.max_overhead)
+        logger.info("block sizes within a %.1f%% model-wide overhead, from blocks %s (%.0f s): %s",
+                    100 * cfg.max_overhead, sample, time.perf_counter() - start,
+                    {k: v for k, v in sorted(sizes.items()) if k.startswith(f"{self.blocks_prefix}.{sample[0]}.")})
+        return dataclasses.replace(self.config, block_sizes=tuple(sizes.items()))
 
     def _names_by_block(self) -> List[List[str]]:
         by_block: List[List[str]] = [[] for _ in self.blocks]
@@ -173,6 +220,9 @@ class BlockPipeline:
     def _replay(self, index: int, prefix: str, names: List[str], report: PruneReport) -> None:
         """A block finished by an earlier run: its factors are converted from the store (an
         in-memory model) or it was already written (a streamed one)."""
+        marker = self._marker(index)
+        if marker is not None and marker.exists():
+            report.block_errors[index] = tuple(json.loads(marker.read_text())["errors"])
         for name in names:
             factors = self.store.load(name)
             report.layers.append(_result(name, factors.shape, float(factors.relative_loss),
@@ -180,10 +230,61 @@ class BlockPipeline:
             if self.write_block is None:
                 LayerSolution(name, "armor", factors=factors).apply(self.source.model.get_submodule(name), self.storage)
 
-    def _solve_block(self, names: List[str], layers: Dict[str, nn.Linear], stats, report: PruneReport, bar) -> None:
+    def _reconstruction_data(self, block: nn.Module, inputs: Sequence[BlockInput]):
+        """Block reconstruction's data, taken before the block changes: the inputs that reach it and
+        the dense block's outputs on them (``None`` when reconstruction is off)."""
+        if self.method != "armor" or self.config.reconstruct_steps <= 0:
+            return None
+        data = [BlockInput(inp.hidden, inp.kwargs) for inp in inputs]
+        return data, [run_block(block, inp, self.device) for inp in data]
+
+    def _marker(self, index: int) -> Optional[Path]:
+        return None if self.store is None else self.store.directory / RECONSTRUCTED_DIR / f"block-{index:05d}.json"
+
+    def _reconstruct(self, index: int, block: nn.Module, names: List[str], solutions: Dict[str, LayerSolution],
+                     cfgs: Dict[str, Any], recon, report: PruneReport) -> Dict[str, LayerSolution]:
+        """Adam on the block's factors against the dense block's outputs (rank 0; the result goes
+        through the run store, and a marker says the block's stored factors are final)."""
+        from torch_armor.engine.reconstruct import reconstruct_block
+
+        marker = self._marker(index)
+        if marker is not None and marker.exists():  # an interrupted run finished it: the store holds the result
+            report.block_errors[index] = tuple(json.loads(marker.read_text())["errors"])
+            return solutions
+        prefix = f"{self.blocks_prefix}.{index}."
+        if self.rank == 0:
+            start = time.perf_counter()
+            new, before, after = reconstruct_block(
+                block, {n[len(prefix):]: solutions[n].factors for n in names}, recon[0], recon[1],
+                steps=self.config.reconstruct_steps, lr=self.config.reconstruct_lr, device=self.device,
+                seed=self.config.seed)
+            seconds = (time.perf_counter() - start) / len(names)
+            solutions = {n: LayerSolution(n, "armor", factors=new[n[len(prefix):]],
+                                          seconds=solutions[n].seconds + seconds) for n in names}
+            if self.store is not None:
+                for n in names:
+                    self.store.save(n, solutions[n].factors, config=cfgs[n], seconds=solutions[n].seconds)
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write(marker, json.dumps({"errors": [before, after]}).encode())
+            report.block_errors[index] = (before, after)
+            logger.info("block %d reconstructed: held-out relative output error %.5f -> %.5f", index, before, after)
+        if self.world_size > 1:
+            dist.barrier()  # rank 0 saved the reconstructed factors: every rank reads them
+            if self.rank != 0:
+                store = RunStore(self.store.directory, self.config, self.store.model_id, self.store.stats_hash,
+                                 rank=self.rank)
+                solutions = {n: LayerSolution(n, "armor", factors=store.load(n), seconds=solutions[n].seconds)
+                             for n in names}
+                report.block_errors[index] = tuple(json.loads(marker.read_text())["errors"])
+        return solutions
+
+    def _solve_block(self, names: List[str], layers: Dict[str, nn.Linear], stats, report: PruneReport, bar,
+                     index: int = 0, block: Optional[nn.Module] = None, recon=None) -> None:
         cfgs = {n: layer_config(self.method, self.config, tuple(layers[n].weight.shape), n) for n in names}
         if self.method == "armor":
             solutions = self._armor_block(names, layers, stats, cfgs, bar)
+            if recon is not None:
+                solutions = self._reconstruct(index, block, names, solutions, cfgs, recon, report)
         else:
             solutions = {}
             for n in names:
@@ -223,5 +324,6 @@ def _result(name: str, shape, rel: float, seconds: float, factors=None) -> Layer
     extra: Dict[str, Any] = {}
     if factors is not None:
         extra = {"block_size": factors.block_size, "wrapper_params": factors.num_wrapper_params(),
-                 "iterations": int(factors.history_iters[-1])}
+                 "iterations": int(factors.history_iters[-1]),
+                 "relative_output_loss": float(factors.relative_output_loss) if factors.refined else None}
     return LayerResult(name=name, shape=tuple(shape), relative_proxy_loss=rel, seconds=seconds, **extra)

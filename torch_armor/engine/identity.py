@@ -69,10 +69,9 @@ def act_sq_norm_of(value: Any, fqn: str) -> torch.Tensor:
 
 
 def hash_statistics(stats: Mapping[str, Union[torch.Tensor, LayerStatistics]]) -> str:
-    """The statistics hash of a run: :func:`hash_tensors` of every layer's ``act_sq_norm``.
-
-    Values may be tensors or :class:`~torch_armor.calibration.observer.LayerStatistics` (only
-    ``act_sq_norm``, the input ARMOR factorizes with, is hashed).
+    """The statistics hash of a run: :func:`hash_tensors` of every layer's ``act_sq_norm`` (and
+    ``xtx`` where a :class:`~torch_armor.calibration.observer.LayerStatistics` carries it: the
+    output-space refinement reads it).
 
     Example::
 
@@ -80,7 +79,9 @@ def hash_statistics(stats: Mapping[str, Union[torch.Tensor, LayerStatistics]]) -
         >>> hash_statistics({"fc": h}) == hash_statistics({"fc": LayerStatistics(h, num_tokens=7)})
         True
     """
-    return hash_tensors({fqn: act_sq_norm_of(v, fqn) for fqn, v in stats.items()})
+    tensors = {fqn: act_sq_norm_of(v, fqn) for fqn, v in stats.items()}
+    tensors.update({f"{fqn}.xtx": v.xtx for fqn, v in stats.items() if getattr(v, "xtx", None) is not None})
+    return hash_tensors(tensors)
 
 
 def hash_model(model: nn.Module) -> str:

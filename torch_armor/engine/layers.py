@@ -124,7 +124,8 @@ def _materialize(fqn: str, value: LayerInput) -> Tuple[torch.Tensor, torch.Tenso
         raise ValueError(
             f"layer {fqn!r}: expected (weight, act_sq_norm) or a callable returning it, got {type(value).__name__}"
         )
-    return value[0], act_sq_norm_of(value[1], fqn)
+    stats = value[1]
+    return value[0], stats if getattr(stats, "xtx", None) is not None else act_sq_norm_of(stats, fqn)
 
 
 def _check_layers(layers: Any) -> Mapping[str, LayerInput]:

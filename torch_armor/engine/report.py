@@ -29,7 +29,8 @@ def block_index(name: str) -> Optional[int]:
 
 @dataclass
 class LayerResult:
-    """One pruned linear: relative proxy loss (÷ NoWag-P's; < 1 is better) and wall time."""
+    """One pruned linear: relative proxy loss (÷ NoWag-P's; < 1 is better), wall time and, for
+    ARMOR refined in output space, ``relative_output_loss`` (``tr(E H Eᵀ)`` ÷ NoWag-P's)."""
 
     name: str
     shape: Tuple[int, int]
@@ -38,6 +39,7 @@ class LayerResult:
     block_size: Optional[int] = None
     wrapper_params: int = 0
     iterations: Optional[int] = None
+    relative_output_loss: Optional[float] = None
 
 
 @dataclass
@@ -50,6 +52,8 @@ class PruneReport:
         layers: one :class:`LayerResult` per pruned linear, in pruning order.
         seconds: total wall time of the pruning (per-layer times plus bookkeeping).
         settings: method settings (ARMOR config, SparseGPT block size and damping).
+        block_errors: with block reconstruction, ``{block index: (before, after)}``: the relative
+            output error ``‖Y − Y_dense‖² / ‖Y_dense‖²`` of the block on held-out calibration data.
     """
 
     method: str
@@ -57,6 +61,7 @@ class PruneReport:
     layers: List[LayerResult] = field(default_factory=list)
     seconds: float = 0.0
     settings: Dict[str, Any] = field(default_factory=dict)
+    block_errors: Dict[int, Tuple[float, float]] = field(default_factory=dict)
 
     @property
     def wrapper_params(self) -> int:
@@ -75,6 +80,12 @@ class PruneReport:
     def mean_relative_proxy_loss(self) -> float:
         return sum(layer.relative_proxy_loss for layer in self.layers) / max(len(self.layers), 1)
 
+    @property
+    def mean_relative_output_loss(self) -> Optional[float]:
+        """Mean over the layers refined in output space (``None`` if none was)."""
+        values = [layer.relative_output_loss for layer in self.layers if layer.relative_output_loss is not None]
+        return sum(values) / len(values) if values else None
+
     def to_dict(self, **extra: Any) -> Dict[str, Any]:
         """JSON-able summary plus one entry per layer; ``extra`` keys are added at the top."""
         out: Dict[str, Any] = dict(extra)
@@ -88,6 +99,8 @@ class PruneReport:
             dense_params=self.dense_params,
             wrapper_overhead=self.overhead,
             mean_relative_proxy_loss=self.mean_relative_proxy_loss,
+            mean_relative_output_loss=self.mean_relative_output_loss,
+            block_errors={str(k): list(v) for k, v in sorted(self.block_errors.items())},
             layers=[{k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(layer).items()}
                     for layer in self.layers],
         )

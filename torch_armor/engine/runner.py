@@ -77,13 +77,14 @@ class BaselineConfig:
 
 @dataclass(frozen=True)
 class Method:
-    """One pruning method: its label, what it needs from calibration, and which
-    :class:`BaselineConfig` fields besides ``pattern`` it reads (``options``)."""
+    """One pruning method: its label, what it needs from calibration (``needs_xtx(config)``:
+    whether its settings need ``XᵀX``), and which :class:`BaselineConfig` fields besides
+    ``pattern`` it reads (``options``)."""
 
     name: str
     label: str
     needs_statistics: bool
-    needs_xtx: bool
+    needs_xtx: Callable[[Any], bool]
     solve: Callable[[torch.Tensor, Optional[LayerStatistics], Any],
                     Union[ArmorFactors, Tuple[torch.Tensor, torch.Tensor]]]
     options: Tuple[str, ...] = ()
@@ -98,7 +99,11 @@ def _h(stats: Statistics, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _armor(weight: torch.Tensor, stats: Statistics, cfg: ArmorConfig, name: str = "") -> ArmorFactors:
-    return factorize(weight, _h(stats, weight), cfg, name=name or None)
+    xtx = getattr(stats, "xtx", None)  # a bare act_sq_norm tensor: the diagonal proxy only
+    if cfg.refine == "output" and xtx is None and isinstance(stats, LayerStatistics):
+        raise ValueError(f"layer {name!r}: refine='output' needs XᵀX statistics (calibrate with track_xtx=True), "
+                         "or set ArmorConfig(refine=None)")
+    return factorize(weight, _h(stats, weight), cfg, xtx=xtx, name=name or None)
 
 
 def _magnitude(weight, stats, cfg, name=""):
@@ -120,15 +125,23 @@ def _sparsegpt(weight, stats, cfg, name=""):
                                      block_size=cfg.block_size, damp=cfg.damp)
 
 
+def _never(config: Any) -> bool:
+    return False
+
+
+def _always(config: Any) -> bool:
+    return True
+
+
 #: The method registry: every front end reads this one table.
 METHODS: Dict[str, Method] = {
     m.name: m
     for m in (
-        Method("magnitude", "magnitude", False, False, _magnitude),
-        Method("wanda", "Wanda", True, False, _wanda),
-        Method("sparsegpt", "SparseGPT", True, True, _sparsegpt, options=("block_size", "damp")),
-        Method("nowag", "NoWag-P", True, False, _nowag),
-        Method("armor", "ARMOR", True, False, _armor),
+        Method("magnitude", "magnitude", False, _never, _magnitude),
+        Method("wanda", "Wanda", True, _never, _wanda),
+        Method("sparsegpt", "SparseGPT", True, _always, _sparsegpt, options=("block_size", "damp")),
+        Method("nowag", "NoWag-P", True, _never, _nowag),
+        Method("armor", "ARMOR", True, lambda cfg: getattr(cfg, "refine", None) == "output", _armor),
     )
 }
 
@@ -202,7 +215,8 @@ class LayerSolution:
 def solve_layer(method: str, weight: torch.Tensor, stats: Optional[Statistics], config: Any,
                 name: str = "") -> LayerSolution:
     """Run ``method`` on one weight with its input statistics (a :class:`LayerStatistics`, or just
-    the ``act_sq_norm`` tensor where ``XᵀX`` is not needed) and (per-layer) settings.
+    the ``act_sq_norm`` tensor where ``XᵀX`` is not needed — for ARMOR that skips the
+    output-space refinement) and (per-layer) settings.
 
     Raises:
         ValueError: the method needs statistics and none (or no tokens) were given; errors of

@@ -98,6 +98,8 @@ def _plain(value: Any) -> Any:
         return str(value)
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
     return str(value)
 
 
@@ -119,7 +121,7 @@ def config_to_dict(config: ArmorConfig) -> Dict[str, Any]:
     out = {f.name: _plain(getattr(config, f.name)) for f in dataclasses.fields(ArmorConfig)}
     out["num_iters"] = config.iterations
     out["selection"] = config.selection_rule
-    if config.group_updates is not None or config.block_size != "auto":
+    if config.group_updates is not None or config.block_size not in ("auto", "budget"):
         out["group_updates"] = config.group_updates_per_sweep
     return out
 
@@ -464,6 +466,7 @@ class RunStore:
             "pattern": scalars["pattern"],
             "nowag_loss": repr(scalars["nowag_loss"]),
             "best_iter": str(scalars["best_iter"]),
+            "relative_output_loss": repr(scalars["relative_output_loss"]),
             "model_id": self.model_id,
             "stats_hash": self.stats_hash,
             "config": json.dumps(config_to_dict(cfg), sort_keys=True),
@@ -522,7 +525,8 @@ class RunStore:
         try:
             return ArmorFactors.from_tensors(tensors, pattern=meta.get("pattern", "2:4"),
                                              nowag_loss=float(meta.get("nowag_loss", "nan")),
-                                             best_iter=int(meta.get("best_iter", "0")))
+                                             best_iter=int(meta.get("best_iter", "0")),
+                                             relative_output_loss=float(meta.get("relative_output_loss", "nan")))
         except ValueError as err:
             raise ValueError(f"{path} (layer {fqn!r}): {err}; the run directory was edited: delete the file "
                              "to recompute it") from None

@@ -217,7 +217,7 @@ def prune_model(
                 "cpu_offload); pruning needs the weights in memory: reload the model without offloading, or pass "
                 "its checkpoint directory to stream it block by block"
             )
-        layer_config(method, cfg, tuple(weight.shape), name)
+        _check_layer(method, cfg, tuple(weight.shape), name)
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if not streamed and device is None:
         dev = next((p.device for p in model.parameters() if p.device.type != "meta"), dev)
@@ -259,6 +259,20 @@ def prune_model(
         if temp_run:
             shutil.rmtree(run_path, ignore_errors=True)
     return report
+
+
+def _check_layer(method: str, cfg: Any, shape: tuple, name: str) -> None:
+    """Fail before pruning anything if the settings cannot serve this layer."""
+    if method == "armor" and cfg.block_size == "budget" and not cfg.block_sizes:
+        from torch_armor.engine.allocate import candidate_block_sizes
+
+        multiple = cfg.sparsity.m if cfg.sparsity.structured else 1
+        if not candidate_block_sizes(shape[0], shape[1], multiple):
+            raise ValueError(f"layer {name!r}: block_size='budget' found no block size in [8, 64] that divides its "
+                             f"shape {shape} and is a multiple of {multiple}; exclude the layer or give it a size in "
+                             "block_sizes")
+        return
+    layer_config(method, cfg, shape, name)
 
 
 class _ShardWriter:
