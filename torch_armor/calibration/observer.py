@@ -26,7 +26,7 @@ from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
+from torch_armor.progress import tqdm
 
 __all__ = [
     "LayerStatistics",
