@@ -83,6 +83,18 @@ _STATUS_RANK = {"pending": 0, "failed": 1, "done": 2}
 PathLike = Union[str, "os.PathLike[str]"]
 
 
+def _deterministic_safetensors(tensors: Mapping[str, Any], metadata: Dict[str, str]) -> bytes:
+    """safetensors bytes with a sorted header: the same layer always gives the same file
+    (``safetensors.torch.save`` orders metadata by a randomly seeded hash map)."""
+    import io
+
+    from torch_armor.tensor.serialization import _write_safetensors
+
+    buf = io.BytesIO()
+    _write_safetensors(buf, dict(tensors), metadata)
+    return buf.getvalue()
+
+
 class RunMismatchError(ValueError):
     """A run directory belongs to another run (config, model or statistics differ)."""
 
@@ -450,8 +462,6 @@ class RunStore:
         Returns:
             The layer file's path.
         """
-        from safetensors.torch import save as st_save
-
         if not isinstance(factors, ArmorFactors):
             raise ValueError(f"layer {fqn!r}: save() expects ArmorFactors, got {type(factors).__name__}")
         cfg = config or self.config
@@ -468,7 +478,7 @@ class RunStore:
             "stats_hash": self.stats_hash,
             "config": json.dumps(config_to_dict(cfg), sort_keys=True),
         }
-        data = st_save(tensors, metadata=meta)
+        data = _deterministic_safetensors(tensors, meta)
         path = self.layer_path(fqn)
         self._write_or_explain(path, data, f"layer {fqn!r}")
         st = path.stat()
