@@ -146,6 +146,8 @@ def validate_layer(
     if not act_sq_norm.dtype.is_floating_point:
         raise ValueError(f"{where}act_sq_norm dtype {act_sq_norm.dtype} must be floating point")
     d_out, d_in = weight.shape
+    if weight.numel() == 0:
+        raise ValueError(f"{where}weight is empty (shape {tuple(weight.shape)}): nothing to prune; skip this layer")
     if act_sq_norm.shape != (d_in,):
         raise ValueError(
             f"{where}act_sq_norm has shape {tuple(act_sq_norm.shape)} but the weight has "
