@@ -39,6 +39,9 @@ class ArmorIOError(ArmorError, OSError):
     """A write failed (disk full, read-only directory, …); the message names the file. Every layer
     finished before it is kept in the run directory, so rerunning the same command resumes."""
 
+    def __str__(self) -> str:  # the message alone, without OSError's "[Errno N]" prefix
+        return self.strerror if isinstance(self.strerror, str) else super().__str__()
+
 
 #: The exception types that count as a clear answer (the CLI prints their message, exit 2).
 CLEAR_ERRORS = (ArmorError, ValueError, FileNotFoundError, OSError)

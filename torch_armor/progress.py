@@ -95,3 +95,11 @@ def quiet_third_party_progress() -> None:
         disable_progress_bars()
     except Exception:  # noqa: BLE001
         pass
+    try:  # transformers' GGUF reader draws a plain tqdm.auto bar of its own (no switch for it)
+        import functools
+
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+        gguf_utils.tqdm = functools.partial(_tqdm, disable=True)
+    except Exception:  # noqa: BLE001
+        pass

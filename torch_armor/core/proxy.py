@@ -129,7 +129,7 @@ def validate_layer(
             raise ValueError(f"{where}{label} is on the meta device (no values): load or materialize the "
                              "weights (e.g. LazyCheckpoint, or model.to_empty + load_state_dict) before pruning")
         if hasattr(type(t), "__tensor_flatten__"):  # a wrapper subclass: ArmorTensor, torchao tensors
-            raise ValueError(f"{where}{label} is a {type(t).__name__}, not a plain tensor: the layer is already "
+            raise ValueError(f"{where}{label} is of type {type(t).__name__}, not a plain tensor: the layer is already "
                              "converted (pruned); prune the original dense weight, or skip this layer")
         if t.is_sparse or t.is_complex():
             raise ValueError(f"{where}{label} must be a dense real tensor, got layout {t.layout} dtype {t.dtype}")

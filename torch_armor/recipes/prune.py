@@ -266,7 +266,7 @@ def prune_model(
                 "its checkpoint directory to stream it block by block"
             )
         if hasattr(type(weight), "__tensor_flatten__"):
-            raise ValueError(f"layer {name!r} is already pruned (its weight is a {type(weight).__name__}); "
+            raise ValueError(f"layer {name!r} is already pruned (its weight is of type {type(weight).__name__}); "
                              "prune the original dense model")
         layer_config(method, cfg, tuple(weight.shape), name)
     dev = torch.device(device) if device is not None else torch.device("cpu")
