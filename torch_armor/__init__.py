@@ -40,6 +40,15 @@ def _import_torchao_quietly() -> None:
     try:
         import torchao  # noqa: F401
         import torchao.quantization  # noqa: F401
+        import importlib
+
+        # transformers imports these from its torchao integration; their Enum registrations
+        # warn once per process, so take that once here, quietly
+        for extra in ("torchao.prototype.mx_formats", "torchao.quantization.quantize_.common"):
+            try:
+                importlib.import_module(extra)
+            except Exception:  # noqa: BLE001 - optional parts of torchao
+                pass
     finally:
         for lg, level in zip(noisy, levels):
             lg.setLevel(level)

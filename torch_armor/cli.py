@@ -13,7 +13,12 @@ Examples::
     # the quality table: dense, magnitude, Wanda, SparseGPT, NoWag-P, ARMOR on SmolLM2
     torch-armor demo
 
-Progress bars and phase messages go to stderr; results (perplexity, tables) to stdout.
+Progress bars and phase messages go to stderr; results (perplexity, tables) to stdout. When stderr
+is not a terminal (a log file), each stage prints one line instead of a bar.
+
+Errors: a bad argument, model, file or a failed write prints one line
+``torch-armor CMD: error: …`` naming what is at fault and what to do, and exits with status 2;
+``--debug`` (or ``TORCH_ARMOR_DEBUG=1``) shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -68,12 +73,28 @@ def _positive_float(text: str) -> float:
     return value
 
 
+_SEED_MAX = 2**63 - 1
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
+    if not 0 <= value <= _SEED_MAX:
+        raise argparse.ArgumentTypeError(f"seed must be in [0, 2**63 - 1], got {value}")
+    return value
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=_positive_int, default=512, help="tokens per window (default 512)")
     p.add_argument("--batch-size", type=_positive_int, default=8, help="windows per forward pass (default 8)")
     p.add_argument("--threads", type=_positive_int, default=None,
                    help="torch.set_num_threads (default: PyTorch's choice)")
-    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument("--no-progress", action="store_true",
+                   help="hide progress bars (also transformers' loading bar)")
+    p.add_argument("--debug", action="store_true",
+                   help="show the full traceback of an error (also TORCH_ARMOR_DEBUG=1)")
 
 
 def _add_model(p: argparse.ArgumentParser, help_text: str) -> None:
@@ -101,7 +122,7 @@ def _add_armor(p: argparse.ArgumentParser) -> None:
                    help=f"iterations per layer (default: {default.iterations} bcd sweeps; 1000 adam steps)")
     g.add_argument("--time-budget", type=_positive_float, default=None,
                    help="also stop each layer after this many wall seconds (default: no limit)")
-    g.add_argument("--seed", type=int, default=0, help="seed of calibration windows and group selection")
+    g.add_argument("--seed", type=_seed, default=0, help="seed of calibration windows and group selection")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -183,8 +204,41 @@ def _log(message: str) -> None:
 def _setup(args: argparse.Namespace) -> None:
     import torch
 
+    from torch_armor.progress import is_interactive, quiet_third_party_progress
+
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.no_progress or not is_interactive():
+        quiet_third_party_progress()
+
+
+def _check_device(device: Optional[str]) -> None:
+    """Refuse a ``--device`` this torch cannot run on, before anything is loaded."""
+    if device is None:
+        return
+    import torch
+
+    from torch_armor.errors import ArmorInputError
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as err:
+        raise ArmorInputError(f"--device {device!r} is not a device ({err}); use cpu, cuda or cuda:N") from None
+    if dev.type == "meta":
+        raise ArmorInputError("--device meta holds no values, so nothing can be calibrated or evaluated; "
+                              "use cpu or cuda")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ArmorInputError(f"--device {device}: this torch build ({torch.__version__}) sees no CUDA GPU; "
+                                  "use --device cpu, or install a CUDA build of torch")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ArmorInputError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    elif dev.type != "cpu":
+        module = getattr(torch, dev.type, None)
+        available = getattr(module, "is_available", None)
+        if available is None or not available():
+            raise ArmorInputError(f"--device {device}: the {dev.type} backend is not available in this torch; "
+                                  "use --device cpu")
 
 
 def _armor_config(args: argparse.Namespace):
@@ -205,6 +259,12 @@ def _check_out(out: Path, overwrite: bool, allowed: Sequence[str] = ()) -> None:
     leftovers = [p for p in out.iterdir() if p.name not in allowed] if out.is_dir() else []
     if leftovers and not overwrite:
         raise ValueError(f"--out {out} is not empty; pass --overwrite to write into it")
+    from torch_armor.tensor.serialization import _PICKLE_SUFFIXES
+
+    pickles = sorted(p.name for p in leftovers if p.is_file() and p.suffix.lower() in _PICKLE_SUFFIXES)
+    if pickles:
+        raise ValueError(f"--out {out} holds pickle weights {pickles} that a torch_armor checkpoint cannot sit "
+                         "beside (the loader refuses the directory); remove them or choose another --out")
 
 
 def _cmd_prune(args: argparse.Namespace) -> int:
@@ -215,6 +275,11 @@ def _cmd_prune(args: argparse.Namespace) -> int:
     if args.method != "armor" and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         raise ValueError(f"only --method armor runs on several ranks; run {args.method} without torchrun")
     _check_out(out, args.overwrite, allowed=(RUN_DIR_NAME,) if not args.run_dir else ())
+    from torch_armor.recipes.models import check_model_source
+
+    if check_model_source(args.model, args.gguf_file) == "armor":
+        raise ValueError(f"MODEL {args.model!r} is already pruned by torch_armor (it has armor_config.json); "
+                         "prune the original dense checkpoint instead")
     topo = init_distributed(device=args.device)
     try:
         return _prune(args, out, run_dir, topo)
@@ -327,16 +392,42 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         >>> main(["prune", "smollm2", "--out", "runs/x", "--layers", "0-1"])   # doctest: +SKIP
         0
     """
+    from torch_armor.errors import CLEAR_ERRORS, debug_enabled
+
     parser = build_parser()
     argv = list(argv) if argv is not None else sys.argv[1:]
     args = parser.parse_args(argv)
     args.argv = argv
     commands = {"prune": _cmd_prune, "eval": _cmd_eval, "demo": _cmd_demo}
-    try:
+    if args.debug or debug_enabled():
+        _check_device(getattr(args, "device", None))
         return commands[args.command](args)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"torch-armor {args.command}: error: {err}", file=sys.stderr)
+    try:
+        _check_device(getattr(args, "device", None))
+        return commands[args.command](args)
+    except CLEAR_ERRORS as err:
+        print(f"torch-armor {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"torch-armor {args.command}: interrupted; finished layers are kept in the run directory, "
+              "rerun the same command to resume", file=sys.stderr)
+        return 130
+    except Exception as err:  # noqa: BLE001 - anything else is a bug: one line, no traceback
+        print(f"torch-armor {args.command}: internal error: {type(err).__name__}: {_one_line(err)} "
+              "(rerun with --debug for the traceback, and please report it)", file=sys.stderr)
+        return 1
+
+
+def _one_line(err: BaseException) -> str:
+    """The error's message on one line; an OSError names its file."""
+    from torch_armor.errors import ArmorError
+
+    if isinstance(err, OSError) and not isinstance(err, ArmorError) and err.strerror:
+        text = f"{err.strerror}: {err.filename}" if err.filename else err.strerror
+        text += "; free space or fix permissions, then rerun the same command (finished layers are kept)"
+    else:
+        text = str(err) or type(err).__name__
+    return " ".join(text.split())
 
 
 if __name__ == "__main__":  # pragma: no cover

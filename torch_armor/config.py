@@ -228,8 +228,8 @@ class ArmorConfig:
             raise ValueError(f"lr must be a positive finite number, got {self.lr!r}")
         if self.selection is not None and self.selection not in _SELECTIONS:
             raise ValueError(f"selection must be one of {_SELECTIONS} or None, got {self.selection!r}")
-        if not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be an integer in [0, 2**63 - 1] (torch generators), got {self.seed!r}")
         if self.dtype not in _FLOAT_DTYPES:
             raise ValueError(
                 f"dtype must be torch.float32 or torch.float64 for optimization, got {self.dtype}; "

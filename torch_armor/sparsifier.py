@@ -14,7 +14,9 @@ The protocol:
    records a sha256 of each prepared dense weight.
 2. Calibrate: run forward passes yourself. Each hook adds ``Σ x_j²`` per input channel (and
    ``XᵀX`` for SparseGPT) in float32, whatever the input dtype or shape; activations are never
-   stored.
+   stored. Padded batches: call ``sparsifier.set_attention_mask(mask)`` before each forward
+   (``(batch, seq_len)``, 0 = pad; give the model the same mask) and pad positions are left out of
+   every statistic; ``set_attention_mask(None)`` counts every position again.
 3. ``step()`` solves every layer not solved yet (progress bar, one log line per layer).
 4. ``convert(model)`` swaps the weights in place (ARMOR: an
    :class:`~torch_armor.tensor.armor_tensor.ArmorTensor`; baselines: the pruned dense weight) and removes

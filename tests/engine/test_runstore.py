@@ -203,3 +203,23 @@ def test_layer_file_without_manifest_entry_is_recomputed(tmp_path):
     assert fresh.layer_info(name)["status"] == "pending"
 
 
+
+
+def test_layer_files_are_byte_identical_across_saves(tmp_path):
+    """Issue #14: the same layer saved twice gives the same bytes (safetensors' own writer orders
+    the metadata by a randomly seeded hash map); the file still reads back exactly."""
+    from torch_armor import ArmorConfig, factorize
+    from torch_armor.engine.identity import hash_statistics
+    from torch_armor.engine.runstore import RunStore
+
+    g = torch.Generator().manual_seed(0)
+    w, h = torch.randn(16, 32, generator=g), torch.rand(32, generator=g) + 0.1
+    cfg = ArmorConfig(block_size=16, num_iters=2)
+    f = factorize(w, h, cfg)
+    blobs = []
+    for i in range(3):
+        store = RunStore(tmp_path / str(i), cfg, model_id="toy", stats_hash=hash_statistics({"fc": h}))
+        blobs.append(store.save("fc", f).read_bytes())
+        back = store.load("fc")
+        assert torch.equal(back.core, f.core) and torch.equal(back.a_blocks, f.a_blocks)
+    assert blobs[0] == blobs[1] == blobs[2]

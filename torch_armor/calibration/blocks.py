@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from torch_armor.calibration.observer import ActSqNormObserver, LayerStatistics, _model_device
+from torch_armor.calibration.observer import ActSqNormObserver, LayerStatistics, _model_device, token_mask
 
 __all__ = ["BlockInput", "decoder_blocks", "capture_block_inputs", "run_block", "block_statistics"]
 
@@ -40,10 +40,13 @@ class BlockInput:
     time :attr:`hidden` is used; assigning :attr:`hidden` then rewrites the file.
     """
 
-    def __init__(self, hidden: torch.Tensor, kwargs: Optional[Dict[str, Any]] = None) -> None:
+    def __init__(self, hidden: torch.Tensor, kwargs: Optional[Dict[str, Any]] = None,
+                 token_mask: Optional[torch.Tensor] = None) -> None:
         self._hidden: Optional[torch.Tensor] = hidden
         self.kwargs: Dict[str, Any] = dict(kwargs or {})
         self.path: Optional[Path] = None
+        #: ``(batch, seq_len)`` bool, False at pad positions (left out of statistics), or None
+        self.token_mask: Optional[torch.Tensor] = token_mask
 
     @property
     def hidden(self) -> torch.Tensor:
@@ -124,13 +127,18 @@ def capture_block_inputs(
     """Run each batch of token ids through ``model`` up to ``first_block`` and return what the
     block would receive. Nothing after the embeddings runs (later blocks may sit on the meta
     device). ``hidden_dtype`` (default: as produced) and ``store_device`` (default: CPU) say how
-    the hidden states are kept; the keyword arguments are kept as produced."""
+    the hidden states are kept; the keyword arguments are kept as produced.
+
+    A batch may be ``(token_ids, attention_mask)`` (``(b, seq_len)`` each, 0 = pad): the model gets
+    the mask and the :class:`BlockInput` keeps it, so pad positions are left out of the statistics."""
     captured: List[BlockInput] = []
+    current: Dict[str, Optional[torch.Tensor]] = {"mask": None}
 
     def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
         hidden = args[0] if args else kwargs.pop("hidden_states")
         rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-        captured.append(BlockInput(_to(hidden, store_device or torch.device("cpu"), hidden_dtype), rest))
+        captured.append(BlockInput(_to(hidden, store_device or torch.device("cpu"), hidden_dtype), rest,
+                                   current["mask"]))
         raise _Captured
 
     handle = first_block.register_forward_pre_hook(hook, with_kwargs=True)
@@ -139,8 +147,15 @@ def capture_block_inputs(
     try:
         with torch.no_grad():
             for batch in batches:
+                mask = None
+                if isinstance(batch, (tuple, list)):
+                    batch, mask = batch
+                    mask = mask.to(torch.bool)
+                current["mask"] = mask
+                kwargs = dict(extra) if mask is None else dict(extra, attention_mask=mask.to(device=device,
+                                                                                            dtype=torch.long))
                 try:
-                    model(batch.to(device=device, dtype=torch.long), **extra)
+                    model(batch.to(device=device, dtype=torch.long), **kwargs)
                 except _Captured:
                     continue
                 raise ValueError("the model's forward never reached its first decoder block")
@@ -186,7 +201,8 @@ def block_statistics(
     observers = {name: ActSqNormObserver(track_xtx=track_xtx).attach(module, name) for name, module in layers.items()}
     try:
         for i, inp in enumerate(inputs):
-            out = run_block(block, inp, device)
+            with token_mask(getattr(inp, "token_mask", None)):
+                out = run_block(block, inp, device)
             if propagate:
                 inp.hidden = out
             del out

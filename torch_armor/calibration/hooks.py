@@ -21,7 +21,7 @@ from torch import nn
 from torch.ao.pruning import BaseSparsifier
 from tqdm.auto import tqdm
 
-from torch_armor.calibration.observer import ActSqNormObserver, LayerStatistics, decoder_linear_names
+from torch_armor.calibration.observer import ActSqNormObserver, LayerStatistics, decoder_linear_names, set_token_mask
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.engine.identity import hash_tensors
 from torch_armor.engine.runner import METHODS, LayerSolution, layer_config, solve_layer
@@ -101,6 +101,12 @@ class CalibratedSparsifier(BaseSparsifier):
     @property
     def needs_statistics(self) -> bool:
         return METHODS[self.method].needs_statistics
+
+    @staticmethod
+    def set_attention_mask(mask: Optional[torch.Tensor]) -> None:
+        """Count only positions where ``mask`` (``(batch, seq_len)``) is 1 in the following forward
+        passes (pads left out of every statistic); ``None``: every position."""
+        set_token_mask(mask)
 
     # -- prepare -----------------------------------------------------------------------------
     def prepare(self, model: nn.Module, config: Optional[List[Dict[str, Any]]] = None) -> None:

@@ -9,6 +9,11 @@ any leading batch/sequence shape), in float32 whatever the input dtype:
 
 Activations are never stored. No ``torch.ao.quantization`` observers are used.
 
+Padding: inside ``with token_mask(attention_mask):`` (``(batch, seq)``, 1 = real token, 0 = pad)
+every observer keeps only the rows of real tokens, so pad positions are left out of every
+statistic (``Σ x²``, ``XᵀX``, ``num_tokens``). :func:`collect_statistics`, ``prune_model`` and the
+sparsifiers' ``set_attention_mask`` use it; without a mask every position counts.
+
 Example::
 
     >>> lin = torch.nn.Linear(4, 2)
@@ -21,12 +26,14 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
+from torch_armor.progress import tqdm
 
 __all__ = [
     "LayerStatistics",
@@ -35,7 +42,53 @@ __all__ = [
     "remove_observers",
     "decoder_linear_names",
     "collect_statistics",
+    "token_mask",
+    "set_token_mask",
 ]
+
+_TOKEN_MASK: "contextvars.ContextVar[Optional[torch.Tensor]]" = contextvars.ContextVar("torch_armor_token_mask",
+                                                                                      default=None)
+
+
+def _as_token_mask(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.is_floating_point() and not bool(
+            ((mask == 0) | (mask == 1)).all()):
+        raise ValueError("attention_mask must be a (batch, seq_len) tensor of 0 (pad) and 1 (token), got "
+                         f"{type(mask).__name__} {tuple(getattr(mask, 'shape', ()))}")
+    mask = mask.detach().to(torch.bool)
+    if not bool(mask.any()):
+        raise ValueError("attention_mask masks every position of the batch: nothing would be observed")
+    return mask
+
+
+def set_token_mask(mask: Optional[torch.Tensor]) -> None:
+    """Observe only the tokens where ``mask`` (``(batch, seq_len)``) is 1 in the forward passes
+    that follow, until the next call (``None``: every position again)."""
+    _TOKEN_MASK.set(_as_token_mask(mask))
+
+
+@contextlib.contextmanager
+def token_mask(mask: Optional[torch.Tensor]):
+    """Within the block, observers count only the positions where ``mask`` is 1 (pads left out).
+
+    Example::
+
+        >>> lin = torch.nn.Linear(2, 1)
+        >>> obs = ActSqNormObserver().attach(lin, "lin")
+        >>> x = torch.tensor([[[1.0, 1.0], [5.0, 5.0]]])        # batch 1, 2 positions
+        >>> with token_mask(torch.tensor([[1, 0]])):            # the second one is padding
+        ...     _ = lin(x)
+        >>> obs.num_tokens, obs.act_sq_norm.tolist()
+        (1, [1.0, 1.0])
+        >>> obs.remove()
+    """
+    handle = _TOKEN_MASK.set(_as_token_mask(mask))
+    try:
+        yield
+    finally:
+        _TOKEN_MASK.reset(handle)
 
 
 @dataclass(frozen=True)
@@ -145,6 +198,13 @@ class ActSqNormObserver:
             )
         with torch.no_grad():
             rows = x.detach().reshape(-1, d_in).to(torch.float32)
+            mask = _TOKEN_MASK.get()
+            if mask is not None:
+                if mask.numel() != rows.shape[0]:
+                    raise ValueError(
+                        f"layer {self.name!r} saw {rows.shape[0]} input rows but the attention mask has "
+                        f"{mask.numel()} positions {tuple(mask.shape)}: pass the mask of the batch being run")
+                rows = rows[mask.reshape(-1).to(rows.device)]
             sq = rows.square().sum(dim=0)
             if not bool(torch.isfinite(sq).all()):
                 if not bool(torch.isfinite(rows).all()):
@@ -341,9 +401,11 @@ def collect_statistics(
     batch_size: int = 4,
     track_xtx: bool = False,
     progress: bool = True,
+    attention_mask: Optional[torch.Tensor] = None,
 ) -> dict[str, LayerStatistics]:
     """Run ``windows`` (``(n, seq_len)`` token ids) through ``model`` and return the input
-    statistics of each named linear.
+    statistics of each named linear. With ``attention_mask`` (same shape, 0 = pad) the model
+    gets the mask and pad positions are left out of every statistic.
 
     Forward passes run under ``torch.no_grad`` in eval mode (the previous train/eval mode is
     restored), ``batch_size`` windows at a time; the hooks are removed even on error.
@@ -371,6 +433,10 @@ def collect_statistics(
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
 
+    if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
+                                       or attention_mask.shape != windows.shape):
+        raise ValueError(f"attention_mask must have the windows' shape {tuple(windows.shape)}, got "
+                         f"{tuple(getattr(attention_mask, 'shape', ()))}")
     observers = attach_observers(model, names, track_xtx=track_xtx)
     was_training = model.training
     device = _model_device(model)
@@ -385,7 +451,12 @@ def collect_statistics(
                 disable=not progress,
             ):
                 batch = windows[start : start + batch_size].to(device=device, dtype=torch.long)
-                model(batch, **kwargs)
+                if attention_mask is None:
+                    model(batch, **kwargs)
+                    continue
+                mask = attention_mask[start : start + batch_size]
+                with token_mask(mask):
+                    model(batch, attention_mask=mask.to(device=device, dtype=torch.long), **kwargs)
     finally:
         remove_observers(observers)
         model.train(was_training)

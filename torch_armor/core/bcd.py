@@ -17,22 +17,39 @@ __all__ = ["update_a", "update_b", "refine_core_cg"]
 
 
 def _ridge(gram: torch.Tensor, ridge: float) -> torch.Tensor:
-    # A floor of 100 ulp keeps Cholesky meaningful on rank-deficient systems.
+    # A floor of 100 ulp keeps Cholesky meaningful on rank-deficient systems. An all-zero block
+    # (e.g. input channels never active in calibration) has no scale of its own: it gets scale 1,
+    # so λ stays a normal number and the proximal step returns the old value (its optimum there).
     ridge = max(ridge, 100 * torch.finfo(gram.dtype).eps)
     d = gram.shape[-1]
-    scale = gram.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(torch.finfo(gram.dtype).tiny)
+    scale = gram.diagonal(dim1=-2, dim2=-1).mean(-1)
+    scale = torch.where(scale > torch.finfo(gram.dtype).tiny / ridge, scale, torch.ones_like(scale))
     return (ridge * scale)[:, None, None] + torch.zeros(d, dtype=gram.dtype, device=gram.device)
 
 
 def _prox_solve(gram: torch.Tensor, rhs: torch.Tensor, old: torch.Tensor, ridge: float) -> torch.Tensor:
-    """``(gram + λI)⁻¹ (rhs + λ·old)`` per block (gram symmetric PSD)."""
+    """``(gram + λI)⁻¹ (rhs + λ·old)`` per block (gram symmetric PSD).
+
+    Numerical guard: a block whose system Cholesky still rejects after raising ``λ`` a thousand-
+    and a million-fold, or whose solution is not finite, keeps its old value (``X = old`` never
+    raises the proximal objective, so the step stays monotone).
+    """
     lam = _ridge(gram, ridge)[..., :1]  # (n, 1, 1)
     eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
-    system = gram + lam * eye
-    chol, info = torch.linalg.cholesky_ex(system)
-    if bool((info == 0).all()):
-        return torch.cholesky_solve(rhs + lam * old, chol)
-    return torch.linalg.lstsq(system, rhs + lam * old).solution
+    out = old.clone()
+    todo = torch.ones(gram.shape[0], dtype=torch.bool, device=gram.device)
+    for boost in (1.0, 1e3, 1e6):
+        chol, info = torch.linalg.cholesky_ex(gram + (boost * lam) * eye)
+        ok = (info == 0) & todo
+        if bool(ok.any()):
+            safe = torch.where(ok[:, None, None], chol, eye)
+            sol = torch.cholesky_solve(rhs + (boost * lam) * old, safe)
+            ok = ok & torch.isfinite(sol).flatten(1).all(1)
+            out = torch.where(ok[:, None, None], sol, out)
+            todo = todo & ~ok
+        if not bool(todo.any()):
+            break
+    return out
 
 
 def update_a(w_bar: torch.Tensor, act_sq_norm: torch.Tensor, a: torch.Tensor, core: torch.Tensor,
@@ -62,6 +79,15 @@ def update_b(w_bar: torch.Tensor, a: torch.Tensor, core: torch.Tensor, b: torch.
     return _prox_solve(gram, cross, b, ridge)
 
 
+def _safe_inv(system: torch.Tensor) -> torch.Tensor:
+    """Inverses of SPD blocks for the preconditioner; a block that cannot be inverted to finite
+    values gets the identity (any SPD preconditioner keeps CG correct, only slower)."""
+    inv, info = torch.linalg.inv_ex(system)
+    ok = (info == 0) & torch.isfinite(inv).flatten(1).all(1)
+    eye = torch.eye(system.shape[-1], dtype=system.dtype, device=system.device)
+    return torch.where(ok[:, None, None], inv, eye)
+
+
 def _tile_dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Per-tile inner products of ``(P, d, Q, d)`` views: ``(P, Q)``."""
     return (x * y).sum((1, 3))
@@ -84,8 +110,8 @@ def refine_core_cg(w_bar: torch.Tensor, act_sq_norm: torch.Tensor, a: torch.Tens
     a_gram = a.transpose(1, 2) @ a
     b_gram = (b * act_sq_norm.reshape(q, 1, d_b)) @ b.transpose(1, 2)
     eye = torch.eye(d_b, dtype=a.dtype, device=a.device)
-    a_inv = torch.linalg.inv(a_gram + _ridge(a_gram, max(ridge, 1e-6))[..., :1] * eye)
-    b_inv = torch.linalg.inv(b_gram + _ridge(b_gram, max(ridge, 1e-6))[..., :1] * eye)
+    a_inv = _safe_inv(a_gram + _ridge(a_gram, max(ridge, 1e-6))[..., :1] * eye)
+    b_inv = _safe_inv(b_gram + _ridge(b_gram, max(ridge, 1e-6))[..., :1] * eye)
     maskf = mask.to(core.dtype).view(shape4)
 
     def sandwich(left: torch.Tensor, x: torch.Tensor, right: torch.Tensor) -> torch.Tensor:

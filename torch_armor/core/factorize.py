@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -12,7 +13,8 @@ from torch_armor.core.bcd import refine_core_cg, update_a, update_b
 from torch_armor.core.blockdiag import block_diag_left, block_diag_right
 from torch_armor.config import ArmorConfig, SparsityPattern
 from torch_armor.core.factors import ArmorFactors
-from torch_armor.core.proxy import mask_from_scores, normalize_weight, nowag_scores, validate_layer
+from torch_armor.errors import ArmorNumericalError
+from torch_armor.core.proxy import _where, mask_from_scores, normalize_weight, nowag_scores, validate_layer
 from torch_armor.core.sparse_core import (DECREASE_SELECTIONS, block_grams, core_gradient, group_decrease, select_groups,
                           sparse_core_step, sparse_core_steps)
 
@@ -259,8 +261,11 @@ def factorize(
     device = torch.device(config.device) if config.device is not None else weight.device
     dtype, d_b = config.dtype, config.block_size
 
-    w = weight.detach().to(device=device, dtype=dtype)
-    h = act_sq_norm.detach().to(device=device, dtype=dtype)
+    # Exact power-of-two pre-scaling (bit-identical results for ordinary inputs): weights near the
+    # top of the dtype's range (1e19 in fp32) would overflow the column norms, statistics near it
+    # the losses. The weight's scale goes back into the row norms, the statistics' into nowag_loss.
+    w, w_exp = _pow2_scaled(weight, device, dtype)
+    h, h_exp = _pow2_scaled(act_sq_norm, device, dtype)
     w_bar, row_norm, col_norm = normalize_weight(w)
     mask = mask_from_scores(nowag_scores(w_bar, h), pattern).contiguous()
     core = (w_bar * mask).contiguous()
@@ -278,9 +283,10 @@ def factorize(
     losses = torch.stack([torch.as_tensor(x, dtype=dtype, device=device) for x in log.losses]).double().cpu()
     nowag_loss = float(problem.nowag_loss)
     history = losses / nowag_loss if nowag_loss > 0 else torch.zeros_like(losses)
+    _check_result(problem, a, core, b, mask, float(log.best_loss), name)
     out_dtype = weight.dtype
     factors = ArmorFactors(
-        a_blocks=(row_norm.reshape(p, d_b, 1) * a).detach().to(out_dtype),
+        a_blocks=(row_norm.reshape(p, d_b, 1) * a).detach().to(out_dtype) * 2.0 ** w_exp,
         core=core.detach().to(out_dtype),
         b_blocks=(b * col_norm.reshape(q, 1, d_b)).detach().to(out_dtype),
         mask=mask.detach().clone(),
@@ -288,7 +294,7 @@ def factorize(
         history=history,
         history_iters=torch.tensor(log.iters, dtype=torch.long),
         history_time_s=torch.tensor(log.times, dtype=torch.float64),
-        nowag_loss=nowag_loss,
+        nowag_loss=nowag_loss * 2.0 ** h_exp,
         best_iter=int(log.best_iter),
     )
     if xtx is not None and config.refine == "output":
@@ -297,4 +303,40 @@ def factorize(
         factors = refine_output(weight.detach().to(device), xtx.to(device), factors, rounds=config.refine_rounds,
                                 cg_steps=config.refine_cg_steps, damp=config.refine_damp,
                                 act_sq_norm=act_sq_norm.to(device))
+    for label in ("a_blocks", "core", "b_blocks"):
+        if not bool(torch.isfinite(getattr(factors, label)).all()):
+            raise ArmorNumericalError(
+                f"{_where(name)}the {label} factors overflow {out_dtype} (weight scale 2^{w_exp}); "
+                f"factorize in a wider dtype (ArmorConfig(dtype=torch.float64)) or rescale the weight")
     return factors
+
+
+def _pow2_scaled(t: torch.Tensor, device, dtype) -> Tuple[torch.Tensor, int]:
+    """``(t · 2^-k, k)`` in ``dtype`` on ``device`` with ``max|t · 2^-k|`` near 1 (exact scaling)."""
+    work = t.detach().to(device=device, dtype=torch.promote_types(t.dtype, dtype))
+    peak = float(work.abs().max()) if work.numel() else 0.0
+    k = math.frexp(peak)[1] - 1 if peak > 0 and math.isfinite(peak) else 0
+    # Ordinary magnitudes are left alone (k = 0: results bit-identical, Adam's eps unchanged);
+    # only values whose squares could overflow or underflow the compute dtype are rescaled.
+    exp_range = int(math.log2(torch.finfo(dtype).max))
+    limit = int(math.log2(torch.finfo(work.dtype).max)) - 8
+    k = 0 if abs(k) <= exp_range // 4 else max(-limit, min(limit, k))
+    return (work * 2.0 ** -k if k else work).to(dtype), k
+
+
+def _check_result(problem: _Problem, a, core, b, mask, best_loss: float, name: Optional[str]) -> None:
+    """The returned factors must be finite, keep the pattern and reproduce the tracked best loss."""
+    where = _where(name)
+    for label, t in (("A", a), ("core", core), ("B", b)):
+        if not bool(torch.isfinite(t).all()):
+            raise ArmorNumericalError(f"{where}the optimizer produced non-finite {label} factors; retry with "
+                                      "ArmorConfig(dtype=torch.float64) or optimizer='bcd', and report the layer")
+    if bool((core.ne(0) & ~mask).any()):
+        raise ArmorNumericalError(f"{where}the sparse core has non-zeros outside its mask; please report the layer")
+    recomputed = float(_weighted_sq(problem.w_bar - reconstruct_normalized(a, core, b), problem.h))
+    nowag = float(problem.nowag_loss)
+    tol = 1e-2 * nowag + 1e3 * torch.finfo(problem.w_bar.dtype).eps * float(problem.h.double().sum())
+    if not math.isfinite(recomputed) or abs(recomputed - best_loss) > tol or recomputed > nowag + tol:
+        raise ArmorNumericalError(
+            f"{where}loss check failed: the optimizer tracked {best_loss:.6g} but the returned factors give "
+            f"{recomputed:.6g} (NoWag-P {nowag:.6g}); retry with ArmorConfig(dtype=torch.float64)")

@@ -124,6 +124,15 @@ def validate_layer(
     pat = parse_pattern(pattern)
     if not isinstance(weight, torch.Tensor) or not isinstance(act_sq_norm, torch.Tensor):
         raise ValueError(f"{where}weight and act_sq_norm must be torch.Tensors")
+    for label, t in (("weight", weight), ("act_sq_norm", act_sq_norm)):
+        if t.is_meta:
+            raise ValueError(f"{where}{label} is on the meta device (no values): load or materialize the "
+                             "weights (e.g. LazyCheckpoint, or model.to_empty + load_state_dict) before pruning")
+        if hasattr(type(t), "__tensor_flatten__"):  # a wrapper subclass: ArmorTensor, torchao tensors
+            raise ValueError(f"{where}{label} is of type {type(t).__name__}, not a plain tensor: the layer is already "
+                             "converted (pruned); prune the original dense weight, or skip this layer")
+        if t.is_sparse or t.is_complex():
+            raise ValueError(f"{where}{label} must be a dense real tensor, got layout {t.layout} dtype {t.dtype}")
     if weight.dim() != 2:
         raise ValueError(
             f"{where}weight must be 2-D (d_out, d_in), got shape {tuple(weight.shape)}; "
@@ -137,6 +146,8 @@ def validate_layer(
     if not act_sq_norm.dtype.is_floating_point:
         raise ValueError(f"{where}act_sq_norm dtype {act_sq_norm.dtype} must be floating point")
     d_out, d_in = weight.shape
+    if weight.numel() == 0:
+        raise ValueError(f"{where}weight is empty (shape {tuple(weight.shape)}): nothing to prune; skip this layer")
     if act_sq_norm.shape != (d_in,):
         raise ValueError(
             f"{where}act_sq_norm has shape {tuple(act_sq_norm.shape)} but the weight has "

@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from tqdm.auto import tqdm
+from torch_armor.progress import tqdm
 
 from torch_armor._io import atomic_write
 from torch_armor.calibration.blocks import BlockInput, block_statistics, capture_block_inputs, run_block

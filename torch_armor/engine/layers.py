@@ -37,7 +37,7 @@ import time
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
-from tqdm.auto import tqdm
+from torch_armor.progress import tqdm
 
 from torch_armor.config import ArmorConfig
 from torch_armor.core.factors import ArmorFactors

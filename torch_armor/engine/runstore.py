@@ -83,6 +83,18 @@ _STATUS_RANK = {"pending": 0, "failed": 1, "done": 2}
 PathLike = Union[str, "os.PathLike[str]"]
 
 
+def _deterministic_safetensors(tensors: Mapping[str, Any], metadata: Dict[str, str]) -> bytes:
+    """safetensors bytes with a sorted header: the same layer always gives the same file
+    (``safetensors.torch.save`` orders metadata by a randomly seeded hash map)."""
+    import io
+
+    from torch_armor.tensor.serialization import _write_safetensors
+
+    buf = io.BytesIO()
+    _write_safetensors(buf, dict(tensors), metadata)
+    return buf.getvalue()
+
+
 class RunMismatchError(ValueError):
     """A run directory belongs to another run (config, model or statistics differ)."""
 
@@ -350,7 +362,7 @@ class RunStore:
             "torch_version": torch.__version__,
             "layers": {k: self._own[k] for k in sorted(self._own)},
         }
-        atomic_write(self.manifest_path, json.dumps(data, indent=1, sort_keys=True).encode())
+        self._write_or_explain(self.manifest_path, json.dumps(data, indent=1, sort_keys=True).encode(), "the manifest")
 
     def with_rank(self, rank: int) -> "RunStore":
         """The same run directory opened as writer ``rank`` (``self`` if it already is)."""
@@ -452,8 +464,6 @@ class RunStore:
         Returns:
             The layer file's path.
         """
-        from safetensors.torch import save as st_save
-
         if not isinstance(factors, ArmorFactors):
             raise ValueError(f"layer {fqn!r}: save() expects ArmorFactors, got {type(factors).__name__}")
         cfg = config or self.config
@@ -471,9 +481,9 @@ class RunStore:
             "stats_hash": self.stats_hash,
             "config": json.dumps(config_to_dict(cfg), sort_keys=True),
         }
-        data = st_save(tensors, metadata=meta)
+        data = _deterministic_safetensors(tensors, meta)
         path = self.layer_path(fqn)
-        atomic_write(path, data)
+        self._write_or_explain(path, data, f"layer {fqn!r}")
         st = path.stat()
         sha = hashlib.sha256(data).hexdigest()
         del data
@@ -502,7 +512,23 @@ class RunStore:
         if self._known.get(fqn, {}).get("status") == "done":
             return
         self._own[fqn] = self._known[fqn] = {"status": "failed", "error": f"{type(error).__name__}: {error}"}
-        self._write_manifest()
+        try:
+            self._write_manifest()
+        except OSError:  # the disk refused the record; the original error is the one to report
+            pass
+
+    def _write_or_explain(self, path: Path, data: Any, what: str) -> None:
+        """``atomic_write``, turning an OSError (disk full, read-only) into an :class:`ArmorIOError`
+        that names the file and says the finished layers are kept."""
+        from torch_armor.errors import ArmorIOError
+
+        try:
+            atomic_write(path, data)
+        except OSError as err:
+            done = sum(1 for e in self._known.values() if e.get("status") == "done")
+            raise ArmorIOError(err.errno, f"cannot write {what} to {path}: {err.strerror or err}; the {done} "
+                                          f"finished layer(s) in {self.directory} are kept: free space or fix "
+                                          "permissions, then rerun the same command to resume") from err
 
     def load(self, fqn: str) -> ArmorFactors:
         """Read a finished layer back (CPU tensors, bit-identical to what :meth:`save` got)."""

@@ -244,6 +244,8 @@ def calibration_windows(
             f"the calibration text has {n_tokens} tokens but one window needs {seq_len}; "
             f"give more text or a smaller seq_len"
         )
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}")
     generator = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, n_tokens - seq_len + 1, (n_windows,), generator=generator)
     return ids[starts[:, None] + torch.arange(seq_len)]

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm.auto import tqdm
+from torch_armor.progress import tqdm
 
 __all__ = ["perplexity"]
 

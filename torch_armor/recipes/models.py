@@ -20,7 +20,7 @@ from torch import nn
 from torch_armor.calibration.observer import decoder_linear_names
 from torch_armor.engine.report import block_index
 
-__all__ = ["parse_dtype", "is_armor_checkpoint", "load_model", "load_tokenizer", "select_layers"]
+__all__ = ["parse_dtype", "is_armor_checkpoint", "check_model_source", "load_model", "load_tokenizer", "select_layers"]
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -59,6 +59,56 @@ def is_armor_checkpoint(path: Union[str, os.PathLike]) -> bool:
     return Path(path).is_dir() and (Path(path) / ARMOR_CONFIG_NAME).is_file()
 
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
+
+
+def check_model_source(model: Union[str, os.PathLike], gguf_file: Optional[str] = None) -> str:
+    """Refuse, before anything slow, a ``MODEL`` that cannot be loaded; returns ``"smollm2"``,
+    ``"armor"`` (a pruned directory), ``"local"`` or ``"hub"``.
+
+    A name that is not a local path is sent to the hub only if it is a valid hub id whose first
+    component is not a local directory (``runs/typo`` with ``runs/`` present is a mistyped path,
+    not a hub id: no network retries). A local directory must hold ``config.json`` (or a pruned
+    model's ``armor_config.json``, or a ``--gguf-file``).
+
+    Example::
+
+        >>> check_model_source("smollm2"), check_model_source("org/model")
+        ('smollm2', 'hub')
+        >>> check_model_source("./no/such/dir")
+        Traceback (most recent call last):
+        ...
+        torch_armor.errors.ArmorInputError: MODEL './no/such/dir': no such model directory; check the path
+    """
+    from torch_armor.errors import ArmorInputError
+
+    name = str(model)
+    path = Path(name).expanduser()
+    if name == "smollm2" and not path.exists():
+        return "smollm2"
+    if path.is_file():
+        raise ArmorInputError(f"MODEL {name!r} is a file; give the directory holding it "
+                              "(and --gguf-file NAME for GGUF weights)")
+    if path.is_dir():
+        if is_armor_checkpoint(path):
+            return "armor"
+        if not (path / "config.json").is_file() and not gguf_file:
+            raise ArmorInputError(f"MODEL {name!r} is not a model directory: it has no config.json (nor "
+                                  "armor_config.json); give a Hugging Face model directory or one written by "
+                                  "'torch-armor prune'")
+        return "local"
+    first = Path(name).parts[0] if Path(name).parts else name
+    looks_local = (path.is_absolute() or name.startswith((".", "~")) or "\\" in name
+                   or ("/" in name and Path(first).is_dir()))
+    if looks_local or not _HUB_ID.match(name):
+        raise ArmorInputError(f"MODEL {name!r}: no such model directory; check the path")
+    import difflib
+
+    if difflib.get_close_matches(name, ["smollm2"], n=1, cutoff=0.8):
+        raise ArmorInputError(f"MODEL {name!r} is neither a directory nor the embedded model: did you mean 'smollm2'?")
+    return "hub"
+
+
 def load_model(
     model: str,
     gguf_file: Optional[str] = None,
@@ -90,6 +140,7 @@ def load_model(
     if not isinstance(model, (str, os.PathLike)):
         raise ValueError(f"model must be 'smollm2', a directory or a hub id, got {type(model).__name__}")
     name = str(model)
+    check_model_source(name, gguf_file)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if name == "smollm2" and not Path(name).exists():

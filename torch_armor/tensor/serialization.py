@@ -332,6 +332,8 @@ def save_pretrained(model: nn.Module, directory: Union[str, os.PathLike]) -> Non
     path = Path(directory)
     if path.exists() and not path.is_dir():
         raise ValueError(f"{path} exists and is not a directory")
+    if path.is_dir():
+        _refuse_stale_pickles(path)
     path.mkdir(parents=True, exist_ok=True)
     hf_config = getattr(model, "config", None)
     if hf_config is not None and hasattr(hf_config, "save_pretrained"):
@@ -385,6 +387,14 @@ def _shard_part(metadata: Dict[str, Any], keys: set) -> Dict[str, Any]:
         "aliases": {k: v for k, v in metadata["aliases"].items() if v in keys},
         "tensors": {k: v for k, v in metadata["tensors"].items() if k in keys},
     }
+
+
+def _refuse_stale_pickles(path: Path) -> None:
+    """Saving beside pickle weights would write a directory the loader refuses: say so first."""
+    found = sorted(p.name for p in path.iterdir() if p.is_file() and p.suffix.lower() in _PICKLE_SUFFIXES)
+    if found:
+        raise ValueError(f"{path} holds pickle weights {found}: a checkpoint saved beside them could not be "
+                         "loaded (pickles are refused); remove them or save to another directory")
 
 
 def _refuse_pickles(path: Path) -> None:

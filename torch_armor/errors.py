@@ -1,0 +1,52 @@
+"""The documented exception types of torch_armor.
+
+Every error torch_armor raises on purpose is one line that names the thing at fault (a layer, a
+file, an argument), the cause and the fix. Most are :class:`ValueError` (bad input: existing
+code catches them as such); the classes below refine that for callers that want to tell the
+kinds apart. The command line prints any of them as ``torch-armor CMD: error: …`` and exits
+with status 2; ``--debug`` (or ``TORCH_ARMOR_DEBUG=1``) shows the traceback instead.
+
+Example::
+
+    >>> try:
+    ...     raise ArmorInputError("--device cuda: this torch has no CUDA; use --device cpu")
+    ... except ValueError as err:
+    ...     print(err)
+    --device cuda: this torch has no CUDA; use --device cpu
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["ArmorError", "ArmorInputError", "ArmorNumericalError", "ArmorIOError", "debug_enabled", "CLEAR_ERRORS"]
+
+
+class ArmorError(Exception):
+    """Base of torch_armor's own errors: the message names what is at fault and what to do."""
+
+
+class ArmorInputError(ArmorError, ValueError):
+    """A bad argument, model, directory or file (also a :class:`ValueError`)."""
+
+
+class ArmorNumericalError(ArmorError, ArithmeticError):
+    """A layer's optimization produced non-finite factors or a loss that a recomputation does not
+    confirm; the message names the layer. Nothing is saved for that layer."""
+
+
+class ArmorIOError(ArmorError, OSError):
+    """A write failed (disk full, read-only directory, …); the message names the file. Every layer
+    finished before it is kept in the run directory, so rerunning the same command resumes."""
+
+    def __str__(self) -> str:  # the message alone, without OSError's "[Errno N]" prefix
+        return self.strerror if isinstance(self.strerror, str) else super().__str__()
+
+
+#: The exception types that count as a clear answer (the CLI prints their message, exit 2).
+CLEAR_ERRORS = (ArmorError, ValueError, FileNotFoundError, OSError)
+
+
+def debug_enabled() -> bool:
+    """``TORCH_ARMOR_DEBUG`` set to a true value (``1``, ``true``, ``yes``): show tracebacks."""
+    return os.environ.get("TORCH_ARMOR_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")

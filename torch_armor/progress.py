@@ -1,0 +1,105 @@
+"""Progress bars that behave in logs.
+
+:func:`tqdm` is ``tqdm.auto.tqdm`` when stderr is a terminal. When it is not (a log file, a pipe,
+CI), a bar would write one line per refresh; instead nothing is drawn and one summary line per
+stage is printed when the stage ends (``prune armor: 2/2 block in 3.1 s``).
+:func:`quiet_third_party_progress` turns off transformers' and huggingface_hub's own bars
+(``--no-progress``, or stderr not a terminal).
+
+Example::
+
+    >>> import io
+    >>> stream = io.StringIO()
+    >>> for _ in tqdm(range(3), desc="stage", unit="step", file=stream):
+    ...     pass
+    >>> stream.getvalue().startswith("stage: 3/3 step in ")
+    True
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any, Optional
+
+from tqdm.auto import tqdm as _tqdm
+
+__all__ = ["tqdm", "is_interactive", "quiet_third_party_progress"]
+
+
+def is_interactive(stream: Any = None) -> bool:
+    """Whether ``stream`` (default ``sys.stderr``) is a terminal."""
+    stream = sys.stderr if stream is None else stream
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+class _LogLine(_tqdm):
+    """A disabled tqdm that writes one summary line when closed (if it was meant to show)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._stream = kwargs.get("file") or sys.stderr
+        self._label = kwargs.get("desc") or "progress"
+        self._unit = kwargs.get("unit") or "it"
+        self._total: Optional[int] = kwargs.get("total")
+        self._count = kwargs.get("initial") or 0
+        self._t0 = time.perf_counter()
+        self._done = False
+        iterable = args[0] if args else kwargs.get("iterable")
+        if self._total is None and iterable is not None and hasattr(iterable, "__len__"):
+            self._total = len(iterable)
+        kwargs["disable"] = True
+        super().__init__(*args, **kwargs)
+
+    def update(self, n: float = 1) -> Optional[bool]:
+        self._count += n
+        return super().update(n)
+
+    def __iter__(self):
+        for item in super().__iter__():
+            self._count += 1
+            yield item
+        self.close()
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            total = f"/{self._total}" if self._total is not None else ""
+            print(f"{self._label}: {int(self._count)}{total} {self._unit} in {time.perf_counter() - self._t0:.1f} s",
+                  file=self._stream, flush=True)
+        super().close()
+
+
+def tqdm(*args: Any, **kwargs: Any):
+    """``tqdm.auto.tqdm`` on a terminal; one line per stage elsewhere; nothing if ``disable``."""
+    if kwargs.get("disable") or is_interactive(kwargs.get("file")):
+        return _tqdm(*args, **kwargs)
+    return _LogLine(*args, **kwargs)
+
+
+def quiet_third_party_progress() -> None:
+    """Turn off the progress bars of transformers (``Loading weights``) and huggingface_hub."""
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except Exception:  # noqa: BLE001 - transformers is optional here
+        pass
+    try:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    except Exception:  # noqa: BLE001
+        pass
+    try:  # transformers' GGUF reader draws a plain tqdm.auto bar of its own (no switch for it)
+        import functools
+
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+        gguf_utils.tqdm = functools.partial(_tqdm, disable=True)
+    except Exception:  # noqa: BLE001
+        pass
