@@ -58,6 +58,7 @@ from torch_armor.sparsifier import ArmorSparsifier, PruningSparsifier  # noqa: E
 from torch_armor.tensor.armor_tensor import ArmorTensor  # noqa: E402
 from torch_armor.tensor.quant import ArmorCoreConfig  # noqa: E402  (registers the torchao handler)
 from torch_armor.tensor.serialization import load_pretrained, save_pretrained  # noqa: E402
+from torch_armor.hf import attach_quantizer  # noqa: E402  (registers quant_method "armor" with transformers)
 
 # What a user needs; the math and the plumbing stay importable from their subpackages
 # (torch_armor.core, .calibration, .tensor, .engine, .recipes).
@@ -67,6 +68,7 @@ __all__ = [
     "ArmorFactors",
     "ArmorSparsifier",
     "ArmorTensor",
+    "attach_quantizer",
     "BaselineConfig",
     "PruneReport",
     "PruningSparsifier",

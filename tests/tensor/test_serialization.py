@@ -318,7 +318,7 @@ def test_sharded_llama_matches_memory_and_single_file(tmp_path, tiny_llama_facto
     model_class = f"{type(model).__module__}.{type(model).__qualname__}"
     assemble_checkpoint(ckpt, shards, hf_config=model.config, model_class=model_class)
     names = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
-    assert sorted(os.listdir(ckpt)) == sorted([ARMOR_CONFIG_NAME, "config.json"] + names)
+    assert sorted(os.listdir(ckpt)) == sorted([ARMOR_CONFIG_NAME, "config.json", "model.safetensors.index.json"] + names)
     assert os.listdir(parts) == []  # moved, not copied
     config = json.loads((ckpt / ARMOR_CONFIG_NAME).read_text())
     assert [f["file"] for f in config["weights_files"]] == names and "weights_sha256" not in config

@@ -249,6 +249,10 @@ def prune_model(
     )
     report = pipeline.run(batches)
     report.settings.update(sequential=sequential)
+    if not streamed:
+        from torch_armor.hf import attach_quantizer
+
+        attach_quantizer(model)  # model.save_pretrained now writes the ARMOR format
     if topo.rank == 0 and out is not None:
         if streamed:
             writer.finish(source.checkpoint, blocks_prefix, Path(out))

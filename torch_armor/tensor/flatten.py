@@ -172,6 +172,17 @@ def _unflatten_quantized(fqn: str, layer: Dict[str, Any], tensors: Dict[str, tor
     )
 
 
+def _build_layer(fqn: str, layer: Dict[str, Any], tensors: Dict[str, torch.Tensor]) -> ArmorTensor:
+    """The ArmorTensor of one (validated) layer entry, from its stored parts (keys ``"{fqn}.{inner}"``)."""
+    if layer["storage"] == QUANTIZED:
+        return _unflatten_quantized(fqn, layer, tensors)
+    inner = {name: tensors[f"{fqn}.{name}"] for name in _inner_names(layer["storage"])}
+    return ArmorTensor(
+        inner.pop("a_blocks"), inner.pop("b_blocks"), str(parse_pattern(layer["pattern"])),
+        layer["storage"], _DTYPES[layer["dtype"]], **inner,
+    )
+
+
 # --------------------------------------------------------------------------- flatten
 
 
@@ -496,14 +507,7 @@ def unflatten_armor_state(
     # 3. converted layers
     for fqn, layer in layers.items():
         module, pname, old = targets[fqn]
-        if layer["storage"] == QUANTIZED:
-            w = _unflatten_quantized(fqn, layer, tensors)
-        else:
-            inner = {name: tensors[f"{fqn}.{name}"] for name in _inner_names(layer["storage"])}
-            w = ArmorTensor(
-                inner.pop("a_blocks"), inner.pop("b_blocks"), str(parse_pattern(layer["pattern"])),
-                layer["storage"], _DTYPES[layer["dtype"]], **inner,
-            )
+        w = _build_layer(fqn, layer, tensors)
         dev = torch.device(device) if device is not None else (
             old.device if old is not None and old.device.type != "meta" else w.device
         )

@@ -81,6 +81,7 @@ __all__ = [
 ]
 
 WEIGHTS_NAME = "model.safetensors"
+HF_INDEX_NAME = "model.safetensors.index.json"
 SHARD_NAME = "model-{:05d}-of-{:05d}.safetensors"
 _SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
@@ -213,14 +214,39 @@ def _move(src: Path, dst: Path) -> None:
         os.remove(src)
 
 
-def _write_hf_config(path: Path, hf_config: Any) -> None:
+def _write_hf_config(path: Path, hf_config: Any, layers: Optional[Dict[str, Any]] = None,
+                     buffers: Optional[Dict[str, str]] = None) -> None:
+    """Write ``config.json``; with converted ``layers`` it carries ``quantization_config`` (quant_method
+    ``"armor"``), so ``AutoModelForCausalLM.from_pretrained`` loads the directory."""
+    quant = None
+    if layers:
+        from torch_armor.hf import ArmorQuantizationConfig
+
+        quant = ArmorQuantizationConfig(layers=layers, buffers=buffers).to_dict()
     if isinstance(hf_config, Mapping):
-        text = json.dumps(dict(hf_config), indent=2, sort_keys=True) + "\n"
+        data = dict(hf_config)
+        if quant is not None:
+            data["quantization_config"] = quant
+        text = json.dumps(data, indent=2, sort_keys=True) + "\n"
         atomic_write(path / "config.json", text.encode())
     elif hasattr(hf_config, "save_pretrained"):
+        if quant is not None:
+            import copy
+
+            hf_config = copy.deepcopy(hf_config)
+            hf_config.quantization_config = quant
         hf_config.save_pretrained(str(path))
     else:
         raise ValueError(f"hf_config must be a transformers config or a dict, got {type(hf_config).__name__}")
+
+
+def _write_hf_index(path: Path, dests: Sequence[Path], owner: Dict[str, Path], sources: Sequence[Path]) -> None:
+    """``model.safetensors.index.json`` (the Hugging Face sharded layout) for a multi-file checkpoint."""
+    dest_of = {s: d for s, d in zip(sources, dests)}
+    weight_map = {key: dest_of[src].name for key, src in sorted(owner.items())}
+    total = sum(d.stat().st_size for d in dests)
+    text = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True)
+    atomic_write(path / HF_INDEX_NAME, text.encode())
 
 
 def assemble_checkpoint(
@@ -229,13 +255,17 @@ def assemble_checkpoint(
     *,
     hf_config: Any = None,
     model_class: Optional[str] = None,
+    buffers: Optional[Dict[str, str]] = None,
 ) -> None:
-    """Turn files written by :func:`save_shard` into a checkpoint :func:`load_pretrained` reads.
+    """Turn files written by :func:`save_shard` into a checkpoint :func:`load_pretrained` reads
+    (and, with ``hf_config``, ``AutoModelForCausalLM.from_pretrained`` too).
 
     The shards are moved (``os.replace``; copy + remove across file systems) into ``directory``
     as ``model-00001-of-0000N.safetensors`` … in the given order (a single shard becomes
     ``model.safetensors``); their descriptions are merged; ``hf_config`` (a transformers config
-    or a dict) is written as ``config.json``; ``armor_config.json`` (every file with its sha256,
+    or a dict) is written as ``config.json`` with the ARMOR ``quantization_config`` (``buffers``:
+    dtypes of non-persistent buffers to restore on load), plus ``model.safetensors.index.json``
+    for several files; ``armor_config.json`` (every file with its sha256,
     the merged description, ``model_class``) is written atomically LAST. An earlier
     ``armor_config.json`` and stale weights files in ``directory`` are removed first, so an
     interrupted assembly leaves a directory that does not load.
@@ -296,8 +326,11 @@ def assemble_checkpoint(
         _move(src, dst)
     fsync_dir(path)
     files = [{"file": d.name, "sha256": file_sha256(d)} for d in dests]
+    (path / HF_INDEX_NAME).unlink(missing_ok=True)
     if hf_config is not None:
-        _write_hf_config(path, hf_config)
+        _write_hf_config(path, hf_config, merged["layers"], buffers)
+        if total > 1:
+            _write_hf_index(path, dests, owner, sources)
     config = dict(merged)
     if total == 1:  # exactly the single-file layout older torch_armor versions read
         config["weights_file"], config["weights_sha256"] = files[0]["file"], files[0]["sha256"]
@@ -334,15 +367,25 @@ def save_pretrained(model: nn.Module, directory: Union[str, os.PathLike]) -> Non
         raise ValueError(f"{path} exists and is not a directory")
     path.mkdir(parents=True, exist_ok=True)
     hf_config = getattr(model, "config", None)
+    buffers = None
     if hf_config is not None and hasattr(hf_config, "save_pretrained"):
+        import copy
+
+        from torch_armor.hf import _nonpersistent_buffer_dtypes
+
+        hf_config = copy.deepcopy(hf_config)
         if not getattr(hf_config, "architectures", None):
             hf_config.architectures = [type(model).__name__]
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+        if dtype is not None:  # from_pretrained builds the model in this dtype
+            hf_config.dtype = str(dtype).removeprefix("torch.")
+        buffers = _nonpersistent_buffer_dtypes(model)
     else:
         hf_config = None
     shard = path / f".{WEIGHTS_NAME}.{os.getpid()}.shard"
     try:
         save_shard(shard, model)
-        assemble_checkpoint(path, [shard], hf_config=hf_config,
+        assemble_checkpoint(path, [shard], hf_config=hf_config, buffers=buffers,
                             model_class=f"{type(model).__module__}.{type(model).__qualname__}")
     finally:
         shard.unlink(missing_ok=True)
@@ -472,7 +515,10 @@ def load_pretrained(
         raise ValueError(f"{path} is not a directory written by torch_armor.save_pretrained")
     _refuse_pickles(path)
     cfg_path = path / ARMOR_CONFIG_NAME
+    hf_quantized = model_or_config is None and _has_armor_quantization_config(path)
     if not cfg_path.exists():
+        if hf_quantized:  # written by model.save_pretrained: transformers loads it
+            return _from_pretrained(path, device, storage)
         raise ValueError(f"{path} has no {ARMOR_CONFIG_NAME}: not a torch_armor checkpoint (save with save_pretrained)")
     try:
         with open(cfg_path) as fh:
@@ -504,7 +550,7 @@ def load_pretrained(
         try:
             with safe_open(str(weights), framework="pt", device="cpu") as fh:
                 header = fh.metadata() or {}
-                part = {key: fh.get_tensor(key) for key in sorted(fh.keys())}
+                part = {key: (None if hf_quantized else fh.get_tensor(key)) for key in sorted(fh.keys())}
         except (SafetensorError, OSError, RuntimeError, ValueError) as err:
             raise ValueError(f"{weights} cannot be read as safetensors ({err}); the file is truncated or corrupt") from None
         keys = set(part)
@@ -516,5 +562,43 @@ def load_pretrained(
                 f"{ARMOR_CONFIG_NAME} does not match {name} (its layer/tensor description was edited "
                 "after saving); restore the original file or re-save the model"
             )
+    if hf_quantized:  # verified; transformers builds it on meta and loads the parts (no dense weight)
+        return _from_pretrained(path, device, storage)
     model = _build_model(model_or_config, path, config)
-    return unflatten_armor_state(model, tensors, metadata, strict=strict, storage=storage, device=device)
+    model = unflatten_armor_state(model, tensors, metadata, strict=strict, storage=storage, device=device)
+    from torch_armor.hf import attach_quantizer
+
+    return attach_quantizer(model)
+
+
+def _has_armor_quantization_config(path: Path) -> bool:
+    try:
+        with open(path / "config.json") as fh:
+            quant = json.load(fh).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(quant, dict) and quant.get("quant_method") == "armor"
+
+
+def _from_pretrained(path: Path, device: Optional[Union[str, torch.device]], storage: Optional[str]) -> nn.Module:
+    """``from_pretrained`` of the class named in ``config.json`` (a causal LM by default), in its saved dtype."""
+    import transformers
+
+    import torch_armor.hf  # noqa: F401  (registers quant_method "armor")
+
+    config = transformers.AutoConfig.from_pretrained(str(path))
+    archs = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, archs[0], None) if archs else None
+    cls = cls or transformers.AutoModelForCausalLM
+    kwargs: Dict[str, Any] = {"dtype": "auto"}
+    if device is not None:
+        kwargs["device_map"] = str(torch.device(device))
+    model = cls.from_pretrained(str(path), **kwargs).eval()
+    if storage is not None:
+        from torch_armor.tensor.armor_tensor import ArmorTensor, QUANTIZED
+
+        for module in model.modules():
+            w = module._parameters.get("weight")
+            if isinstance(w, ArmorTensor) and w.storage != QUANTIZED and w.storage != storage:
+                module._parameters["weight"] = nn.Parameter(w.with_storage(storage), requires_grad=False)
+    return model
