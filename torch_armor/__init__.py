@@ -59,6 +59,7 @@ from torch_armor.tensor.armor_tensor import ArmorTensor  # noqa: E402
 from torch_armor.tensor.quant import ArmorCoreConfig  # noqa: E402  (registers the torchao handler)
 from torch_armor.tensor.serialization import load_pretrained, save_pretrained  # noqa: E402
 from torch_armor.hf import attach_quantizer  # noqa: E402  (registers quant_method "armor" with transformers)
+from torch_armor.tensor.finetune import enable_finetuning, model_size  # noqa: E402
 
 # What a user needs; the math and the plumbing stay importable from their subpackages
 # (torch_armor.core, .calibration, .tensor, .engine, .recipes).
@@ -69,12 +70,14 @@ __all__ = [
     "ArmorSparsifier",
     "ArmorTensor",
     "attach_quantizer",
+    "enable_finetuning",
     "BaselineConfig",
     "PruneReport",
     "PruningSparsifier",
     "RunMismatchError",
     "factorize",
     "load_pretrained",
+    "model_size",
     "prune_model",
     "save_pretrained",
 ]

@@ -55,7 +55,7 @@ from torch_armor.config import parse_pattern
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.tensor.packing import check_nm_mask, pack_nm, semi_structured_supported, to_semi_structured, unpack_nm
 
-__all__ = ["ArmorTensor", "armor_linear_from_factors", "STORAGES", "QUANTIZED"]
+__all__ = ["ArmorTensor", "StorageKind", "armor_linear_from_factors", "STORAGES", "QUANTIZED"]
 
 aten = torch.ops.aten
 
@@ -63,6 +63,23 @@ STORAGES = ("compact", "dense", "semi_structured")
 #: storage kind of a core quantized by torch_armor.tensor.quant (not a target of ``with_storage``)
 QUANTIZED = "quantized"
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class StorageKind(str):
+    """The name of an ArmorTensor's core storage (``"compact"``, ``"dense"``…): a ``str``.
+
+    ``ArmorTensor.storage`` shadows ``torch.Tensor.storage()``; calling it (as
+    ``safetensors.torch.save_model`` or a model's ``save_pretrained`` without the ARMOR quantizer
+    do) raises an error that says how to save a converted model instead.
+    """
+
+    def __call__(self, *args, **kwargs):
+        raise TypeError(
+            "an ArmorTensor has no single storage: it holds W = A·core·B as separate tensors "
+            f"(core storage: {str(self)!r}). Save a converted model with model.save_pretrained(directory) "
+            "(after import torch_armor; for a model you converted by hand call "
+            "torch_armor.attach_quantizer(model) first) or torch_armor.save_pretrained(model, directory)"
+        )
 
 
 def _blockwise_right_t(x2d: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -145,7 +162,7 @@ class ArmorTensor(TorchAOBaseTensor):
         self.a_blocks = a_blocks
         self.b_blocks = b_blocks
         self.pattern = pattern
-        self.storage = storage
+        self.storage = StorageKind(storage)
         # dtype is set by _make_wrapper_subclass in __new__
         self.core = core
         self.values = values
@@ -462,6 +479,50 @@ def _(func, types, args, kwargs):
     return _armor_linear(x, w, bias)
 
 
+@implements_torch_function(torch.Tensor.requires_grad_)
+def _(func, types, args, kwargs):
+    w = args[0]
+    flag = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
+    if flag and not getattr(w, "_parts_trainable", False):
+        raise RuntimeError(
+            "an ArmorTensor weight cannot require grad itself: its values live in A, B and the kept core "
+            "values. Call torch_armor.enable_finetuning(model) to register them as trainable nn.Parameters "
+            "of each layer (weight_a_blocks, weight_b_blocks, weight_values; the 2:4 mask stays fixed), then "
+            "train with any optimizer over model.parameters()"
+        )
+    if flag:  # parts already trainable: the wrapper itself stays a non-grad container
+        return w
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+@implements(aten.copy_.default)
+def _(func, types, args, kwargs):
+    dst, src = args[0], args[1]
+    if not (isinstance(dst, ArmorTensor) and isinstance(src, ArmorTensor)):
+        dense_into_armor = isinstance(dst, ArmorTensor)
+        raise RuntimeError(
+            ("a dense tensor cannot be copied into an ArmorTensor weight (W = A·core·B): load a dense state dict "
+             "into a dense model, or prune it with torch_armor.prune_model"
+             if dense_into_armor else
+             "an ARMOR state dict (ArmorTensor weights, W = A·core·B) cannot be loaded into a dense model: "
+             "load the saved directory with AutoModelForCausalLM.from_pretrained(directory) after import "
+             "torch_armor (or torch_armor.load_pretrained), or load_state_dict(state, assign=True) to take the "
+             "ArmorTensors as they are; for a dense weight use weight.dense_weight()")
+        )
+    names_dst, _ = dst.__tensor_flatten__()
+    names_src, _ = src.__tensor_flatten__()
+    if (tuple(dst.shape) != tuple(src.shape) or names_dst != names_src or dst.pattern != src.pattern
+            or dst.storage != src.storage or dst.block_size != src.block_size):
+        raise RuntimeError(
+            f"cannot copy {src!r} into {dst!r}: shapes, pattern, storage or block size differ; "
+            "use load_state_dict(..., assign=True) to replace the weight"
+        )
+    for name in names_dst:
+        getattr(dst, name).copy_(getattr(src, name))
+    return dst
+
+
 @implements(aten.t.default)
 def _(func, types, args, kwargs):
     raise NotImplementedError(
@@ -521,3 +582,7 @@ def armor_linear_from_factors(
     new = ArmorTensor.from_factors(factors, storage=storage, dtype=dtype, device=device, backend=backend)
     linear.weight = nn.Parameter(new, requires_grad=False)
     return linear
+
+
+# torch.load(..., weights_only=True) of a state dict holding ArmorTensor weights
+torch.serialization.add_safe_globals([ArmorTensor, StorageKind])
