@@ -40,6 +40,7 @@ from torch_armor.tensor.flatten import (
     _layer_keys,
     _validate_layer,
     flatten_armor_state,
+    part_key,
 )
 
 from transformers.core_model_loading import ConversionOps, WeightConverter
@@ -134,7 +135,8 @@ def attach_quantizer(model: nn.Module) -> nn.Module:
 
 
 def _suffix_pattern(suffix: str) -> str:
-    return r"weight\." + re.escape(suffix) + "$"
+    # one capturing group, the target `\1`: "….q_proj.weight.b_blocks" -> "….q_proj.weight"
+    return r"(weight)\." + re.escape(suffix) + "$"
 
 
 class ArmorDeserialize(ConversionOps):
@@ -156,7 +158,7 @@ class ArmorDeserialize(ConversionOps):
         tensors = {}
         for pattern, values in input_dict.items():
             value = values[0] if isinstance(values, list) else values
-            tensors[f"{full_layer_name}.{by_suffix[pattern]}"] = value
+            tensors[part_key(full_layer_name, by_suffix[pattern])] = value
         _validate_layer(full_layer_name, layer, tensors)
         w = _build_layer(full_layer_name, layer, tensors)
         module, _, pname = full_layer_name.rpartition(".")
@@ -180,10 +182,14 @@ class ArmorHfQuantizer(HfQuantizer):
 
     def __init__(self, quantization_config: ArmorQuantizationConfig, **kwargs: Any) -> None:
         super().__init__(quantization_config, **kwargs)
-        suffixes = {"a_blocks", "b_blocks", "values", "indices", "core"}
-        for fqn, layer in quantization_config.layers.items():
-            suffixes.update(key[len(fqn) + 1:] for key in _layer_keys(fqn, layer))
+        layers = quantization_config.layers
+        suffixes = {"a_blocks", "b_blocks", "values", "indices", "core"}  # "a_blocks": files before part_key
+        for fqn, layer in layers.items():
+            suffixes.update(key[len(fqn) + 1:] for key in _layer_keys(fqn, layer) if key != fqn)
         self._suffix_of = {_suffix_pattern(s): s for s in sorted(suffixes)}
+        if layers:  # a_blocks lives under the weight's own key (part_key): match exactly those keys
+            exact = "^(" + "|".join(re.escape(fqn) for fqn in sorted(layers)) + ")$"
+            self._suffix_of[exact] = "a_blocks"
 
     def validate_environment(self, *args: Any, **kwargs: Any) -> None:
         device_map = kwargs.get("device_map")
@@ -218,7 +224,7 @@ class ArmorHfQuantizer(HfQuantizer):
     def get_weight_conversions(self) -> list:
         if not self.pre_quantized:
             return []
-        return [WeightConverter(list(self._suffix_of), "weight", [ArmorDeserialize(self)])]
+        return [WeightConverter(list(self._suffix_of), r"\1", [ArmorDeserialize(self)])]
 
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
         conversions = getattr(model, "_weight_conversions", None)

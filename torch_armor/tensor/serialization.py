@@ -297,14 +297,15 @@ def assemble_checkpoint(
     # 1. read and merge every description before anything is moved
     merged: Dict[str, Any] = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION,
                               "layers": {}, "aliases": {}, "tensors": {}}
-    owner: Dict[str, Path] = {}
+    owner: Dict[Tuple[str, str], Path] = {}
     for src in sources:
         meta = _read_shard_metadata(src)
         for section in ("layers", "aliases", "tensors"):
             for key, value in meta[section].items():
-                if key in owner:
-                    raise ValueError(f"key {key!r} is in both shard {owner[key]} and shard {src}; shard prefixes must not overlap")
-                owner[key] = src
+                if (section, key) in owner:
+                    raise ValueError(f"key {key!r} is in both shard {owner[section, key]} and shard {src}; "
+                                     "shard prefixes must not overlap")
+                owner[section, key] = src
                 merged[section][key] = value
     src_resolved = [s.resolve() for s in sources]
     if len(set(src_resolved)) != total:
@@ -330,7 +331,7 @@ def assemble_checkpoint(
     if hf_config is not None:
         _write_hf_config(path, hf_config, merged["layers"], buffers)
         if total > 1:
-            _write_hf_index(path, dests, owner, sources)
+            _write_hf_index(path, dests, {k: v for (sec, k), v in owner.items() if sec == "tensors"}, sources)
     config = dict(merged)
     if total == 1:  # exactly the single-file layout older torch_armor versions read
         config["weights_file"], config["weights_sha256"] = files[0]["file"], files[0]["sha256"]
@@ -424,7 +425,7 @@ def _shard_part(metadata: Dict[str, Any], keys: set) -> Dict[str, Any]:
     return {
         "format": metadata["format"],
         "format_version": metadata["format_version"],
-        "layers": {fqn: v for fqn, v in metadata["layers"].items() if f"{fqn}.a_blocks" in keys},
+        "layers": {fqn: v for fqn, v in metadata["layers"].items() if fqn in keys or f"{fqn}.a_blocks" in keys},
         "aliases": {k: v for k, v in metadata["aliases"].items() if v in keys},
         "tensors": {k: v for k, v in metadata["tensors"].items() if k in keys},
     }
