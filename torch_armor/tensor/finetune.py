@@ -39,7 +39,7 @@ from torch import nn
 
 from torch_armor.tensor.armor_tensor import QUANTIZED, ArmorTensor
 
-__all__ = ["enable_finetuning", "trainable_parts", "model_size", "ModelSize", "PART_NAMES"]
+__all__ = ["enable_finetuning", "trainable_parts", "model_size", "checkpoint_size", "ModelSize", "PART_NAMES"]
 
 #: ArmorTensor inner tensor -> name of the nn.Parameter registered on the module
 PART_NAMES = {"a_blocks": "weight_a_blocks", "b_blocks": "weight_b_blocks", "values": "weight_values"}
@@ -180,3 +180,50 @@ def model_size(model: nn.Module) -> ModelSize:
         dense_bytes += _nbytes(p)
     bbytes = sum(_nbytes(b) for b in model.buffers())
     return ModelSize(params, pbytes, bbytes, dense, dense_bytes)
+
+
+def checkpoint_size(directory: Any) -> ModelSize:
+    """:class:`ModelSize` of a saved directory (``save_pretrained`` of either kind), read from the
+    safetensors headers without loading a tensor: stored elements (packed indices count as bytes
+    only) and bytes, against the dense model it stands for (``buffer_bytes`` is 0: non-persistent
+    buffers are not saved).
+    """
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from torch_armor.tensor.flatten import _layer_keys
+
+    path = Path(directory)
+    quant = json.loads((path / "config.json").read_text()).get("quantization_config") or {} \
+        if (path / "config.json").is_file() else {}
+    layers = quant.get("layers") if isinstance(quant, dict) else None
+    if not layers and (path / "armor_config.json").is_file():
+        layers = json.loads((path / "armor_config.json").read_text()).get("layers")
+    layers = layers or {}
+    owner = {key: fqn for fqn, layer in layers.items() for key in _layer_keys(fqn, layer)}
+    params = pbytes = dense = dense_bytes = 0
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as fh:
+            for key in fh.keys():
+                sl = fh.get_slice(key)
+                numel = 1
+                for d in sl.get_shape():
+                    numel *= int(d)
+                size = _ST_BYTES.get(sl.get_dtype(), 1)
+                pbytes += numel * size
+                if not key.endswith("indices"):
+                    params += numel
+                if key not in owner:
+                    dense += numel
+                    dense_bytes += numel * size
+    for layer in layers.values():
+        d_out, d_in = (int(v) for v in layer["shape"])
+        dense += d_out * d_in
+        dense_bytes += d_out * d_in * torch.empty((), dtype=getattr(torch, layer["dtype"])).element_size()
+    return ModelSize(params, pbytes, 0, dense, dense_bytes)
+
+
+_ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+             "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
