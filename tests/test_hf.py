@@ -94,6 +94,9 @@ def test_aliases_share_one_layout(tmp_path, one_thread):
     assert_same_model(model, AutoModelForCausalLM.from_pretrained(tmp_path / "ours"))
     assert_same_model(model, load_pretrained(tmp_path / "hf"))
     assert_same_model(model, load_pretrained(tmp_path / "ours"))
+    from torch_armor.recipes.models import is_armor_checkpoint
+
+    assert is_armor_checkpoint(tmp_path / "hf") and is_armor_checkpoint(tmp_path / "ours")
     with safe_open(str(tmp_path / "ours" / "model.safetensors"), "pt") as a, \
             safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as b:
         assert set(a.keys()) == set(b.keys())
