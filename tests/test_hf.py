@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 from safetensors import safe_open
 from torchao.quantization import Int8WeightOnlyConfig, quantize_
 from transformers import AutoModelForCausalLM
@@ -107,6 +108,13 @@ def test_from_pretrained_options(tmp_path, one_thread):
     model.save_pretrained(tmp_path)
     for kwargs in ({"low_cpu_mem_usage": True}, {"device_map": "cpu"}, {"dtype": "auto"}):
         assert_same_model(model, AutoModelForCausalLM.from_pretrained(tmp_path, **kwargs))
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")  # transformers' own sharding
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    assert_same_model(model, AutoModelForCausalLM.from_pretrained(tmp_path / "sharded"))
+    dense = AutoModelForCausalLM.from_pretrained(tmp_path).dequantize()  # W = A·core·B materialized
+    assert type(dense.model.layers[0].mlp.up_proj.weight) is nn.Parameter and not dense.is_quantized
+    with torch.no_grad():
+        torch.testing.assert_close(dense(IDS).logits, model(IDS).logits, rtol=1e-4, atol=1e-4)
     half = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
     w, ref = half.model.layers[0].mlp.down_proj.weight, model.model.layers[0].mlp.down_proj.weight
     assert isinstance(w, ArmorTensor) and w.dtype == torch.bfloat16

@@ -25,12 +25,16 @@ Example::
 
 from __future__ import annotations
 
+import copy
+import json
 import re
-from typing import Any, Dict, Optional
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
+from torch_armor._io import atomic_write
 from torch_armor.tensor.armor_tensor import QUANTIZED, ArmorTensor
 from torch_armor.tensor.flatten import (
     FORMAT_VERSION,
@@ -53,7 +57,10 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-__all__ = ["QUANT_METHOD", "ArmorQuantizationConfig", "ArmorHfQuantizer", "attach_quantizer", "quantization_config_of"]
+__all__ = ["QUANT_METHOD", "ArmorQuantizationConfig", "ArmorHfQuantizer", "attach_quantizer", "quantization_config_of",
+           "from_pretrained", "write_hf_config", "write_hf_index"]
+
+HF_INDEX_NAME = "model.safetensors.index.json"
 
 QUANT_METHOD = "armor"
 
@@ -128,6 +135,60 @@ def attach_quantizer(model: nn.Module) -> nn.Module:
     config.quantization_config = qconfig
     model.is_quantized = True
     model.quantization_method = QUANT_METHOD
+    return model
+
+
+# ----------------------------------------------------------- torch_armor.save/load_pretrained
+
+
+def write_hf_config(path: Path, hf_config: Any, layers: Optional[Dict[str, Any]] = None,
+                     buffers: Optional[Dict[str, str]] = None) -> None:
+    """Write ``config.json``; with converted ``layers`` it carries ``quantization_config`` (quant_method
+    ``"armor"``), so ``AutoModelForCausalLM.from_pretrained`` loads the directory."""
+    quant = None
+    if layers:
+        quant = ArmorQuantizationConfig(layers=layers, buffers=buffers).to_dict()
+    if isinstance(hf_config, Mapping):
+        data = dict(hf_config)
+        if quant is not None:
+            data["quantization_config"] = quant
+        text = json.dumps(data, indent=2, sort_keys=True) + "\n"
+        atomic_write(path / "config.json", text.encode())
+    elif hasattr(hf_config, "save_pretrained"):
+        if quant is not None:
+            hf_config = copy.deepcopy(hf_config)
+            hf_config.quantization_config = quant
+        hf_config.save_pretrained(str(path))
+    else:
+        raise ValueError(f"hf_config must be a transformers config or a dict, got {type(hf_config).__name__}")
+
+
+def write_hf_index(path: Path, dests: Sequence[Path], owner: Dict[str, Path], sources: Sequence[Path]) -> None:
+    """``model.safetensors.index.json`` (the Hugging Face sharded layout) for a multi-file checkpoint."""
+    dest_of = {s: d for s, d in zip(sources, dests)}
+    weight_map = {key: dest_of[src].name for key, src in sorted(owner.items())}
+    total = sum(d.stat().st_size for d in dests)
+    text = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True)
+    atomic_write(path / HF_INDEX_NAME, text.encode())
+
+
+def from_pretrained(path: Path, device: Optional[Union[str, torch.device]], storage: Optional[str]) -> nn.Module:
+    """``from_pretrained`` of the class named in ``config.json`` (a causal LM by default), in its saved dtype."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(str(path))
+    archs = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, archs[0], None) if archs else None
+    cls = cls or transformers.AutoModelForCausalLM
+    kwargs: Dict[str, Any] = {"dtype": "auto"}
+    if device is not None:
+        kwargs["device_map"] = str(torch.device(device))
+    model = cls.from_pretrained(str(path), **kwargs).eval()
+    if storage is not None:
+        for module in model.modules():
+            w = module._parameters.get("weight")
+            if isinstance(w, ArmorTensor) and w.storage != QUANTIZED and w.storage != storage:
+                module._parameters["weight"] = nn.Parameter(w.with_storage(storage), requires_grad=False)
     return model
 
 
@@ -252,6 +313,14 @@ class ArmorHfQuantizer(HfQuantizer):
         self.quantization_config = qconfig
         model.config.quantization_config = qconfig
         return tensors, {"torch_armor_format": str(FORMAT_VERSION)}
+
+    def _dequantize(self, model: nn.Module, dtype: Optional[torch.dtype] = None) -> nn.Module:
+        """``model.dequantize()``: every ArmorTensor weight becomes its dense ``A·core·B``."""
+        for module in model.modules():
+            w = module._parameters.get("weight")
+            if isinstance(w, ArmorTensor):
+                module._parameters["weight"] = nn.Parameter(w.dense_weight(w.dtype), requires_grad=True)
+        return model
 
     def is_serializable(self) -> bool:
         return True

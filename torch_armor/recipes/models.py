@@ -55,10 +55,10 @@ def is_armor_checkpoint(path: Union[str, os.PathLike]) -> bool:
         >>> is_armor_checkpoint("/nonexistent")
         False
     """
-    from torch_armor.tensor.serialization import ARMOR_CONFIG_NAME, _has_armor_quantization_config
+    from torch_armor.tensor.serialization import ARMOR_CONFIG_NAME, has_armor_quantization_config
 
     p = Path(path)
-    return p.is_dir() and ((p / ARMOR_CONFIG_NAME).is_file() or _has_armor_quantization_config(p))
+    return p.is_dir() and ((p / ARMOR_CONFIG_NAME).is_file() or has_armor_quantization_config(p))
 
 
 def load_model(

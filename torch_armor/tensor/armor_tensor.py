@@ -479,50 +479,6 @@ def _(func, types, args, kwargs):
     return _armor_linear(x, w, bias)
 
 
-@implements_torch_function(torch.Tensor.requires_grad_)
-def _(func, types, args, kwargs):
-    w = args[0]
-    flag = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
-    if flag and not getattr(w, "_parts_trainable", False):
-        raise RuntimeError(
-            "an ArmorTensor weight cannot require grad itself: its values live in A, B and the kept core "
-            "values. Call torch_armor.enable_finetuning(model) to register them as trainable nn.Parameters "
-            "of each layer (weight_a_blocks, weight_b_blocks, weight_values; the 2:4 mask stays fixed), then "
-            "train with any optimizer over model.parameters()"
-        )
-    if flag:  # parts already trainable: the wrapper itself stays a non-grad container
-        return w
-    with torch._C.DisableTorchFunctionSubclass():
-        return func(*args, **kwargs)
-
-
-@implements(aten.copy_.default)
-def _(func, types, args, kwargs):
-    dst, src = args[0], args[1]
-    if not (isinstance(dst, ArmorTensor) and isinstance(src, ArmorTensor)):
-        dense_into_armor = isinstance(dst, ArmorTensor)
-        raise RuntimeError(
-            ("a dense tensor cannot be copied into an ArmorTensor weight (W = A·core·B): load a dense state dict "
-             "into a dense model, or prune it with torch_armor.prune_model"
-             if dense_into_armor else
-             "an ARMOR state dict (ArmorTensor weights, W = A·core·B) cannot be loaded into a dense model: "
-             "load the saved directory with AutoModelForCausalLM.from_pretrained(directory) after import "
-             "torch_armor (or torch_armor.load_pretrained), or load_state_dict(state, assign=True) to take the "
-             "ArmorTensors as they are; for a dense weight use weight.dense_weight()")
-        )
-    names_dst, _ = dst.__tensor_flatten__()
-    names_src, _ = src.__tensor_flatten__()
-    if (tuple(dst.shape) != tuple(src.shape) or names_dst != names_src or dst.pattern != src.pattern
-            or dst.storage != src.storage or dst.block_size != src.block_size):
-        raise RuntimeError(
-            f"cannot copy {src!r} into {dst!r}: shapes, pattern, storage or block size differ; "
-            "use load_state_dict(..., assign=True) to replace the weight"
-        )
-    for name in names_dst:
-        getattr(dst, name).copy_(getattr(src, name))
-    return dst
-
-
 @implements(aten.t.default)
 def _(func, types, args, kwargs):
     raise NotImplementedError(
@@ -584,5 +540,4 @@ def armor_linear_from_factors(
     return linear
 
 
-# torch.load(..., weights_only=True) of a state dict holding ArmorTensor weights
-torch.serialization.add_safe_globals([ArmorTensor, StorageKind])
+from torch_armor.tensor import interop as _interop  # noqa: E402,F401  (requires_grad_, copy_, safe globals)

@@ -78,6 +78,7 @@ __all__ = [
     "assemble_checkpoint",
     "save_pretrained",
     "load_pretrained",
+    "has_armor_quantization_config",
 ]
 
 WEIGHTS_NAME = "model.safetensors"
@@ -214,41 +215,6 @@ def _move(src: Path, dst: Path) -> None:
         os.remove(src)
 
 
-def _write_hf_config(path: Path, hf_config: Any, layers: Optional[Dict[str, Any]] = None,
-                     buffers: Optional[Dict[str, str]] = None) -> None:
-    """Write ``config.json``; with converted ``layers`` it carries ``quantization_config`` (quant_method
-    ``"armor"``), so ``AutoModelForCausalLM.from_pretrained`` loads the directory."""
-    quant = None
-    if layers:
-        from torch_armor.hf import ArmorQuantizationConfig
-
-        quant = ArmorQuantizationConfig(layers=layers, buffers=buffers).to_dict()
-    if isinstance(hf_config, Mapping):
-        data = dict(hf_config)
-        if quant is not None:
-            data["quantization_config"] = quant
-        text = json.dumps(data, indent=2, sort_keys=True) + "\n"
-        atomic_write(path / "config.json", text.encode())
-    elif hasattr(hf_config, "save_pretrained"):
-        if quant is not None:
-            import copy
-
-            hf_config = copy.deepcopy(hf_config)
-            hf_config.quantization_config = quant
-        hf_config.save_pretrained(str(path))
-    else:
-        raise ValueError(f"hf_config must be a transformers config or a dict, got {type(hf_config).__name__}")
-
-
-def _write_hf_index(path: Path, dests: Sequence[Path], owner: Dict[str, Path], sources: Sequence[Path]) -> None:
-    """``model.safetensors.index.json`` (the Hugging Face sharded layout) for a multi-file checkpoint."""
-    dest_of = {s: d for s, d in zip(sources, dests)}
-    weight_map = {key: dest_of[src].name for key, src in sorted(owner.items())}
-    total = sum(d.stat().st_size for d in dests)
-    text = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True)
-    atomic_write(path / HF_INDEX_NAME, text.encode())
-
-
 def assemble_checkpoint(
     directory: Union[str, os.PathLike],
     shards: Sequence[Union[str, os.PathLike]],
@@ -329,9 +295,11 @@ def assemble_checkpoint(
     files = [{"file": d.name, "sha256": file_sha256(d)} for d in dests]
     (path / HF_INDEX_NAME).unlink(missing_ok=True)
     if hf_config is not None:
-        _write_hf_config(path, hf_config, merged["layers"], buffers)
+        from torch_armor.hf import write_hf_config, write_hf_index
+
+        write_hf_config(path, hf_config, merged["layers"], buffers)
         if total > 1:
-            _write_hf_index(path, dests, {k: v for (sec, k), v in owner.items() if sec == "tensors"}, sources)
+            write_hf_index(path, dests, {k: v for (sec, k), v in owner.items() if sec == "tensors"}, sources)
     config = dict(merged)
     if total == 1:  # exactly the single-file layout older torch_armor versions read
         config["weights_file"], config["weights_sha256"] = files[0]["file"], files[0]["sha256"]
@@ -516,10 +484,12 @@ def load_pretrained(
         raise ValueError(f"{path} is not a directory written by torch_armor.save_pretrained")
     _refuse_pickles(path)
     cfg_path = path / ARMOR_CONFIG_NAME
-    hf_quantized = model_or_config is None and _has_armor_quantization_config(path)
+    hf_quantized = model_or_config is None and has_armor_quantization_config(path)
     if not cfg_path.exists():
         if hf_quantized:  # written by model.save_pretrained: transformers loads it
-            return _from_pretrained(path, device, storage)
+            from torch_armor.hf import from_pretrained
+
+            return from_pretrained(path, device, storage)
         raise ValueError(f"{path} has no {ARMOR_CONFIG_NAME}: not a torch_armor checkpoint (save with save_pretrained)")
     try:
         with open(cfg_path) as fh:
@@ -564,7 +534,9 @@ def load_pretrained(
                 "after saving); restore the original file or re-save the model"
             )
     if hf_quantized:  # verified; transformers builds it on meta and loads the parts (no dense weight)
-        return _from_pretrained(path, device, storage)
+        from torch_armor.hf import from_pretrained
+
+        return from_pretrained(path, device, storage)
     model = _build_model(model_or_config, path, config)
     model = unflatten_armor_state(model, tensors, metadata, strict=strict, storage=storage, device=device)
     from torch_armor.hf import attach_quantizer
@@ -572,34 +544,11 @@ def load_pretrained(
     return attach_quantizer(model)
 
 
-def _has_armor_quantization_config(path: Path) -> bool:
+def has_armor_quantization_config(path: Union[str, os.PathLike]) -> bool:
+    """Whether ``path/config.json`` has ``quantization_config.quant_method == "armor"``."""
     try:
-        with open(path / "config.json") as fh:
+        with open(Path(path) / "config.json") as fh:
             quant = json.load(fh).get("quantization_config")
     except (OSError, ValueError, AttributeError):
         return False
     return isinstance(quant, dict) and quant.get("quant_method") == "armor"
-
-
-def _from_pretrained(path: Path, device: Optional[Union[str, torch.device]], storage: Optional[str]) -> nn.Module:
-    """``from_pretrained`` of the class named in ``config.json`` (a causal LM by default), in its saved dtype."""
-    import transformers
-
-    import torch_armor.hf  # noqa: F401  (registers quant_method "armor")
-
-    config = transformers.AutoConfig.from_pretrained(str(path))
-    archs = getattr(config, "architectures", None) or []
-    cls = getattr(transformers, archs[0], None) if archs else None
-    cls = cls or transformers.AutoModelForCausalLM
-    kwargs: Dict[str, Any] = {"dtype": "auto"}
-    if device is not None:
-        kwargs["device_map"] = str(torch.device(device))
-    model = cls.from_pretrained(str(path), **kwargs).eval()
-    if storage is not None:
-        from torch_armor.tensor.armor_tensor import ArmorTensor, QUANTIZED
-
-        for module in model.modules():
-            w = module._parameters.get("weight")
-            if isinstance(w, ArmorTensor) and w.storage != QUANTIZED and w.storage != storage:
-                module._parameters["weight"] = nn.Parameter(w.with_storage(storage), requires_grad=False)
-    return model
