@@ -135,12 +135,29 @@ def test_loading_without_torch_armor_fails_loudly(tmp_path):
     assert "Unknown quantization type, got armor" in proc.stderr and "mismatch" in proc.stderr.lower()
 
 
-def test_streamed_prune_directory_loads_with_from_pretrained(tmp_path, one_thread):
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_streamed_prune_directory_loads_with_from_pretrained(dtype, tmp_path, one_thread):
+    """The block-streamed engine's assemble_checkpoint output is an ordinary from_pretrained directory."""
     dense = make_tiny_llama()
     dense.save_pretrained(tmp_path / "dense")
     windows = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
     prune_model(str(tmp_path / "dense"), windows, "armor", ArmorConfig(block_size=16, num_iters=2),
-                out=tmp_path / "out", progress=False)
+                out=tmp_path / "out", progress=False, dtype=dtype)
     files = sorted(os.listdir(tmp_path / "out"))
-    assert "model.safetensors.index.json" in files or "model.safetensors" in files
-    assert_same_model(load_pretrained(tmp_path / "out"), AutoModelForCausalLM.from_pretrained(tmp_path / "out"))
+    assert "model.safetensors.index.json" in files and "armor_config.json" in files  # one shard per block
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    w = loaded.model.layers[1].mlp.down_proj.weight
+    assert isinstance(w, ArmorTensor) and w.dtype == (dtype or torch.float32) == loaded.dtype
+    # the torch_armor reader without config.json's help: the saved tensors as they are
+    from torch_armor.tensor.serialization import load_pretrained as armor_load
+
+    legacy = armor_load(tmp_path / "out", lambda: make_tiny_llama().to(dtype or torch.float32))
+    if dtype is None:
+        assert_same_model(legacy, loaded)
+    else:  # blocks are stored bf16, the rest (embeddings, norm, lm_head) as the source checkpoint had them;
+        # from_pretrained builds the model in the blocks' dtype and casts the rest, as transformers does
+        ta, ma = flatten_armor_state(legacy)
+        tb, mb = flatten_armor_state(loaded)
+        assert ma["layers"] == mb["layers"]
+        for key in ta:
+            assert torch.equal(ta[key].to(tb[key].dtype), tb[key]) and tb[key].dtype in (dtype, torch.uint8), key

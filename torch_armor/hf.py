@@ -146,18 +146,23 @@ def write_hf_config(path: Path, hf_config: Any, layers: Optional[Dict[str, Any]]
     """Write ``config.json``; with converted ``layers`` it carries ``quantization_config`` (quant_method
     ``"armor"``), so ``AutoModelForCausalLM.from_pretrained`` loads the directory."""
     quant = None
+    dtypes = {layer.get("dtype") for layer in (layers or {}).values()}
     if layers:
         quant = ArmorQuantizationConfig(layers=layers, buffers=buffers).to_dict()
     if isinstance(hf_config, Mapping):
         data = dict(hf_config)
         if quant is not None:
             data["quantization_config"] = quant
+            if len(dtypes) == 1:  # from_pretrained(dtype="auto") builds the model in the layers' dtype
+                data["dtype"] = dtypes.pop()
         text = json.dumps(data, indent=2, sort_keys=True) + "\n"
         atomic_write(path / "config.json", text.encode())
     elif hasattr(hf_config, "save_pretrained"):
         if quant is not None:
             hf_config = copy.deepcopy(hf_config)
             hf_config.quantization_config = quant
+            if len(dtypes) == 1:  # from_pretrained(dtype="auto") builds the model in the layers' dtype
+                hf_config.dtype = dtypes.pop()
         hf_config.save_pretrained(str(path))
     else:
         raise ValueError(f"hf_config must be a transformers config or a dict, got {type(hf_config).__name__}")

@@ -92,11 +92,11 @@ class _Streamed:
 
 def is_streamable_checkpoint(path: PathLike) -> bool:
     """A local Hugging Face directory with ``config.json`` and safetensors weights (not an ARMOR one)."""
-    from torch_armor.tensor.serialization import ARMOR_CONFIG_NAME
+    from torch_armor.tensor.serialization import ARMOR_CONFIG_NAME, has_armor_quantization_config
 
     p = Path(path)
     return (p.is_dir() and (p / "config.json").is_file() and not (p / ARMOR_CONFIG_NAME).exists()
-            and any(p.glob("*.safetensors")))
+            and not has_armor_quantization_config(p) and any(p.glob("*.safetensors")))
 
 
 def calibration_batches(calibration: Any, batch_size: int = 4) -> List[torch.Tensor]:
