@@ -32,7 +32,8 @@ import logging as _logging
 
 def _import_torchao_quietly() -> None:
     # torchao logs a warning per CUDA/MX extension it cannot load on a CPU-only build, and
-    # torch warns about an Enum registration inside torchao: noise for our users.
+    # torch warns about an Enum registration inside torchao: noise for our users. The
+    # transformers quantizer machinery (torch_armor.hf) imports more of torchao: same treatment.
     noisy = [_logging.getLogger("torchao"), _logging.getLogger("torch.utils._pytree")]
     levels = [lg.level for lg in noisy]
     for lg in noisy:
@@ -40,6 +41,7 @@ def _import_torchao_quietly() -> None:
     try:
         import torchao  # noqa: F401
         import torchao.quantization  # noqa: F401
+        import transformers.quantizers.auto  # noqa: F401
     finally:
         for lg, level in zip(noisy, levels):
             lg.setLevel(level)
