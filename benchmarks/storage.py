@@ -12,6 +12,10 @@ dense fp32 weights written with ``safetensors.torch.save_file``. Byte counts com
 safetensors headers (each tensor's ``data_offsets``), so they are exactly what is on disk;
 file sizes (headers included) are printed too.
 
+It saves the converted model with ``model.save_pretrained`` too and measures, in a fresh process
+each (``resource.getrusage``), the peak RSS of ``AutoModelForCausalLM.from_pretrained`` on it and
+on the dense fp32 model saved the same way, against the dense fp32 model's parameter bytes.
+
 It also reloads the directory with ``load_pretrained`` and checks that the loaded model's
 logits are bit-identical to the in-memory converted model's on a few windows; then does the
 same for the model with its cores quantized to int8 (``ArmorCoreConfig(Int8WeightOnlyConfig())``).
@@ -60,7 +64,7 @@ def safetensors_nbytes(path: Path) -> Dict[str, int]:
 def component(key: str, prefix: str) -> str:
     """Group an inner-tensor key of a converted layer: ``values``, ``indices``, ``scales`` or ``A/B``."""
     rest = key[len(prefix):]
-    if rest in ("a_blocks", "b_blocks"):
+    if key == prefix.rstrip(".") or rest in ("a_blocks", "b_blocks"):  # A lives under the weight's own key
         return "A/B"
     if rest.endswith("indices"):
         return "indices"
@@ -80,7 +84,7 @@ def linear_table(title: str, armor_bytes: Dict[str, int], dense_bytes: Dict[str,
         rows[kind]["count"] += 1
         rows[kind]["dense"] += dense_bytes[f"{name}.weight"]
         prefix = f"{name}.weight."
-        keys = [k for k in armor_bytes if k.startswith(prefix)]
+        keys = [k for k in armor_bytes if k.startswith(prefix) or k == f"{name}.weight"]
         if not keys:
             raise RuntimeError(f"{name} was not saved as a converted layer")
         for key in keys:
@@ -104,6 +108,56 @@ def linear_table(title: str, armor_bytes: Dict[str, int], dense_bytes: Dict[str,
     print("-" * len(header))
     line("all", total)
     return total
+
+
+_RSS_CODE = """
+import resource, sys, torch
+torch.set_num_threads(1)
+import torch_armor
+from transformers import AutoModelForCausalLM
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+n = sum(isinstance(m.weight, torch_armor.ArmorTensor) for m in model.modules() if hasattr(m, "weight"))
+with torch.no_grad():  # touches every weight (mmap-backed pages become resident)
+    model(torch.zeros(1, 16, dtype=torch.long))
+forward = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(base, peak, n, forward)
+"""
+
+
+def from_pretrained_peak_rss(directory: Path) -> Dict[str, int]:
+    """Peak resident memory (bytes, ``resource.getrusage(RUSAGE_SELF).ru_maxrss``) of a fresh process
+    that imports torch_armor and runs ``AutoModelForCausalLM.from_pretrained(directory)``, and the
+    same right after the imports (``base``)."""
+    import os
+    import subprocess
+
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # Launched through a small intermediate Python: Linux carries the RSS high-water mark of the
+    # process that forks into the child's ru_maxrss across exec, and this benchmark process is large.
+    hop = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)"
+    out = subprocess.run([sys.executable, "-c", hop, sys.executable, "-c", _RSS_CODE, str(directory)],
+                         capture_output=True, text=True, env=env, check=True).stdout.split()
+    base, peak, n, forward = (int(v) for v in out[-4:])
+    return {"base": base, "peak": peak, "armor_layers": n, "forward": forward}
+
+
+def save_dense_copy(model, dense: Dict[str, torch.Tensor], directory: Path) -> int:
+    """Save the dense fp32 SmolLM2 (the converted model's plain tensors + the original dense linears)
+    as an ordinary Hugging Face directory; return the bytes of all its parameters."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        twin = AutoModelForCausalLM.from_config(model.config.__class__.from_dict(
+            {k: v for k, v in model.config.to_dict().items() if k != "quantization_config"}))
+    state = {k: v for k, v in model.state_dict().items() if not hasattr(v, "a_blocks")}
+    state.update({f"{n}.weight": w for n, w in dense.items()})
+    twin.load_state_dict(state, strict=False, assign=True)
+    twin.tie_weights()
+    twin.save_pretrained(directory)
+    return sum(p.numel() * p.element_size() for p in twin.parameters())
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Dict[str, float]:
@@ -160,6 +214,23 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, float]:
               f"norms, lm_head {other_bytes / 1e6:.2f} MB + header); dense linears file {dense_file_size / 1e6:.2f} MB")
 
         loaded = load_pretrained(armor_dir)
+        hf_dir = tmp / "armor_hf"
+        model.save_pretrained(hf_dir)  # transformers' writer through the ARMOR quantizer: the same layout
+        dense_model_dir = tmp / "dense_model"
+        dense_model_bytes = save_dense_copy(model, dense, dense_model_dir)
+        rss = {kind: from_pretrained_peak_rss(d) for kind, d in (("armor", hf_dir), ("dense", dense_model_dir))}
+    print(f"\n## peak RSS of AutoModelForCausalLM.from_pretrained (fresh process, 1 thread, ru_maxrss)")
+    print(f"dense fp32 model bytes (all parameters): {dense_model_bytes / 2**20:.1f} MiB")
+    for kind, r in rss.items():
+        print(f"{kind:>6}: peak RSS {r['peak'] / 2**20:.1f} MiB = {r['base'] / 2**20:.1f} MiB after imports "
+              f"+ {(r['peak'] - r['base']) / 2**20:.1f} MiB for loading; {r['armor_layers']} ArmorTensor weights; "
+              f"after one 16-token forward {r['forward'] / 2**20:.1f} MiB")
+    print("(safetensors memory-maps the file: pages a load does not touch are not resident until a forward "
+          "pass reads them, hence the dense model's small loading increase)")
+    armor_load = rss["armor"]["peak"] - rss["armor"]["base"]
+    print(f"ARMOR load increase / dense fp32 model bytes = {armor_load / dense_model_bytes:.3f}; "
+          f"ARMOR peak RSS (whole process) {'below' if rss['armor']['peak'] < dense_model_bytes else 'ABOVE'} "
+          f"the dense fp32 model's bytes")
     identical = True
     max_diff = 0.0
     with torch.no_grad():
@@ -187,6 +258,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, float]:
             int8_identical = all(torch.equal(model(row[None]).logits, loaded(row[None]).logits) for row in check)
     print(f"\nint8-core ratio (vs dense fp32 linears) = {int8_ratio:.4f}; reloaded logits bit-identical: {int8_identical}")
     return {"ratio": ratio, "bit_identical": float(identical), "int8_ratio": int8_ratio,
+            "armor_peak_rss": rss["armor"]["peak"], "dense_peak_rss": rss["dense"]["peak"],
+            "dense_model_bytes": dense_model_bytes,
             "int8_bit_identical": float(int8_identical), "convert_s": convert_s}
 
 

@@ -258,3 +258,20 @@ def test_block_size_default_is_the_config_default():
     assert _armor_config(auto) == ArmorConfig(block_size="auto", max_overhead=0.1)
     adam = parser.parse_args(["prune", "smollm2", "--out", "x", "--optimizer", "adam"])
     assert _armor_config(adam).iterations == 1000
+
+
+def test_prune_prints_stored_and_dense_sizes(tmp_path, capsys, tiny_hf_dir, text_files):
+    """The prune report gives both sizes: what is stored and what the dense model holds."""
+    import re
+
+    from torch_armor import load_pretrained, model_size
+
+    calib, _ = text_files
+    out = tmp_path / "armor"
+    code = main(["prune", str(tiny_hf_dir), "--out", str(out), "--calib", str(calib), "--n-calib", "2",
+                 "--seq-len", "32", "--iters", "2", "--threads", "1", "--no-progress"])
+    assert code == 0
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("size:"))
+    stored, dense = (int(v.replace(",", "")) for v in re.findall(r"([\d,]+) (?:stored )?parameters", line))
+    model = load_pretrained(out)
+    assert stored == model_size(model).parameters < dense == model.num_parameters()

@@ -31,3 +31,16 @@ def test_01_prune_compile_quantize(tmp_path):
     saved = tmp_path / "tiny-llama-armor-int8"
     assert sorted(p.name for p in saved.iterdir()) == ["armor_config.json", "config.json", "model.safetensors"]
     assert results["saved_bytes"] == (saved / "model.safetensors").stat().st_size
+
+
+def test_02_finetune_wrappers():
+    tutorial = load_tutorial("02_finetune_wrappers.py")
+    results = tutorial.main(["--steps", "12"])
+    assert results["converted_layers"] == 14
+    assert results["trainable_tensors"] == 3 * 14  # A, B, kept values of every converted linear
+    assert results["grad_max_rel_diff"] < 1e-10  # float64: ARMOR autograd == dense-weight autograd
+    losses = results["losses"]
+    assert len(losses) == 12 and losses[-1] < 0.5 * losses[0]
+    assert results["mask_unchanged"] is True
+    assert results["loaded_bit_identical"] is True
+    assert results["stored_parameters"] < results["dense_parameters"]

@@ -32,7 +32,8 @@ import logging as _logging
 
 def _import_torchao_quietly() -> None:
     # torchao logs a warning per CUDA/MX extension it cannot load on a CPU-only build, and
-    # torch warns about an Enum registration inside torchao: noise for our users.
+    # torch warns about an Enum registration inside torchao: noise for our users. The
+    # transformers quantizer machinery (torch_armor.hf) imports more of torchao: same treatment.
     noisy = [_logging.getLogger("torchao"), _logging.getLogger("torch.utils._pytree")]
     levels = [lg.level for lg in noisy]
     for lg in noisy:
@@ -41,6 +42,8 @@ def _import_torchao_quietly() -> None:
         import torchao  # noqa: F401
         import torchao.quantization  # noqa: F401
         import importlib
+
+        import transformers.quantizers.auto  # noqa: F401
 
         # transformers imports these from its torchao integration; their Enum registrations
         # warn once per process, so take that once here, quietly
@@ -67,6 +70,8 @@ from torch_armor.sparsifier import ArmorSparsifier, PruningSparsifier  # noqa: E
 from torch_armor.tensor.armor_tensor import ArmorTensor  # noqa: E402
 from torch_armor.tensor.quant import ArmorCoreConfig  # noqa: E402  (registers the torchao handler)
 from torch_armor.tensor.serialization import load_pretrained, save_pretrained  # noqa: E402
+from torch_armor.hf import attach_quantizer  # noqa: E402  (registers quant_method "armor" with transformers)
+from torch_armor.tensor.finetune import enable_finetuning, model_size  # noqa: E402
 
 # What a user needs; the math and the plumbing stay importable from their subpackages
 # (torch_armor.core, .calibration, .tensor, .engine, .recipes).
@@ -76,12 +81,15 @@ __all__ = [
     "ArmorFactors",
     "ArmorSparsifier",
     "ArmorTensor",
+    "attach_quantizer",
+    "enable_finetuning",
     "BaselineConfig",
     "PruneReport",
     "PruningSparsifier",
     "RunMismatchError",
     "factorize",
     "load_pretrained",
+    "model_size",
     "prune_model",
     "save_pretrained",
 ]

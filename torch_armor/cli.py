@@ -337,6 +337,11 @@ def _prune(args: argparse.Namespace, out: Path, run_dir: Path, topo) -> int:
           f"mean relative proxy loss {report.mean_relative_proxy_loss:.4f} (NoWag-P = 1)"
           + (f", wrapper overhead {100 * report.overhead:.2f}%" if report.overhead else "")
           + f", pruning {report.seconds:.1f} s, total {total:.1f} s")
+    from torch_armor.tensor.finetune import checkpoint_size
+
+    size = checkpoint_size(out)
+    print(f"size: {size.parameters:,} stored parameters, {size.parameter_bytes / 2**20:.1f} MiB of weights "
+          f"(dense model: {size.dense_parameters:,} parameters, {size.dense_parameter_bytes / 2**20:.1f} MiB)")
     print(f"saved model, tokenizer, {REPORT_JSON} and {REPORT_PNG} to {out}")
     return 0
 

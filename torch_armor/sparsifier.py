@@ -126,7 +126,10 @@ class ArmorSparsifier(CalibratedSparsifier):
         Raises:
             ValueError: the model was already converted, or ``module`` was not prepared.
         """
-        return self._convert(module, inplace, storage or self.storage)
+        model = self._convert(module, inplace, storage or self.storage)
+        from torch_armor.hf import attach_quantizer
+
+        return attach_quantizer(model)  # model.save_pretrained writes the ARMOR format
 
     def _config_dict(self) -> Dict[str, Any]:
         from torch_armor.engine.runstore import config_to_dict

@@ -90,9 +90,10 @@ def test_bf16_and_unstructured_roundtrip(tmp_path):
 def test_flatten_unflatten_inverse():
     model = converted_sequential()
     tensors, meta = flatten_armor_state(model)
-    assert {"0.weight.a_blocks", "0.weight.b_blocks", "0.weight.values", "0.weight.indices"} <= set(tensors)
+    assert {"0.weight", "0.weight.b_blocks", "0.weight.values", "0.weight.indices"} <= set(tensors)  # A under the weight key
+    assert tensors["0.weight"].shape == (128 // 16, 16, 16)
     assert "2.weight.values" in tensors and "2.weight.core" not in tensors  # always compact on disk
-    assert "4.weight" in tensors and "0.weight" not in tensors
+    assert "4.weight" in tensors and tensors["4.weight"].shape == (32, 64)
     assert tensors["0.weight.indices"].dtype == torch.uint8
     layer = meta["layers"]["0.weight"]
     assert layer["shape"] == [128, 64] and layer["block_size"] == 16 and layer["pattern"] == "2:4"
@@ -318,7 +319,7 @@ def test_sharded_llama_matches_memory_and_single_file(tmp_path, tiny_llama_facto
     model_class = f"{type(model).__module__}.{type(model).__qualname__}"
     assemble_checkpoint(ckpt, shards, hf_config=model.config, model_class=model_class)
     names = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
-    assert sorted(os.listdir(ckpt)) == sorted([ARMOR_CONFIG_NAME, "config.json"] + names)
+    assert sorted(os.listdir(ckpt)) == sorted([ARMOR_CONFIG_NAME, "config.json", "model.safetensors.index.json"] + names)
     assert os.listdir(parts) == []  # moved, not copied
     config = json.loads((ckpt / ARMOR_CONFIG_NAME).read_text())
     assert [f["file"] for f in config["weights_files"]] == names and "weights_sha256" not in config
@@ -502,3 +503,16 @@ def test_legacy_single_file_checkpoint_loads(tmp_path):
     x = torch.randn(2, 64)
     with torch.no_grad():
         assert torch.equal(load_pretrained(tmp_path, make_sequential())(x), model(x))
+
+
+def test_legacy_a_blocks_keys_still_load():
+    """Files written before ``a_blocks`` moved under the weight's own key keep loading."""
+    model = converted_sequential()
+    tensors, meta = flatten_armor_state(model)
+    old = {("0.weight.a_blocks" if k == "0.weight" else "2.weight.a_blocks" if k == "2.weight" else k): v
+           for k, v in tensors.items()}
+    meta = dict(meta, tensors={("0.weight.a_blocks" if k == "0.weight" else "2.weight.a_blocks" if k == "2.weight" else k): v
+                               for k, v in meta["tensors"].items()})
+    loaded = unflatten_armor_state(make_sequential(), old, meta)
+    x = torch.randn(3, 64)
+    assert torch.equal(loaded(x), model(x))

@@ -253,3 +253,66 @@ def test_cuda_compact_dense(storage):
     assert w.storage == storage and w.a_blocks.is_cuda
     x = torch.randn(5, 128, device="cuda")
     torch.testing.assert_close(F.linear(x, w), x @ f.dense().cuda().T, rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------- plain PyTorch interop (issue #13)
+
+
+def _converted_llama():
+    from conftest import make_tiny_llama
+
+    model = make_tiny_llama()
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and ".layers." in name:
+            f = random_pattern_factors(mod.out_features, mod.in_features, 16, seed=len(name))
+            armor_linear_from_factors(mod, f, storage="compact")
+    return model
+
+
+def test_storage_name_is_a_string_whose_call_says_how_to_save(tmp_path):
+    """Before: safetensors.torch.save_model / save_pretrained died with "'str' object is not callable"."""
+    from safetensors.torch import save_model
+
+    model = _converted_llama()
+    w = model.model.layers[0].mlp.up_proj.weight
+    assert w.storage == "compact" and isinstance(w.storage, str) and f"{w.storage}" == "compact"
+    with pytest.raises(TypeError, match=r"model\.save_pretrained\(directory\)"):
+        save_model(model, str(tmp_path / "x.safetensors"))
+    with pytest.raises(TypeError, match="attach_quantizer"):
+        model.save_pretrained(tmp_path / "hf")
+    import torch_armor
+
+    torch_armor.attach_quantizer(model).save_pretrained(tmp_path / "hf")  # by-hand conversions: one call
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+def test_torch_save_state_dict_loads_with_weights_only(tmp_path):
+    """Before: torch.load(..., weights_only=True) refused the ArmorTensor globals."""
+    model = _converted_llama()
+    torch.save(model.state_dict(), tmp_path / "sd.pt")
+    state = torch.load(tmp_path / "sd.pt", weights_only=True)
+    w = state["model.layers.1.self_attn.k_proj.weight"]
+    assert isinstance(w, ArmorTensor) and w.storage == "compact"
+    other = _converted_llama()
+    for p in other.parameters():  # different values, same structure
+        if not isinstance(p, ArmorTensor):
+            nn.init.normal_(p)
+    for mod in other.modules():
+        if isinstance(getattr(mod, "weight", None), ArmorTensor):
+            mod.weight.values.mul_(2.0)
+    other.load_state_dict(state)  # copies part by part into the existing ArmorTensors
+    ids = torch.randint(0, 128, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(other(ids).logits, model(ids).logits)
+
+
+def test_armor_state_dict_into_dense_model_says_what_to_do():
+    """Before: "'Parameter' object has no attribute 'tensor_data_names'"."""
+    from conftest import make_tiny_llama
+
+    state = _converted_llama().state_dict()
+    with pytest.raises(RuntimeError, match=r"cannot be loaded into a dense model.*from_pretrained"):
+        make_tiny_llama().load_state_dict(state)
+    dense = make_tiny_llama().state_dict()
+    with pytest.raises(RuntimeError, match="dense tensor cannot be copied into an ArmorTensor"):
+        _converted_llama().load_state_dict(dense)

@@ -79,8 +79,17 @@ def decoder_blocks(model: nn.Module) -> Tuple[str, nn.ModuleList]:
     ``ModuleList`` whose entries contain ``nn.Linear`` layers), e.g. ``("model.layers", …)``.
 
     Raises:
-        ValueError: the model has no such list (not a decoder stack).
+        ValueError: the model has no such list (not a decoder stack), or it has transformers
+            ``Conv1D`` layers (GPT-2 style: "Conv1D layers are not supported; …").
     """
+    conv1d = next((name for name, m in model.named_modules() if type(m).__name__ == "Conv1D"), None)
+    if conv1d is not None:
+        raise ValueError(
+            f"Conv1D layers are not supported; {type(model).__name__} stores its projections as transformers "
+            f"Conv1D (e.g. {conv1d!r}, the GPT-2 layout with transposed weights), and ARMOR converts nn.Linear "
+            "weights only. Use a model with nn.Linear projections (Llama, Mistral, Qwen2/3, Gemma2/3, Phi-3, "
+            "GPT-NeoX)"
+        )
     best: Optional[Tuple[str, nn.ModuleList]] = None
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0:

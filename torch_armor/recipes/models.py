@@ -47,16 +47,18 @@ def parse_dtype(dtype: Union[str, torch.dtype, None]) -> Optional[torch.dtype]:
 
 
 def is_armor_checkpoint(path: Union[str, os.PathLike]) -> bool:
-    """Whether ``path`` is a directory written by :func:`torch_armor.tensor.serialization.save_pretrained`.
+    """Whether ``path`` is a directory written by :func:`torch_armor.tensor.serialization.save_pretrained`
+    or by ``model.save_pretrained`` of a converted model (``quant_method: "armor"`` in ``config.json``).
 
     Example::
 
         >>> is_armor_checkpoint("/nonexistent")
         False
     """
-    from torch_armor.tensor.serialization import ARMOR_CONFIG_NAME
+    from torch_armor.tensor.serialization import ARMOR_CONFIG_NAME, has_armor_quantization_config
 
-    return Path(path).is_dir() and (Path(path) / ARMOR_CONFIG_NAME).is_file()
+    p = Path(path)
+    return p.is_dir() and ((p / ARMOR_CONFIG_NAME).is_file() or has_armor_quantization_config(p))
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")

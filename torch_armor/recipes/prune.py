@@ -92,11 +92,11 @@ class _Streamed:
 
 def is_streamable_checkpoint(path: PathLike) -> bool:
     """A local Hugging Face directory with ``config.json`` and safetensors weights (not an ARMOR one)."""
-    from torch_armor.tensor.serialization import ARMOR_CONFIG_NAME
+    from torch_armor.tensor.serialization import ARMOR_CONFIG_NAME, has_armor_quantization_config
 
     p = Path(path)
     return (p.is_dir() and (p / "config.json").is_file() and not (p / ARMOR_CONFIG_NAME).exists()
-            and any(p.glob("*.safetensors")))
+            and not has_armor_quantization_config(p) and any(p.glob("*.safetensors")))
 
 
 def _ids_and_mask(item: Any) -> Any:
@@ -300,6 +300,10 @@ def prune_model(
     )
     report = pipeline.run(batches)
     report.settings.update(sequential=sequential)
+    if not streamed:
+        from torch_armor.hf import attach_quantizer
+
+        attach_quantizer(model)  # model.save_pretrained now writes the ARMOR format
     if topo.rank == 0 and out is not None:
         if streamed:
             writer.finish(source.checkpoint, blocks_prefix, Path(out))

@@ -55,7 +55,7 @@ from torch_armor.config import parse_pattern
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.tensor.packing import check_nm_mask, pack_nm, semi_structured_supported, to_semi_structured, unpack_nm
 
-__all__ = ["ArmorTensor", "armor_linear_from_factors", "STORAGES", "QUANTIZED"]
+__all__ = ["ArmorTensor", "StorageKind", "armor_linear_from_factors", "STORAGES", "QUANTIZED"]
 
 aten = torch.ops.aten
 
@@ -63,6 +63,23 @@ STORAGES = ("compact", "dense", "semi_structured")
 #: storage kind of a core quantized by torch_armor.tensor.quant (not a target of ``with_storage``)
 QUANTIZED = "quantized"
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class StorageKind(str):
+    """The name of an ArmorTensor's core storage (``"compact"``, ``"dense"``…): a ``str``.
+
+    ``ArmorTensor.storage`` shadows ``torch.Tensor.storage()``; calling it (as
+    ``safetensors.torch.save_model`` or a model's ``save_pretrained`` without the ARMOR quantizer
+    do) raises an error that says how to save a converted model instead.
+    """
+
+    def __call__(self, *args, **kwargs):
+        raise TypeError(
+            "an ArmorTensor has no single storage: it holds W = A·core·B as separate tensors "
+            f"(core storage: {str(self)!r}). Save a converted model with model.save_pretrained(directory) "
+            "(after import torch_armor; for a model you converted by hand call "
+            "torch_armor.attach_quantizer(model) first) or torch_armor.save_pretrained(model, directory)"
+        )
 
 
 def _blockwise_right_t(x2d: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -145,7 +162,7 @@ class ArmorTensor(TorchAOBaseTensor):
         self.a_blocks = a_blocks
         self.b_blocks = b_blocks
         self.pattern = pattern
-        self.storage = storage
+        self.storage = StorageKind(storage)
         # dtype is set by _make_wrapper_subclass in __new__
         self.core = core
         self.values = values
@@ -521,3 +538,6 @@ def armor_linear_from_factors(
     new = ArmorTensor.from_factors(factors, storage=storage, dtype=dtype, device=device, backend=backend)
     linear.weight = nn.Parameter(new, requires_grad=False)
     return linear
+
+
+from torch_armor.tensor import interop as _interop  # noqa: E402,F401  (requires_grad_, copy_, safe globals)

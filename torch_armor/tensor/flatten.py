@@ -2,7 +2,8 @@
 
 This is the in-memory half of :mod:`torch_armor.tensor.serialization` (which writes the result
 to safetensors files). Every :class:`~torch_armor.tensor.armor_tensor.ArmorTensor` parameter
-``"{fqn}"`` becomes its inner tensors under ``"{fqn}.{inner}"``: ``a_blocks``, ``b_blocks`` and
+``"{fqn}"`` becomes its inner tensors: ``a_blocks`` under ``"{fqn}"`` itself (a loader that does not
+know ARMOR then fails on its shape instead of loading a random weight), ``"{fqn}.b_blocks"`` and
 the core in compact N:M form (``values`` + ``indices``; unstructured cores are stored dense as
 ``core``). A core quantized with :mod:`torch_armor.tensor.quant` is stored as its torchao
 tensor's own inner tensors under ``"{fqn}.core.{name}"`` (a ``(d_out, d_in)`` one that is N:M
@@ -29,6 +30,7 @@ from torch_armor.tensor.packing import index_bits, pack_nm, unpack_nm
 from torch_armor.tensor.armor_tensor import QUANTIZED, STORAGES, ArmorTensor
 
 __all__ = [
+    "part_key",
     "ARMOR_CONFIG_NAME",
     "FORMAT_NAME",
     "FORMAT_VERSION",
@@ -73,11 +75,18 @@ def _inner_names(storage: str) -> Tuple[str, ...]:
     return ("a_blocks", "b_blocks") + (("values", "indices") if storage == "compact" else ("core",))
 
 
+def part_key(fqn: str, name: str) -> str:
+    """The file key of a converted layer's part: ``a_blocks`` under the weight's own key (so a loader
+    that does not know ARMOR meets a shape mismatch there and fails loudly), the others under
+    ``"{fqn}.{name}"``."""
+    return fqn if name == "a_blocks" else f"{fqn}.{name}"
+
+
 def _layer_keys(fqn: str, layer: Dict[str, Any]) -> Tuple[str, ...]:
     """Keys of ``model.safetensors`` that belong to one converted layer."""
     if layer["storage"] != QUANTIZED:
-        return tuple(f"{fqn}.{name}" for name in _inner_names(layer["storage"]))
-    keys = [f"{fqn}.a_blocks", f"{fqn}.b_blocks"]
+        return tuple(part_key(fqn, name) for name in _inner_names(layer["storage"]))
+    keys = [part_key(fqn, "a_blocks"), part_key(fqn, "b_blocks")]
     for name, kind in layer["quantization"]["tensors"].items():
         keys += [f"{fqn}.core.{name}.values", f"{fqn}.core.{name}.indices"] if kind == "compact" else [f"{fqn}.core.{name}"]
     return tuple(keys)
@@ -167,8 +176,19 @@ def _unflatten_quantized(fqn: str, layer: Dict[str, Any], tensors: Dict[str, tor
         inner[name] = t
     qcore = type(template).__tensor_unflatten__(inner, ctx, template.shape, template.stride())
     return ArmorTensor(
-        tensors[f"{fqn}.a_blocks"], tensors[f"{fqn}.b_blocks"], str(pattern), QUANTIZED, dtype,
+        tensors[part_key(fqn, "a_blocks")], tensors[part_key(fqn, "b_blocks")], str(pattern), QUANTIZED, dtype,
         core=qcore, quant_config=config,
+    )
+
+
+def _build_layer(fqn: str, layer: Dict[str, Any], tensors: Dict[str, torch.Tensor]) -> ArmorTensor:
+    """The ArmorTensor of one (validated) layer entry, from its stored parts (keys ``"{fqn}.{inner}"``)."""
+    if layer["storage"] == QUANTIZED:
+        return _unflatten_quantized(fqn, layer, tensors)
+    inner = {name: tensors[part_key(fqn, name)] for name in _inner_names(layer["storage"])}
+    return ArmorTensor(
+        inner.pop("a_blocks"), inner.pop("b_blocks"), str(parse_pattern(layer["pattern"])),
+        layer["storage"], _DTYPES[layer["dtype"]], **inner,
     )
 
 
@@ -178,8 +198,8 @@ def _unflatten_quantized(fqn: str, layer: Dict[str, Any], tensors: Dict[str, tor
 def flatten_armor_state(model: nn.Module) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
     """Split ``model.state_dict()`` into plain tensors plus a JSON-able description.
 
-    Every :class:`ArmorTensor` parameter ``fqn`` becomes plain tensors ``"{fqn}.a_blocks"``,
-    ``"{fqn}.b_blocks"`` and the core in compact N:M form (``"{fqn}.values"``,
+    Every :class:`ArmorTensor` parameter ``fqn`` becomes plain tensors ``"{fqn}"`` (its
+    ``a_blocks``: see :func:`part_key`), ``"{fqn}.b_blocks"`` and the core in compact N:M form (``"{fqn}.values"``,
     ``"{fqn}.indices"``), or ``"{fqn}.core"`` for unstructured patterns. Tensors that share
     memory are stored once, the others listed under ``metadata["aliases"]``.
 
@@ -220,7 +240,7 @@ def flatten_state(
         if isinstance(value, ArmorTensor) and value.storage == QUANTIZED:
             inner, layers[key] = _flatten_quantized(key, value)
             for name, t in inner.items():
-                raw[f"{key}.{name}"] = t
+                raw[part_key(key, name)] = t
         elif isinstance(value, ArmorTensor):
             runtime = value.storage
             saved_storage = "compact" if parse_pattern(value.pattern).structured else "dense"
@@ -236,7 +256,7 @@ def flatten_state(
                 "tensors": {name: _tensor_spec(t) for name, t in inner.items()},
             }
             for name, t in inner.items():
-                raw[f"{key}.{name}"] = t
+                raw[part_key(key, name)] = t
         elif isinstance(value, torch.Tensor):
             if type(value) not in (torch.Tensor, nn.Parameter):
                 raise ValueError(
@@ -359,7 +379,7 @@ def _validate_layer(fqn: str, layer: Any, tensors: Dict[str, torch.Tensor]) -> N
     else:
         expected["core"] = ((d_out, d_in), dtype)
     for name, (shape, dt) in expected.items():
-        key = f"{fqn}.{name}"
+        key = part_key(fqn, name)
         if key not in tensors:
             raise ValueError(f"{where}: inner tensor {key!r} missing from the weights file(s)")
         t = tensors[key]
@@ -390,7 +410,7 @@ def _validate_quantized_layer(
         if key not in tensors:
             raise ValueError(f"{where}: inner tensor {key!r} missing from the weights file(s)")
     for name, rows in (("a_blocks", d_out), ("b_blocks", d_in)):
-        t = tensors[f"{fqn}.{name}"]
+        t = tensors[part_key(fqn, name)]
         if tuple(t.shape) != (rows // d_b, d_b, d_b) or t.dtype != dtype:
             raise ValueError(
                 f"{where}: {name} should be {dtype} {[rows // d_b, d_b, d_b]}, found {t.dtype} {list(t.shape)}"
@@ -398,6 +418,20 @@ def _validate_quantized_layer(
 
 
 # ------------------------------------------------------------------------ unflatten
+
+
+def _upgrade_legacy_keys(tensors: Dict[str, torch.Tensor], metadata: Any) -> Tuple[Dict[str, torch.Tensor], Any]:
+    """Files written before ``a_blocks`` moved to the weight's own key hold it as ``"{fqn}.a_blocks"``."""
+    if not isinstance(metadata, dict) or not isinstance(metadata.get("layers"), dict) \
+            or not isinstance(metadata.get("tensors"), dict):
+        return tensors, metadata
+    old = {f"{fqn}.a_blocks": fqn for fqn in metadata["layers"]
+           if f"{fqn}.a_blocks" in tensors and fqn not in tensors}
+    if not old:
+        return tensors, metadata
+    tensors = {old.get(k, k): v for k, v in tensors.items()}
+    metadata = dict(metadata, tensors={old.get(k, k): v for k, v in metadata["tensors"].items()})
+    return tensors, metadata
 
 
 def unflatten_armor_state(
@@ -430,6 +464,7 @@ def unflatten_armor_state(
         >>> torch.equal(dst.weight, src.weight)
         True
     """
+    tensors, metadata = _upgrade_legacy_keys(tensors, metadata)
     _validate_metadata(metadata, tensors)
     if storage is not None and storage not in STORAGES + ("auto",):
         raise ValueError(f"storage must be one of {STORAGES + ('auto',)} or None, got {storage!r}")
@@ -496,14 +531,7 @@ def unflatten_armor_state(
     # 3. converted layers
     for fqn, layer in layers.items():
         module, pname, old = targets[fqn]
-        if layer["storage"] == QUANTIZED:
-            w = _unflatten_quantized(fqn, layer, tensors)
-        else:
-            inner = {name: tensors[f"{fqn}.{name}"] for name in _inner_names(layer["storage"])}
-            w = ArmorTensor(
-                inner.pop("a_blocks"), inner.pop("b_blocks"), str(parse_pattern(layer["pattern"])),
-                layer["storage"], _DTYPES[layer["dtype"]], **inner,
-            )
+        w = _build_layer(fqn, layer, tensors)
         dev = torch.device(device) if device is not None else (
             old.device if old is not None and old.device.type != "meta" else w.device
         )

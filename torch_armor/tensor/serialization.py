@@ -78,9 +78,11 @@ __all__ = [
     "assemble_checkpoint",
     "save_pretrained",
     "load_pretrained",
+    "has_armor_quantization_config",
 ]
 
 WEIGHTS_NAME = "model.safetensors"
+HF_INDEX_NAME = "model.safetensors.index.json"
 SHARD_NAME = "model-{:05d}-of-{:05d}.safetensors"
 _SHARD_RE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
@@ -213,29 +215,23 @@ def _move(src: Path, dst: Path) -> None:
         os.remove(src)
 
 
-def _write_hf_config(path: Path, hf_config: Any) -> None:
-    if isinstance(hf_config, Mapping):
-        text = json.dumps(dict(hf_config), indent=2, sort_keys=True) + "\n"
-        atomic_write(path / "config.json", text.encode())
-    elif hasattr(hf_config, "save_pretrained"):
-        hf_config.save_pretrained(str(path))
-    else:
-        raise ValueError(f"hf_config must be a transformers config or a dict, got {type(hf_config).__name__}")
-
-
 def assemble_checkpoint(
     directory: Union[str, os.PathLike],
     shards: Sequence[Union[str, os.PathLike]],
     *,
     hf_config: Any = None,
     model_class: Optional[str] = None,
+    buffers: Optional[Dict[str, str]] = None,
 ) -> None:
-    """Turn files written by :func:`save_shard` into a checkpoint :func:`load_pretrained` reads.
+    """Turn files written by :func:`save_shard` into a checkpoint :func:`load_pretrained` reads
+    (and, with ``hf_config``, ``AutoModelForCausalLM.from_pretrained`` too).
 
     The shards are moved (``os.replace``; copy + remove across file systems) into ``directory``
     as ``model-00001-of-0000N.safetensors`` … in the given order (a single shard becomes
     ``model.safetensors``); their descriptions are merged; ``hf_config`` (a transformers config
-    or a dict) is written as ``config.json``; ``armor_config.json`` (every file with its sha256,
+    or a dict) is written as ``config.json`` with the ARMOR ``quantization_config`` (``buffers``:
+    dtypes of non-persistent buffers to restore on load), plus ``model.safetensors.index.json``
+    for several files; ``armor_config.json`` (every file with its sha256,
     the merged description, ``model_class``) is written atomically LAST. An earlier
     ``armor_config.json`` and stale weights files in ``directory`` are removed first, so an
     interrupted assembly leaves a directory that does not load.
@@ -267,14 +263,15 @@ def assemble_checkpoint(
     # 1. read and merge every description before anything is moved
     merged: Dict[str, Any] = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION,
                               "layers": {}, "aliases": {}, "tensors": {}}
-    owner: Dict[str, Path] = {}
+    owner: Dict[Tuple[str, str], Path] = {}
     for src in sources:
         meta = _read_shard_metadata(src)
         for section in ("layers", "aliases", "tensors"):
             for key, value in meta[section].items():
-                if key in owner:
-                    raise ValueError(f"key {key!r} is in both shard {owner[key]} and shard {src}; shard prefixes must not overlap")
-                owner[key] = src
+                if (section, key) in owner:
+                    raise ValueError(f"key {key!r} is in both shard {owner[section, key]} and shard {src}; "
+                                     "shard prefixes must not overlap")
+                owner[section, key] = src
                 merged[section][key] = value
     src_resolved = [s.resolve() for s in sources]
     if len(set(src_resolved)) != total:
@@ -296,8 +293,13 @@ def assemble_checkpoint(
         _move(src, dst)
     fsync_dir(path)
     files = [{"file": d.name, "sha256": file_sha256(d)} for d in dests]
+    (path / HF_INDEX_NAME).unlink(missing_ok=True)
     if hf_config is not None:
-        _write_hf_config(path, hf_config)
+        from torch_armor.hf import write_hf_config, write_hf_index
+
+        write_hf_config(path, hf_config, merged["layers"], buffers)
+        if total > 1:
+            write_hf_index(path, dests, {k: v for (sec, k), v in owner.items() if sec == "tensors"}, sources)
     config = dict(merged)
     if total == 1:  # exactly the single-file layout older torch_armor versions read
         config["weights_file"], config["weights_sha256"] = files[0]["file"], files[0]["sha256"]
@@ -336,15 +338,25 @@ def save_pretrained(model: nn.Module, directory: Union[str, os.PathLike]) -> Non
         _refuse_stale_pickles(path)
     path.mkdir(parents=True, exist_ok=True)
     hf_config = getattr(model, "config", None)
+    buffers = None
     if hf_config is not None and hasattr(hf_config, "save_pretrained"):
+        import copy
+
+        from torch_armor.hf import _nonpersistent_buffer_dtypes
+
+        hf_config = copy.deepcopy(hf_config)
         if not getattr(hf_config, "architectures", None):
             hf_config.architectures = [type(model).__name__]
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+        if dtype is not None:  # from_pretrained builds the model in this dtype
+            hf_config.dtype = str(dtype).removeprefix("torch.")
+        buffers = _nonpersistent_buffer_dtypes(model)
     else:
         hf_config = None
     shard = path / f".{WEIGHTS_NAME}.{os.getpid()}.shard"
     try:
         save_shard(shard, model)
-        assemble_checkpoint(path, [shard], hf_config=hf_config,
+        assemble_checkpoint(path, [shard], hf_config=hf_config, buffers=buffers,
                             model_class=f"{type(model).__module__}.{type(model).__qualname__}")
     finally:
         shard.unlink(missing_ok=True)
@@ -383,7 +395,7 @@ def _shard_part(metadata: Dict[str, Any], keys: set) -> Dict[str, Any]:
     return {
         "format": metadata["format"],
         "format_version": metadata["format_version"],
-        "layers": {fqn: v for fqn, v in metadata["layers"].items() if f"{fqn}.a_blocks" in keys},
+        "layers": {fqn: v for fqn, v in metadata["layers"].items() if fqn in keys or f"{fqn}.a_blocks" in keys},
         "aliases": {k: v for k, v in metadata["aliases"].items() if v in keys},
         "tensors": {k: v for k, v in metadata["tensors"].items() if k in keys},
     }
@@ -482,7 +494,12 @@ def load_pretrained(
         raise ValueError(f"{path} is not a directory written by torch_armor.save_pretrained")
     _refuse_pickles(path)
     cfg_path = path / ARMOR_CONFIG_NAME
+    hf_quantized = model_or_config is None and has_armor_quantization_config(path)
     if not cfg_path.exists():
+        if hf_quantized:  # written by model.save_pretrained: transformers loads it
+            from torch_armor.hf import from_pretrained
+
+            return from_pretrained(path, device, storage)
         raise ValueError(f"{path} has no {ARMOR_CONFIG_NAME}: not a torch_armor checkpoint (save with save_pretrained)")
     try:
         with open(cfg_path) as fh:
@@ -514,7 +531,7 @@ def load_pretrained(
         try:
             with safe_open(str(weights), framework="pt", device="cpu") as fh:
                 header = fh.metadata() or {}
-                part = {key: fh.get_tensor(key) for key in sorted(fh.keys())}
+                part = {key: (None if hf_quantized else fh.get_tensor(key)) for key in sorted(fh.keys())}
         except (SafetensorError, OSError, RuntimeError, ValueError) as err:
             raise ValueError(f"{weights} cannot be read as safetensors ({err}); the file is truncated or corrupt") from None
         keys = set(part)
@@ -526,5 +543,22 @@ def load_pretrained(
                 f"{ARMOR_CONFIG_NAME} does not match {name} (its layer/tensor description was edited "
                 "after saving); restore the original file or re-save the model"
             )
+    if hf_quantized:  # verified; transformers builds it on meta and loads the parts (no dense weight)
+        from torch_armor.hf import from_pretrained
+
+        return from_pretrained(path, device, storage)
     model = _build_model(model_or_config, path, config)
-    return unflatten_armor_state(model, tensors, metadata, strict=strict, storage=storage, device=device)
+    model = unflatten_armor_state(model, tensors, metadata, strict=strict, storage=storage, device=device)
+    from torch_armor.hf import attach_quantizer
+
+    return attach_quantizer(model)
+
+
+def has_armor_quantization_config(path: Union[str, os.PathLike]) -> bool:
+    """Whether ``path/config.json`` has ``quantization_config.quant_method == "armor"``."""
+    try:
+        with open(Path(path) / "config.json") as fh:
+            quant = json.load(fh).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(quant, dict) and quant.get("quant_method") == "armor"
