@@ -35,6 +35,16 @@ from torch_armor.config import ArmorConfig  # noqa: E402
 from torch_armor.recipes.quality import DEMO_METHODS, run_quality  # noqa: E402
 
 DEFAULT = ArmorConfig()
+#: Named ARMOR rows for the ablation (``--variants``): each is ``ArmorConfig()`` with these changes.
+VARIANTS = {
+    "default": {},
+    "proxy-only": {"block_size": 16, "refine": None},            # the issue #11 default: diagonal proxy, one block size
+    "refine": {"block_size": 16, "refine": "output"},            # + output-space refinement
+    "budget": {"block_size": "budget", "refine": None},          # + one model-wide overhead budget
+    "budget+refine": {"block_size": "budget", "refine": "output"},
+    "budget+refine+reconstruct": {"block_size": "budget", "refine": "output", "reconstruct_steps": 8},
+    "refine+reconstruct": {"block_size": 16, "refine": "output", "reconstruct_steps": 8},
+}
 
 
 def main(argv=None) -> int:
@@ -44,6 +54,8 @@ def main(argv=None) -> int:
                         help="one ARMOR row per block size (× per budget)")
     parser.add_argument("--budgets", nargs="+", type=float, default=[DEFAULT.time_budget_s or 0],
                         help="ARMOR time budgets in seconds per layer (0 = no budget)")
+    parser.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=None,
+                        help="named ARMOR rows (instead of the --armor-blocks × --budgets grid)")
     parser.add_argument("--optimizer", choices=("bcd", "adam"), default=DEFAULT.optimizer)
     parser.add_argument("--iters", type=int, default=None, help="ARMOR iterations per layer (default: config's)")
     parser.add_argument("--armor-seed", type=int, default=DEFAULT.seed, help="seed of ARMOR's group selection")
@@ -63,8 +75,8 @@ def main(argv=None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    configs = []
-    for block in args.armor_blocks:
+    configs = [dataclasses.replace(DEFAULT, **VARIANTS[v], seed=args.armor_seed) for v in args.variants or ()]
+    for block in args.armor_blocks if not args.variants else ():
         for budget in args.budgets:
             changes = {"block_size": block, "optimizer": args.optimizer, "pattern": args.pattern, "seed": args.armor_seed,
                        "time_budget_s": budget if budget > 0 else None}

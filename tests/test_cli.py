@@ -53,7 +53,7 @@ def test_prune_then_eval_smollm2_two_layers(tmp_path, capsys, smollm2_tokenizer,
                  "--no-progress"])
     assert code == 0
     printed = capsys.readouterr().out
-    assert "pruned 14 linears" in printed and "wrapper overhead" in printed
+    assert "pruned 14 linears" in printed and "wrapper overhead" in printed and "mean relative output loss" in printed
 
     for name in ("model.safetensors", "armor_config.json", "config.json", "tokenizer.json", REPORT_JSON, REPORT_PNG):
         assert (out / name).is_file(), name
@@ -62,7 +62,9 @@ def test_prune_then_eval_smollm2_two_layers(tmp_path, capsys, smollm2_tokenizer,
              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
     assert [entry["name"] for entry in report["layers"]] == [f"model.layers.{i}.{k}" for i in (0, 1) for k in kinds]
     for entry in report["layers"]:
-        assert 0 < entry["relative_proxy_loss"] <= 1.0 + 1e-6 and entry["seconds"] >= 0
+        # refined in output space (the default): the output loss is what never exceeds NoWag-P's
+        assert entry["relative_output_loss"] is not None and 0 < entry["relative_output_loss"] <= 1.0 + 1e-6
+        assert 0 < entry["relative_proxy_loss"] < float("inf") and entry["seconds"] >= 0
         assert entry["block_size"] in (4, 12, 16)  # --block-size auto within 5%
     assert report["method"] == "armor" and report["command"].startswith("torch-armor prune smollm2")
     assert 0 < report["wrapper_overhead"] <= 0.05
@@ -252,12 +254,15 @@ def test_block_size_default_is_the_config_default():
     parser = build_parser()
     for argv in (["prune", "smollm2", "--out", "x"], ["demo"]):
         args = parser.parse_args(argv)
-        assert args.block_size == ArmorConfig().block_size == 16
+        assert args.block_size == ArmorConfig().block_size
         assert _armor_config(args) == ArmorConfig()
     auto = parser.parse_args(["prune", "smollm2", "--out", "x", "--block-size", "auto", "--max-overhead", "0.1"])
     assert _armor_config(auto) == ArmorConfig(block_size="auto", max_overhead=0.1)
     adam = parser.parse_args(["prune", "smollm2", "--out", "x", "--optimizer", "adam"])
     assert _armor_config(adam).iterations == 1000
+    issue12 = parser.parse_args(["prune", "smollm2", "--out", "x", "--block-size", "budget", "--refine", "none",
+                                 "--reconstruct-steps", "5"])
+    assert _armor_config(issue12) == ArmorConfig(block_size="budget", refine=None, reconstruct_steps=5)
 
 
 def test_prune_prints_stored_and_dense_sizes(tmp_path, capsys, tiny_hf_dir, text_files):

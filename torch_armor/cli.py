@@ -42,12 +42,12 @@ _DEMO_METHODS = ("dense", "magnitude", "wanda", "sparsegpt", "nowag", "armor")
 
 
 def _block_size(text: str):
-    if text == "auto":
-        return "auto"
+    if text in ("auto", "budget"):
+        return text
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a positive integer, 'auto' or 'budget', got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"block size must be positive, got {value}")
     return value
@@ -112,10 +112,16 @@ def _add_armor(p: argparse.ArgumentParser) -> None:
     default = ArmorConfig()
     g = p.add_argument_group("ARMOR")
     g.add_argument("--block-size", type=_block_size, default=default.block_size,
-                   help=f"wrapper block size d_b, or 'auto': per layer, the largest d_b dividing both "
-                        f"dimensions within --max-overhead (default {default.block_size})")
+                   help=f"wrapper block size d_b; 'auto': per layer, the largest d_b dividing both dimensions "
+                        f"within --max-overhead; 'budget': one --max-overhead budget for the whole model, "
+                        f"spent where it lowers the loss most (default {default.block_size})")
     g.add_argument("--max-overhead", type=_positive_float, default=default.max_overhead,
-                   help="wrapper-overhead budget of --block-size auto, a fraction (default 0.05 = 5%%)")
+                   help="wrapper-overhead budget of --block-size auto/budget, a fraction (default 0.05 = 5%%)")
+    g.add_argument("--refine", choices=("output", "none"), default=default.refine or "none",
+                   help=f"after each layer's optimizer, refine A, core values and B under the output-space "
+                        f"loss tr((W-Ŵ) XᵀX (W-Ŵ)ᵀ) (default {default.refine or 'none'})")
+    g.add_argument("--reconstruct-steps", type=int, default=default.reconstruct_steps,
+                   help=f"Adam steps of block reconstruction per decoder block (default {default.reconstruct_steps}: off)")
     g.add_argument("--optimizer", choices=("bcd", "adam"), default=default.optimizer,
                    help=f"per-layer optimizer (default {default.optimizer})")
     g.add_argument("--iters", type=int, default=None,
@@ -247,7 +253,8 @@ def _armor_config(args: argparse.Namespace):
 
     return ArmorConfig(block_size=args.block_size, max_overhead=args.max_overhead, pattern=args.pattern,
                        optimizer=args.optimizer, num_iters=args.iters, time_budget_s=args.time_budget,
-                       seed=args.seed)
+                       seed=args.seed, refine=None if args.refine == "none" else args.refine,
+                       reconstruct_steps=args.reconstruct_steps)
 
 
 RUN_DIR_NAME = "armor_run"
@@ -335,6 +342,8 @@ def _prune(args: argparse.Namespace, out: Path, run_dir: Path, topo) -> int:
     total = time.perf_counter() - start
     print(f"pruned {len(report.layers)} linears of {args.model} with {args.method} {report.pattern}: "
           f"mean relative proxy loss {report.mean_relative_proxy_loss:.4f} (NoWag-P = 1)"
+          + (f", mean relative output loss {report.mean_relative_output_loss:.4f}"
+             if report.mean_relative_output_loss is not None else "")
           + (f", wrapper overhead {100 * report.overhead:.2f}%" if report.overhead else "")
           + f", pruning {report.seconds:.1f} s, total {total:.1f} s")
     from torch_armor.tensor.finetune import checkpoint_size

@@ -24,7 +24,7 @@ Example::
     >>> xtx = x.T @ x
     >>> f = factorize(w, xtx.diagonal().clone(), ArmorConfig(block_size=8, num_iters=5))
     >>> r = refine_output(w, xtx, f, rounds=2)
-    >>> output_loss(w, r.dense(), xtx) < output_loss(w, f.dense(), xtx)
+    >>> bool(output_loss(w, r.dense(), xtx) < output_loss(w, f.dense(), xtx))
     True
 """
 

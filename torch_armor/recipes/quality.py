@@ -40,6 +40,7 @@ class QualityRow:
         overhead: wrapper overhead fraction (ARMOR), else 0.
         prune_s: wall time of pruning; ``eval_s``: of the perplexity evaluation.
         mean_relative_proxy_loss: mean over layers of the relative proxy loss (``None`` for dense).
+        mean_relative_output_loss: ARMOR refined in output space: mean relative output loss.
     """
 
     method: str
@@ -50,6 +51,7 @@ class QualityRow:
     prune_s: float = 0.0
     eval_s: float = 0.0
     mean_relative_proxy_loss: Optional[float] = None
+    mean_relative_output_loss: Optional[float] = None
 
     @property
     def name(self) -> str:
@@ -66,7 +68,8 @@ def _fmt_time(seconds: Optional[float]) -> str:
 
 def quality_table(rows: Sequence[Union[QualityRow, Mapping[str, Any]]]) -> str:
     """Markdown table: method, settings, perplexity, gap closed vs NoWag-P, overhead, mean
-    relative proxy loss, prune and eval time.
+    relative proxy loss, mean relative output loss (ARMOR refined in output space), prune and
+    eval time.
 
     Gap closed vs NoWag-P ``= (ppl_nowag − ppl) / (ppl_nowag − ppl_dense)``: 0 % for NoWag-P,
     100 % for the dense model, shown as ``–`` when either row is missing.
@@ -75,18 +78,19 @@ def quality_table(rows: Sequence[Union[QualityRow, Mapping[str, Any]]]) -> str:
 
         >>> print(quality_table([QualityRow("dense", 10.0), QualityRow("nowag", 20.0),
         ...                      QualityRow("armor", 15.0, overhead=0.046, prune_s=500)]))
-        | method | settings | ppl | gap closed vs NoWag-P | overhead | rel. proxy loss | prune time | eval time |
-        |---|---|---:|---:|---:|---:|---:|---:|
-        | dense |  | 10.00 | 100.0% | – | – | – | – |
-        | NoWag-P |  | 20.00 | 0.0% | – | – | – | – |
-        | ARMOR |  | 15.00 | 50.0% | 4.60% | – | 8.3 min | – |
+        | method | settings | ppl | gap closed vs NoWag-P | overhead | rel. proxy loss | rel. output loss | prune time | eval time |
+        |---|---|---:|---:|---:|---:|---:|---:|---:|
+        | dense |  | 10.00 | 100.0% | – | – | – | – | – |
+        | NoWag-P |  | 20.00 | 0.0% | – | – | – | – | – |
+        | ARMOR |  | 15.00 | 50.0% | 4.60% | – | – | 8.3 min | – |
     """
     parsed = [r if isinstance(r, QualityRow) else QualityRow(**dict(r)) for r in rows]
     dense = next((r.ppl for r in parsed if r.method == "dense"), None)
     nowag = next((r.ppl for r in parsed if r.method == "nowag"), None)
     lines = [
-        "| method | settings | ppl | gap closed vs NoWag-P | overhead | rel. proxy loss | prune time | eval time |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| method | settings | ppl | gap closed vs NoWag-P | overhead | rel. proxy loss | rel. output loss | prune time "
+        "| eval time |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in parsed:
         if dense is not None and nowag is not None and nowag != dense and math.isfinite(r.ppl):
@@ -95,7 +99,8 @@ def quality_table(rows: Sequence[Union[QualityRow, Mapping[str, Any]]]) -> str:
             gap = "–"
         overhead = f"{100 * r.overhead:.2f}%" if r.overhead else "–"
         rel = f"{r.mean_relative_proxy_loss:.3f}" if r.mean_relative_proxy_loss is not None else "–"
-        lines.append(f"| {r.name} | {r.settings} | {r.ppl:.2f} | {gap} | {overhead} | {rel} | "
+        out = f"{r.mean_relative_output_loss:.3f}" if r.mean_relative_output_loss is not None else "–"
+        lines.append(f"| {r.name} | {r.settings} | {r.ppl:.2f} | {gap} | {overhead} | {rel} | {out} | "
                      f"{_fmt_time(r.prune_s)} | {_fmt_time(r.eval_s)} |")
     return "\n".join(lines)
 
@@ -132,10 +137,14 @@ def _materialize(model: nn.Module, names: Sequence[str]) -> None:
 
 
 def _armor_settings(cfg: ArmorConfig) -> str:
-    parts = [f"d_b={cfg.block_size}", cfg.optimizer]
+    size = f"{100 * cfg.max_overhead:g}% model-wide budget" if cfg.block_size == "budget" else f"d_b={cfg.block_size}"
+    parts = [size, cfg.optimizer]
     if cfg.time_budget_s is not None:
         parts.append(f"{cfg.time_budget_s:g} s/layer")
     parts.append(f"≤{cfg.iterations} it")
+    parts.append(f"output refine ×{cfg.refine_rounds}" if cfg.refine == "output" and cfg.refine_rounds else "no refine")
+    if cfg.reconstruct_steps:
+        parts.append(f"block reconstruction {cfg.reconstruct_steps} steps")
     return ", ".join(parts)
 
 
@@ -248,7 +257,8 @@ def run_quality(
                     eval_s = time.perf_counter() - t
                     row = QualityRow(method=method, ppl=ppl, label=label, settings=settings,
                                      overhead=report.overhead if report else 0.0, prune_s=prune_s, eval_s=eval_s,
-                                     mean_relative_proxy_loss=report.mean_relative_proxy_loss if report else None)
+                                     mean_relative_proxy_loss=report.mean_relative_proxy_loss if report else None,
+                                     mean_relative_output_loss=report.mean_relative_output_loss if report else None)
                     rows.append(row)
                     if report is not None:
                         reports[label] = report
