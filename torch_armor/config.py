@@ -152,8 +152,7 @@ class ArmorConfig:
             known: :func:`~torch_armor.prune_model` and the sparsifiers collect it, a direct
             :func:`~torch_armor.factorize` call refines when given ``xtx=``. ``None``: off.
         refine_rounds: alternations of exact ``A`` / CG on the core / CG on ``B`` (default 3).
-        refine_cg_steps: at most this many CG steps per core and ``B`` update (default 100; each
-            CG run stops once a step gains < 0.1% of what it gained so far).
+        refine_cg_steps: CG steps per core and ``B`` update (default 30).
         refine_damp: dampening of ``H`` as a fraction of its mean diagonal (default 0.01).
         reconstruct_steps: block reconstruction in :func:`~torch_armor.prune_model` (default 0:
             off): after a decoder block's linears are factorized, this many Adam steps (one
@@ -192,7 +191,7 @@ class ArmorConfig:
     block_sizes: Tuple[Tuple[str, int], ...] = ()
     refine: Optional[str] = "output"
     refine_rounds: int = 3
-    refine_cg_steps: int = 100
+    refine_cg_steps: int = 30
     refine_damp: float = 0.01
     reconstruct_steps: int = 0
     reconstruct_lr: float = 5e-3
