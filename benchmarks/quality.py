@@ -9,7 +9,9 @@ hidden states); evaluated on the first 64 non-overlapping 512-token windows of t
 (perplexity, gap closed vs NoWag-P, wrapper overhead, mean relative proxy loss, prune and eval
 wall time) and the phase timings.
 
-Run:  python benchmarks/quality.py                                  # default ArmorConfig() (d_b=16, 30 bcd sweeps)
+Run:  python benchmarks/quality.py                                  # default ArmorConfig() (d_b=16, 30 bcd sweeps, output refine)
+      python benchmarks/quality.py --methods armor --variants default budget+refine --one-shot --threads 1
+                                                                    # issue #12's ARMOR rows (VARIANTS below)
       python benchmarks/quality.py --armor-blocks 16 32 --budgets 2.5 10
       python benchmarks/quality.py --methods dense nowag armor --layers 0-3 --n-eval 8   # quick look
       python benchmarks/quality.py --json benchmarks/out/quality.json
@@ -44,6 +46,9 @@ VARIANTS = {
     "budget+refine": {"block_size": "budget", "refine": "output"},
     "budget+refine+reconstruct": {"block_size": "budget", "refine": "output", "reconstruct_steps": 8},
     "refine+reconstruct": {"block_size": 16, "refine": "output", "reconstruct_steps": 8},
+    # by hand, the opposite of what the budget's knapsack chose: attention at 8, down_proj at 32 (4.69%)
+    "mlp-heavy+refine": {"block_size": 16, "refine": "output",
+                         "block_sizes": {"*.self_attn.*": 8, "*.mlp.down_proj": 32}},
 }
 
 

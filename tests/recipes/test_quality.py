@@ -28,16 +28,16 @@ def test_quality_table_formatting():
         QualityRow("magnitude", 100.0, prune_s=0.5, eval_s=30.0),
         QualityRow("nowag", 20.0, mean_relative_proxy_loss=1.0, prune_s=1.0, eval_s=90.0),
         {"method": "armor", "ppl": 12.5, "settings": "d_b=16, bcd", "overhead": 0.0463,
-         "mean_relative_proxy_loss": 0.61234, "prune_s": 525.0, "eval_s": 95.0},
+         "mean_relative_proxy_loss": 0.61234, "mean_relative_output_loss": 0.3214, "prune_s": 525.0, "eval_s": 95.0},
     ]
     lines = quality_table(rows).splitlines()
     assert lines[0].startswith("| method | settings | ppl | gap closed vs NoWag-P | overhead |")
     assert lines[1].startswith("|---|---|---:|")
-    assert len(lines) == 6 and all(line.count("|") == 9 for line in lines)
-    assert lines[2] == "| dense |  | 10.00 | 100.0% | – | – | – | – |"
-    assert lines[3] == "| magnitude |  | 100.00 | -800.0% | – | – | 0.5 s | 30.0 s |"
-    assert lines[4] == "| NoWag-P |  | 20.00 | 0.0% | – | 1.000 | 1.0 s | 1.5 min |"
-    assert lines[5] == "| ARMOR | d_b=16, bcd | 12.50 | 75.0% | 4.63% | 0.612 | 8.8 min | 1.6 min |"
+    assert len(lines) == 6 and all(line.count("|") == 10 for line in lines)
+    assert lines[2] == "| dense |  | 10.00 | 100.0% | – | – | – | – | – |"
+    assert lines[3] == "| magnitude |  | 100.00 | -800.0% | – | – | – | 0.5 s | 30.0 s |"
+    assert lines[4] == "| NoWag-P |  | 20.00 | 0.0% | – | 1.000 | – | 1.0 s | 1.5 min |"
+    assert lines[5] == "| ARMOR | d_b=16, bcd | 12.50 | 75.0% | 4.63% | 0.612 | 0.321 | 8.8 min | 1.6 min |"
     # without a dense or NoWag-P row there is no gap
     assert "| – |" in quality_table([QualityRow("armor", 12.0)]).splitlines()[2]
 
@@ -81,8 +81,8 @@ def test_run_quality_on_tiny_llama(tiny_llama):
                                              "ARMOR #2"]
     # every pruned row is calibrated sequentially by default, and says so
     assert [r.settings for r in result.rows] == ["", "sequential", "sequential", "block 128, damp 0.01, sequential",
-                                                 "sequential", "d_b=16, bcd, ≤1 it, sequential",
-                                                 "d_b=32, bcd, ≤2 it, sequential"]
+                                                 "sequential", "d_b=16, bcd, ≤1 it, output refine ×3, sequential",
+                                                 "d_b=32, bcd, ≤2 it, output refine ×3, sequential"]
     assert result.settings["sequential"] == {m: [True] for m in DEMO_METHODS if m != "dense"}
     assert all(math.isfinite(r.ppl) for r in result.rows)
     assert result.rows[-1].overhead == pytest.approx(2 * result.rows[-2].overhead)
@@ -114,7 +114,8 @@ def test_run_quality_sequential_and_one_shot_rows(tiny_llama_factory):
                          sequential={"nowag": (True, False)}, calib=calib_ids, n_calib=4, eval_data=eval_ids,
                          n_eval=3, seq_len=32, progress=False)
     assert [r.name for r in result.rows] == ["dense", "NoWag-P sequential", "NoWag-P one-shot", "ARMOR"]
-    assert [r.settings for r in result.rows] == ["", "sequential", "one-shot", "d_b=16, bcd, ≤1 it, sequential"]
+    assert [r.settings for r in result.rows] == ["", "sequential", "one-shot",
+                                                 "d_b=16, bcd, ≤1 it, output refine ×3, sequential"]
     assert set(result.reports) == {"NoWag-P sequential", "NoWag-P one-shot", "ARMOR"}
     assert result.reports["NoWag-P one-shot"].settings["sequential"] is False
     assert result.settings["sequential"] == {"nowag": [True, False], "armor": [True]}
