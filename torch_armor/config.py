@@ -154,10 +154,11 @@ class ArmorConfig:
         refine_rounds: alternations of exact ``A`` / CG on the core / CG on ``B`` (default 3).
         refine_cg_steps: CG steps per core and ``B`` update (default 30).
         refine_damp: dampening of ``H`` as a fraction of its mean diagonal (default 0.01).
-        reconstruct_steps: block reconstruction in :func:`~torch_armor.prune_model` (default 0:
-            off): after a decoder block's linears are factorized, this many Adam steps (one
-            calibration batch each) on the block's ``A``, ``B`` and kept core values, masks
-            fixed, towards the dense block's outputs (:mod:`torch_armor.engine.reconstruct`).
+        reconstruct_steps: block reconstruction in :func:`~torch_armor.prune_model` (default 8;
+            0: off; the sparsifiers, which see no blocks, ignore it): after a decoder block's
+            linears are factorized, this many Adam steps (one calibration batch each) on the
+            block's ``A``, ``B`` and kept core values, masks fixed, towards the dense block's
+            outputs (:mod:`torch_armor.engine.reconstruct`).
         reconstruct_lr: Adam's step relative to each factor's RMS (default 5e-3).
 
     Example::
@@ -193,7 +194,7 @@ class ArmorConfig:
     refine_rounds: int = 3
     refine_cg_steps: int = 30
     refine_damp: float = 0.01
-    reconstruct_steps: int = 0
+    reconstruct_steps: int = 8
     reconstruct_lr: float = 5e-3
 
     def __post_init__(self) -> None:
