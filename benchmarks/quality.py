@@ -39,15 +39,13 @@ from torch_armor.recipes.quality import DEMO_METHODS, run_quality  # noqa: E402
 DEFAULT = ArmorConfig()
 #: Named ARMOR rows for the ablation (``--variants``): each is ``ArmorConfig()`` with these changes.
 VARIANTS = {
-    "default": {},
-    "proxy-only": {"block_size": 16, "refine": None},            # the issue #11 default: diagonal proxy, one block size
-    "refine": {"block_size": 16, "refine": "output"},            # + output-space refinement
-    "budget": {"block_size": "budget", "refine": None},          # + one model-wide overhead budget
-    "budget+refine": {"block_size": "budget", "refine": "output"},
-    "budget+refine+reconstruct": {"block_size": "budget", "refine": "output", "reconstruct_steps": 8},
+    "default": {},                                                # refine + block reconstruction, block 16
+    "proxy-only": {"block_size": 16, "refine": None, "reconstruct_steps": 0},   # issue #11's default
+    "refine": {"block_size": 16, "refine": "output", "reconstruct_steps": 0},   # + output-space refinement
     "refine+reconstruct": {"block_size": 16, "refine": "output", "reconstruct_steps": 8},
+    "budget+refine": {"block_size": "budget", "refine": "output", "reconstruct_steps": 0},  # one model-wide budget
     # by hand, the opposite of what the budget's knapsack chose: attention at 8, down_proj at 32 (4.69%)
-    "mlp-heavy+refine": {"block_size": 16, "refine": "output",
+    "mlp-heavy+refine": {"block_size": 16, "refine": "output", "reconstruct_steps": 0,
                          "block_sizes": {"*.self_attn.*": 8, "*.mlp.down_proj": 32}},
 }
 

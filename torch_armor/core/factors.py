@@ -33,9 +33,9 @@ class ArmorFactors:
         history_time_s: wall time since the start of optimization at each ``history`` entry.
         nowag_loss: the NoWag-P proxy loss this run started from.
         best_iter: iteration whose factors were returned (the best seen).
-        relative_output_loss: after output-space refinement (:mod:`torch_armor.core.refine`),
-            ``tr((W − Ŵ) H (W − Ŵ)ᵀ)`` ÷ NoWag-P's; ``nan`` for unrefined factors. Refinement
-            appends the refined factors' proxy loss to ``history``.
+        relative_output_loss: after output-space refinement or block reconstruction
+            (:func:`torch_armor.core.refine.with_losses`), ``tr((W − Ŵ) H (W − Ŵ)ᵀ)`` ÷ NoWag-P's;
+            ``nan`` otherwise. Those changes append the new factors' proxy loss to ``history``.
     """
 
     a_blocks: torch.Tensor
@@ -66,7 +66,8 @@ class ArmorFactors:
 
     @property
     def refined(self) -> bool:
-        """Whether output-space refinement produced these factors."""
+        """Whether a change after the optimizer (output-space refinement, block reconstruction)
+        produced these factors: then ``history[-1]`` and ``relative_output_loss`` describe them."""
         return not math.isnan(self.relative_output_loss)
 
     def dense(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:

@@ -41,7 +41,7 @@ from torch_armor.core.blockdiag import block_diag_left, block_diag_right
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.core.proxy import nowag_prune, parse_pattern, relative_proxy_loss
 
-__all__ = ["output_loss", "refine_output", "damped_xtx"]
+__all__ = ["output_loss", "refine_output", "damped_xtx", "with_losses"]
 
 
 def output_loss(weight: torch.Tensor, approx: torch.Tensor, xtx: torch.Tensor) -> torch.Tensor:
@@ -197,9 +197,6 @@ def refine_output(weight: torch.Tensor, xtx: torch.Tensor, factors: ArmorFactors
     a, core, b = (t.to(device=device, dtype=dtype) for t in (factors.a_blocks, factors.core, factors.b_blocks))
     mask = factors.mask.to(device)
     core = core * mask
-    diag = xtx.diagonal().to(device, dtype) if act_sq_norm is None else act_sq_norm.to(device, dtype)
-    _, nowag = nowag_prune(w, diag, parse_pattern(factors.pattern))
-    raw = xtx.to(device=device, dtype=dtype)
 
     def loss_of(a_, core_, b_) -> float:
         return float(output_loss(w, block_diag_right(block_diag_left(a_, core_), b_), h))
@@ -214,15 +211,30 @@ def refine_output(weight: torch.Tensor, xtx: torch.Tensor, factors: ArmorFactors
         if not loss < best[0]:
             break
         best = (loss, a, core, b)
-    loss, a, core, b = best
-    dense = block_diag_right(block_diag_left(a, core), b)
+    _, a, core, b = best
+    new = dataclasses.replace(factors, a_blocks=a.to(out_dtype), core=core.to(out_dtype), b_blocks=b.to(out_dtype))
+    return with_losses(new, weight, xtx, act_sq_norm, seconds=time.perf_counter() - start)
+
+
+def with_losses(factors: ArmorFactors, weight: torch.Tensor, xtx: torch.Tensor,
+                act_sq_norm: Optional[torch.Tensor] = None, seconds: float = 0.0) -> ArmorFactors:
+    """``factors`` whose recorded losses describe them after a change made outside the optimizer
+    (refinement, block reconstruction): ``relative_output_loss`` = ``tr(E H Eᵀ)`` ÷ NoWag-P's
+    (undamped ``xtx``), and their relative proxy loss appended to ``history`` (``seconds``
+    after its last entry), so ``relative_loss`` is theirs."""
+    dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    device = weight.device
+    w = weight.detach().to(dtype)
+    raw = xtx.to(device=device, dtype=dtype)
+    diag = raw.diagonal() if act_sq_norm is None else act_sq_norm.to(device, dtype)
+    _, nowag = nowag_prune(w, diag, parse_pattern(factors.pattern))
+    dense = factors.dense(dtype).to(device)
     proxy = relative_proxy_loss(w, dense, diag, factors.pattern)
     reference, final = float(output_loss(w, nowag, raw)), float(output_loss(w, dense, raw))
     return dataclasses.replace(
-        factors, a_blocks=a.to(out_dtype), core=core.to(out_dtype), b_blocks=b.to(out_dtype),
+        factors,
         history=torch.cat([factors.history, torch.tensor([proxy], dtype=factors.history.dtype)]),
         history_iters=torch.cat([factors.history_iters, factors.history_iters[-1:]]),
-        history_time_s=torch.cat([factors.history_time_s,
-                                  factors.history_time_s[-1:] + (time.perf_counter() - start)]),
+        history_time_s=torch.cat([factors.history_time_s, factors.history_time_s[-1:] + seconds]),
         relative_output_loss=final / reference if reference > 0 else 0.0,
     )

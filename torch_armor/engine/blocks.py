@@ -241,12 +241,15 @@ class BlockPipeline:
     def _marker(self, index: int) -> Optional[Path]:
         return None if self.store is None else self.store.directory / RECONSTRUCTED_DIR / f"block-{index:05d}.json"
 
-    def _reconstruct(self, index: int, block: nn.Module, names: List[str], solutions: Dict[str, LayerSolution],
-                     cfgs: Dict[str, Any], recon, report: PruneReport) -> Dict[str, LayerSolution]:
+    def _reconstruct(self, index: int, block: nn.Module, layers: Dict[str, nn.Linear], stats,
+                     solutions: Dict[str, LayerSolution], cfgs: Dict[str, Any], recon,
+                     report: PruneReport) -> Dict[str, LayerSolution]:
         """Adam on the block's factors against the dense block's outputs (rank 0; the result goes
         through the run store, and a marker says the block's stored factors are final)."""
+        from torch_armor.core.refine import with_losses
         from torch_armor.engine.reconstruct import reconstruct_block
 
+        names = list(solutions)
         marker = self._marker(index)
         if marker is not None and marker.exists():  # an interrupted run finished it: the store holds the result
             report.block_errors[index] = tuple(json.loads(marker.read_text())["errors"])
@@ -259,8 +262,10 @@ class BlockPipeline:
                 steps=self.config.reconstruct_steps, lr=self.config.reconstruct_lr, device=self.device,
                 seed=self.config.seed)
             seconds = (time.perf_counter() - start) / len(names)
-            solutions = {n: LayerSolution(n, "armor", factors=new[n[len(prefix):]],
-                                          seconds=solutions[n].seconds + seconds) for n in names}
+            solutions = {n: LayerSolution(n, "armor", seconds=solutions[n].seconds + seconds,
+                                          factors=with_losses(new[n[len(prefix):]], layers[n].weight, stats[n].xtx,
+                                                              stats[n].act_sq_norm, seconds))
+                         for n in names}
             if self.store is not None:
                 for n in names:
                     self.store.save(n, solutions[n].factors, config=cfgs[n], seconds=solutions[n].seconds)
@@ -284,7 +289,7 @@ class BlockPipeline:
         if self.method == "armor":
             solutions = self._armor_block(names, layers, stats, cfgs, bar)
             if recon is not None:
-                solutions = self._reconstruct(index, block, names, solutions, cfgs, recon, report)
+                solutions = self._reconstruct(index, block, layers, stats, solutions, cfgs, recon, report)
         else:
             solutions = {}
             for n in names:

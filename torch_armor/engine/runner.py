@@ -125,6 +125,11 @@ def _sparsegpt(weight, stats, cfg, name=""):
                                      block_size=cfg.block_size, damp=cfg.damp)
 
 
+def _armor_needs_xtx(config: Any) -> bool:
+    """Refinement fits to ``XᵀX``; block reconstruction reports each layer's output loss with it."""
+    return getattr(config, "refine", None) == "output" or getattr(config, "reconstruct_steps", 0) > 0
+
+
 def _never(config: Any) -> bool:
     return False
 
@@ -141,7 +146,7 @@ METHODS: Dict[str, Method] = {
         Method("wanda", "Wanda", True, _never, _wanda),
         Method("sparsegpt", "SparseGPT", True, _always, _sparsegpt, options=("block_size", "damp")),
         Method("nowag", "NoWag-P", True, _never, _nowag),
-        Method("armor", "ARMOR", True, lambda cfg: getattr(cfg, "refine", None) == "output", _armor),
+        Method("armor", "ARMOR", True, _armor_needs_xtx, _armor),
     )
 }
 
