@@ -136,8 +136,12 @@ rank = topo.rank
 layers = make_layers()
 digest = hash_statistics({{n: h for n, (w, h) in layers.items()}})
 
+def say(line):  # one write per line: two ranks share the pipe, and print() writes the newline apart
+    sys.stdout.write(line + "\\n")
+    sys.stdout.flush()
+
 def report(tag):
-    return lambda name, f: print(f"rank {{rank}} {{tag}} {{name}}", flush=True)
+    return lambda name, f: say(f"rank {{rank}} {{tag}} {{name}}")
 
 def fingerprint(factors):
     keys = ("a_blocks", "core", "b_blocks", "mask", "history", "history_iters")
@@ -145,13 +149,13 @@ def fingerprint(factors):
 
 out = distributed_factorize(layers, CFG, RunStore(fresh, CFG, "synthetic", digest), progress=False,
                             on_layer_done=report("fresh"))
-print(f"rank {{rank}} fresh-returned {{len(out)}} {{fingerprint(out) if rank == 0 else ''}}", flush=True)
+say(f"rank {{rank}} fresh-returned {{len(out)}} {{fingerprint(out) if rank == 0 else ''}}")
 
 lazy = {{n: (lambda v=v: v) for n, v in layers.items()}}
 costs = {{n: layer_cost(w.shape, CFG.block_size) for n, (w, h) in layers.items()}}
 out = distributed_factorize(lazy, CFG, RunStore(resumed, CFG, "synthetic", digest), costs=costs, progress=False,
                             on_layer_done=report("resumed"))
-print(f"rank {{rank}} resumed-returned {{len(out)}}", flush=True)
+say(f"rank {{rank}} resumed-returned {{len(out)}}")
 
 bad = shard_layers(costs, 2)[1][0]  # a layer rank 1 gets
 broken = dict(layers)
@@ -159,7 +163,7 @@ broken[bad] = (torch.full_like(layers[bad][0], float("nan")), layers[bad][1])
 try:
     distributed_factorize(broken, CFG, RunStore(failing, CFG, "synthetic", digest), progress=False)
 except Exception as err:
-    print(f"rank {{rank}} failing raised {{type(err).__name__}}: {{err}}".replace("\\n", " "), flush=True)
+    say(f"rank {{rank}} failing raised {{type(err).__name__}}: {{err}}".replace("\\n", " "))
 dist.destroy_process_group()
 """
 

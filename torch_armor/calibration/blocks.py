@@ -194,10 +194,12 @@ def block_statistics(
     device: torch.device,
     track_xtx: bool = False,
     propagate: bool = False,
+    outputs: Optional[List[torch.Tensor]] = None,
 ) -> Dict[str, LayerStatistics]:
     """Input statistics of ``layers`` (``{name: linear inside block}``) while ``block`` runs on
     ``inputs``; with ``propagate`` each batch's input is replaced by the block's output once the
-    batch has run (the dense stream of a one-shot prune).
+    batch has run (the dense stream of a one-shot prune); ``outputs``, if given, receives the
+    block's output for each batch.
 
     Linears that read the very same input tensor (q/k/v, gate/up) are observed once and share
     one :class:`LayerStatistics` (found from which tensors the first batch hands them)."""
@@ -214,6 +216,8 @@ def block_statistics(
                 out = run_block(block, inp, device)
             if propagate:
                 inp.hidden = out
+            if outputs is not None:
+                outputs.append(out)
             del out
             if i == 0:  # the first batch showed which linears share an input: observe each input once
                 for h in probes:

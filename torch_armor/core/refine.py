@@ -212,7 +212,8 @@ def refine_output(weight: torch.Tensor, xtx: torch.Tensor, factors: ArmorFactors
             break
         best = (loss, a, core, b)
     _, a, core, b = best
-    new = dataclasses.replace(factors, a_blocks=a.to(out_dtype), core=core.to(out_dtype), b_blocks=b.to(out_dtype))
+    new = dataclasses.replace(factors, a_blocks=a.to(out_dtype).contiguous(), core=core.to(out_dtype).contiguous(),
+                              b_blocks=b.to(out_dtype).contiguous())
     return with_losses(new, weight, xtx, act_sq_norm, seconds=time.perf_counter() - start)
 
 

@@ -135,9 +135,10 @@ class BlockPipeline:
                 names = by_block[index]
                 if names:
                     layers = {n: self.source.model.get_submodule(n) for n in names}
-                    recon = self._reconstruction_data(block, inputs)
+                    recon = self._reconstruction_data(inputs)
                     stats = block_statistics(block, layers, inputs, device=self.device,
-                                             track_xtx=method.needs_xtx(self.config), propagate=not self.sequential)
+                                             track_xtx=method.needs_xtx(self.config), propagate=not self.sequential,
+                                             outputs=recon[1] if recon is not None else None)
                     self._solve_block(names, layers, stats, report, bar, index=index, block=block, recon=recon)
                 if self.sequential or not names:  # the (pruned) block's outputs feed the next block
                     for inp in inputs:
@@ -230,13 +231,13 @@ class BlockPipeline:
             if self.write_block is None:
                 LayerSolution(name, "armor", factors=factors).apply(self.source.model.get_submodule(name), self.storage)
 
-    def _reconstruction_data(self, block: nn.Module, inputs: Sequence[BlockInput]):
-        """Block reconstruction's data, taken before the block changes: the inputs that reach it and
-        the dense block's outputs on them (``None`` when reconstruction is off)."""
+    def _reconstruction_data(self, inputs: Sequence[BlockInput]):
+        """Block reconstruction's data: the inputs that reach the block, taken before a one-shot
+        run replaces them, and a list that the statistics pass fills with the dense block's
+        outputs (``None`` when reconstruction is off)."""
         if self.method != "armor" or self.config.reconstruct_steps <= 0:
             return None
-        data = [BlockInput(inp.hidden, inp.kwargs) for inp in inputs]
-        return data, [run_block(block, inp, self.device) for inp in data]
+        return [BlockInput(inp.hidden, inp.kwargs) for inp in inputs], []
 
     def _marker(self, index: int) -> Optional[Path]:
         return None if self.store is None else self.store.directory / RECONSTRUCTED_DIR / f"block-{index:05d}.json"

@@ -64,8 +64,10 @@ def reconstruct_block(block: nn.Module, factors: Mapping[str, ArmorFactors], inp
     masks: Dict[str, torch.Tensor] = {}
     groups = []
     for name, f in factors.items():
-        tensors = [t.detach().to(device=device, dtype=torch.float32).clone().requires_grad_(True)
-                   for t in (f.a_blocks, f.core, f.b_blocks)]
+        # contiguous: factors fresh from the optimizer may be views (e.g. transposed), and the strides
+        # pick the kernels — a resumed run reads contiguous copies and must get the same bits
+        tensors = [t.detach().to(device=device, dtype=torch.float32).clone(memory_format=torch.contiguous_format)
+                   .requires_grad_(True) for t in (f.a_blocks, f.core, f.b_blocks)]
         leaves[name] = tensors
         masks[name] = f.mask.to(device)
         for t in tensors:
