@@ -221,9 +221,9 @@ class BlockPipeline:
     def _replay(self, index: int, prefix: str, names: List[str], report: PruneReport) -> None:
         """A block finished by an earlier run: its factors are converted from the store (an
         in-memory model) or it was already written (a streamed one)."""
-        marker = self._marker(index)
-        if marker is not None and marker.exists():
-            report.block_errors[index] = tuple(json.loads(marker.read_text())["errors"])
+        errors = self._reconstructed_errors(index)
+        if errors is not None:
+            report.block_errors[index] = errors
         for name in names:
             factors = self.store.load(name)
             report.layers.append(_result(name, factors.shape, float(factors.relative_loss),
@@ -242,6 +242,17 @@ class BlockPipeline:
     def _marker(self, index: int) -> Optional[Path]:
         return None if self.store is None else self.store.directory / RECONSTRUCTED_DIR / f"block-{index:05d}.json"
 
+    def _reconstructed_errors(self, index: int) -> Optional[tuple]:
+        """``(before, after)`` of a block a run already reconstructed (its marker), else ``None``."""
+        marker = self._marker(index)
+        if marker is None or not marker.exists():
+            return None
+        return tuple(json.loads(marker.read_text())["errors"])
+
+    def _fresh_store(self) -> RunStore:
+        """This rank's view of the run store after rank 0 wrote to it (re-read from disk)."""
+        return RunStore(self.store.directory, self.config, self.store.model_id, self.store.stats_hash, rank=self.rank)
+
     def _reconstruct(self, index: int, block: nn.Module, layers: Dict[str, nn.Linear], stats,
                      solutions: Dict[str, LayerSolution], cfgs: Dict[str, Any], recon,
                      report: PruneReport) -> Dict[str, LayerSolution]:
@@ -251,9 +262,9 @@ class BlockPipeline:
         from torch_armor.engine.reconstruct import reconstruct_block
 
         names = list(solutions)
-        marker = self._marker(index)
-        if marker is not None and marker.exists():  # an interrupted run finished it: the store holds the result
-            report.block_errors[index] = tuple(json.loads(marker.read_text())["errors"])
+        errors = self._reconstructed_errors(index)
+        if errors is not None:  # an interrupted run finished it: the store holds the result
+            report.block_errors[index] = errors
             return solutions
         prefix = f"{self.blocks_prefix}.{index}."
         if self.rank == 0:
@@ -270,6 +281,7 @@ class BlockPipeline:
             if self.store is not None:
                 for n in names:
                     self.store.save(n, solutions[n].factors, config=cfgs[n], seconds=solutions[n].seconds)
+                marker = self._marker(index)
                 marker.parent.mkdir(parents=True, exist_ok=True)
                 atomic_write(marker, json.dumps({"errors": [before, after]}).encode())
             report.block_errors[index] = (before, after)
@@ -277,11 +289,10 @@ class BlockPipeline:
         if self.world_size > 1:
             dist.barrier()  # rank 0 saved the reconstructed factors: every rank reads them
             if self.rank != 0:
-                store = RunStore(self.store.directory, self.config, self.store.model_id, self.store.stats_hash,
-                                 rank=self.rank)
+                store = self._fresh_store()
                 solutions = {n: LayerSolution(n, "armor", factors=store.load(n), seconds=solutions[n].seconds)
                              for n in names}
-                report.block_errors[index] = tuple(json.loads(marker.read_text())["errors"])
+                report.block_errors[index] = self._reconstructed_errors(index)
         return solutions
 
     def _solve_block(self, names: List[str], layers: Dict[str, nn.Linear], stats, report: PruneReport, bar,
@@ -319,8 +330,7 @@ class BlockPipeline:
         if self.world_size > 1:
             dist.barrier()  # rank 0 has merged the manifests: every rank reads every layer
             if self.rank != 0:
-                store = RunStore(self.store.directory, self.config, self.store.model_id, self.store.stats_hash,
-                                 rank=self.rank)
+                store = self._fresh_store()
                 factors = {n: store.load(n) for n in names}
         return {n: LayerSolution(n, "armor", factors=factors[n],
                                  seconds=float(factors[n].history_time_s[-1])) for n in names}
