@@ -18,8 +18,10 @@ Example::
 from __future__ import annotations
 
 import os
+import warnings
 
-__all__ = ["ArmorError", "ArmorInputError", "ArmorNumericalError", "ArmorIOError", "debug_enabled", "CLEAR_ERRORS"]
+__all__ = ["ArmorError", "ArmorInputError", "ArmorNumericalError", "ArmorIOError", "RunMismatchError",
+           "ArmorRankError", "ArmorDeprecationWarning", "deprecated", "debug_enabled", "CLEAR_ERRORS"]
 
 
 class ArmorError(Exception):
@@ -41,6 +43,25 @@ class ArmorIOError(ArmorError, OSError):
 
     def __str__(self) -> str:  # the message alone, without OSError's "[Errno N]" prefix
         return self.strerror if isinstance(self.strerror, str) else super().__str__()
+
+
+class RunMismatchError(ArmorInputError):
+    """A run directory (or a sparsifier state) belongs to another run: other settings, weights or
+    calibration data; the message names what differs. Nothing of the other run is mixed in."""
+
+
+class ArmorRankError(ArmorError, RuntimeError):
+    """Another rank of a distributed run failed; the message carries its error. Finished layers stay
+    in the run directory: rerunning the same command resumes."""
+
+
+class ArmorDeprecationWarning(DeprecationWarning):
+    """A call form that still works for one release; the message names the new form."""
+
+
+def deprecated(message: str, stacklevel: int = 3) -> None:
+    """Warn with :class:`ArmorDeprecationWarning` at the caller of the deprecated function."""
+    warnings.warn(message, ArmorDeprecationWarning, stacklevel=stacklevel)
 
 
 #: The exception types that count as a clear answer (the CLI prints their message, exit 2).

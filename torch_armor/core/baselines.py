@@ -2,7 +2,7 @@
 
 Every function takes a linear weight ``W`` of shape ``(d_out, d_in)`` (plus calibration
 statistics) and a sparsity pattern (``"N:M"`` or ``"unstructured:F"``, see
-:func:`torch_armor.config.parse_pattern`) and returns ``(mask, pruned_weight)``:
+:func:`torch_armor.core.pattern.parse_pattern`) and returns ``(mask, pruned_weight)``:
 
 * ``mask`` -- ``torch.bool`` of shape ``(d_out, d_in)``, ``True`` where a weight is **kept**;
 * ``pruned_weight`` -- same shape and dtype as ``weight``, zero wherever ``mask`` is ``False``.
@@ -22,8 +22,9 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from torch_armor.core.pattern import SparsityPattern, parse_pattern
 from torch_armor.core.proxy import mask_from_scores
-from torch_armor.config import SparsityPattern, parse_pattern
+from torch_armor.errors import ArmorInputError
 
 __all__ = ["magnitude_prune", "wanda_prune", "sparsegpt_prune"]
 
@@ -37,22 +38,22 @@ PatternLike = Union[str, SparsityPattern]
 
 def _check_weight(weight: torch.Tensor, pat: SparsityPattern) -> None:
     if not isinstance(weight, torch.Tensor):
-        raise ValueError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+        raise ArmorInputError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
     if weight.dim() != 2:
-        raise ValueError(
+        raise ArmorInputError(
             f"weight must be 2-D (d_out, d_in), got shape {tuple(weight.shape)}; "
             "pass a linear layer's weight (reshape conv kernels to 2-D first)"
         )
     if not weight.dtype.is_floating_point:
-        raise ValueError(
+        raise ArmorInputError(
             f"weight dtype {weight.dtype} is not supported: pass a real floating-point weight "
             "(fp16/bf16/fp32/fp64); dequantize integer weights first"
         )
     if not torch.isfinite(weight).all():
-        raise ValueError("weight contains NaN or Inf; fix the checkpoint before pruning")
+        raise ArmorInputError("weight contains NaN or Inf; fix the checkpoint before pruning")
     d_in = weight.shape[1]
     if pat.structured and d_in % pat.m != 0:
-        raise ValueError(
+        raise ArmorInputError(
             f"d_in={d_in} is not a multiple of M={pat.m} for pattern '{pat}': "
             "use a pattern whose M divides d_in, or skip this layer"
         )
@@ -60,23 +61,23 @@ def _check_weight(weight: torch.Tensor, pat: SparsityPattern) -> None:
 
 def _check_act_sq_norm(act_sq_norm: torch.Tensor, d_in: int) -> None:
     if not isinstance(act_sq_norm, torch.Tensor):
-        raise ValueError(f"act_sq_norm must be a torch.Tensor, got {type(act_sq_norm).__name__}")
+        raise ArmorInputError(f"act_sq_norm must be a torch.Tensor, got {type(act_sq_norm).__name__}")
     if not act_sq_norm.dtype.is_floating_point:
-        raise ValueError(f"act_sq_norm dtype {act_sq_norm.dtype} must be floating point (fp32 recommended)")
+        raise ArmorInputError(f"act_sq_norm dtype {act_sq_norm.dtype} must be floating point (fp32 recommended)")
     if act_sq_norm.shape != (d_in,):
-        raise ValueError(
+        raise ArmorInputError(
             f"act_sq_norm has shape {tuple(act_sq_norm.shape)} but the weight has d_in={d_in}: "
             f"expected ({d_in},), the sum of squared inputs per input channel"
         )
     if not torch.isfinite(act_sq_norm).all():
-        raise ValueError(
+        raise ArmorInputError(
             "act_sq_norm contains NaN or Inf: the calibration forward passes overflowed; "
             "accumulate the statistics in fp32 (or fp64)"
         )
     if (act_sq_norm < 0).any():
-        raise ValueError("act_sq_norm has negative entries: it must be a sum of squares (Σ x²)")
+        raise ArmorInputError("act_sq_norm has negative entries: it must be a sum of squares (Σ x²)")
     if not (act_sq_norm > 0).any():
-        raise ValueError(
+        raise ArmorInputError(
             "act_sq_norm is all zero: no calibration data reached this layer; "
             "run calibration forward passes before pruning"
         )
@@ -186,37 +187,37 @@ def _check_sparsegpt_args(
     _check_weight(weight, pat)
     d_out, d_in = weight.shape
     if not isinstance(xtx, torch.Tensor):
-        raise ValueError(f"xtx must be a torch.Tensor, got {type(xtx).__name__}")
+        raise ArmorInputError(f"xtx must be a torch.Tensor, got {type(xtx).__name__}")
     if not xtx.dtype.is_floating_point:
-        raise ValueError(f"xtx dtype {xtx.dtype} must be floating point; accumulate XᵀX in fp32 or fp64")
+        raise ArmorInputError(f"xtx dtype {xtx.dtype} must be floating point; accumulate XᵀX in fp32 or fp64")
     if xtx.shape != (d_in, d_in):
-        raise ValueError(
+        raise ArmorInputError(
             f"xtx has shape {tuple(xtx.shape)} but the weight has d_in={d_in}: expected "
             f"({d_in}, {d_in}), the Gram matrix XᵀX of this layer's inputs"
         )
     if not torch.isfinite(xtx).all():
-        raise ValueError(
+        raise ArmorInputError(
             "xtx contains NaN or Inf: the calibration statistics overflowed; "
             "accumulate XᵀX in fp32 or fp64 (and divide by the token count if needed)"
         )
     if (torch.diagonal(xtx) < 0).any():
-        raise ValueError("xtx has negative diagonal entries: it must be a Gram matrix XᵀX (positive semi-definite)")
+        raise ArmorInputError("xtx has negative diagonal entries: it must be a Gram matrix XᵀX (positive semi-definite)")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive integer (SparseGPT uses 128), got {block_size!r}")
+        raise ArmorInputError(f"block_size must be a positive integer (SparseGPT uses 128), got {block_size!r}")
     if pat.structured and block_size % pat.m != 0:
-        raise ValueError(
+        raise ArmorInputError(
             f"block_size={block_size} is not a multiple of M={pat.m} for pattern '{pat}': an N:M "
             f"group must not straddle two lazy blocks; use a multiple of {pat.m} such as 128"
         )
     if isinstance(damp, bool) or not isinstance(damp, (int, float)) or not (damp >= 0) or damp == float("inf"):
-        raise ValueError(f"damp must be a finite non-negative number (fraction of mean(diag(H)), e.g. 0.01), got {damp!r}")
+        raise ArmorInputError(f"damp must be a finite non-negative number (fraction of mean(diag(H)), e.g. 0.01), got {damp!r}")
     if compute_dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"compute_dtype must be torch.float32 or torch.float64, got {compute_dtype}")
+        raise ArmorInputError(f"compute_dtype must be torch.float32 or torch.float64, got {compute_dtype}")
     if mask is not None:
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-            raise ValueError("mask must be a torch.bool tensor (True = keep); convert with mask.bool()")
+            raise ArmorInputError("mask must be a torch.bool tensor (True = keep); convert with mask.bool()")
         if mask.shape != weight.shape:
-            raise ValueError(f"mask has shape {tuple(mask.shape)} but the weight has shape {tuple(weight.shape)}")
+            raise ArmorInputError(f"mask has shape {tuple(mask.shape)} but the weight has shape {tuple(weight.shape)}")
 
 
 def _inverse_hessian_cholesky(hessian: torch.Tensor) -> torch.Tensor:
@@ -227,14 +228,14 @@ def _inverse_hessian_cholesky(hessian: torch.Tensor) -> torch.Tensor:
     """
     lower, info = torch.linalg.cholesky_ex(hessian)
     if int(info) != 0:
-        raise ValueError(
+        raise ArmorInputError(
             "the dampened Hessian XᵀX + damp·mean(diag)·I is not positive definite (Cholesky failed): "
             "raise damp (e.g. 0.01 → 0.1), use more calibration tokens, or accumulate xtx in fp64"
         )
     hinv = torch.cholesky_inverse(lower)
     upper, info = torch.linalg.cholesky_ex(hinv, upper=True)
     if int(info) != 0:
-        raise ValueError(
+        raise ArmorInputError(
             "the inverse Hessian is numerically not positive definite: raise damp or pass compute_dtype=torch.float64"
         )
     return upper

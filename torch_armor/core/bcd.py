@@ -27,7 +27,7 @@ def _ridge(gram: torch.Tensor, ridge: float) -> torch.Tensor:
     return (ridge * scale)[:, None, None] + torch.zeros(d, dtype=gram.dtype, device=gram.device)
 
 
-def _prox_solve(gram: torch.Tensor, rhs: torch.Tensor, old: torch.Tensor, ridge: float) -> torch.Tensor:
+def prox_solve(gram: torch.Tensor, rhs: torch.Tensor, old: torch.Tensor, ridge: float) -> torch.Tensor:
     """``(gram + λI)⁻¹ (rhs + λ·old)`` per block (gram symmetric PSD).
 
     Numerical guard: a block whose system Cholesky still rejects after raising ``λ`` a thousand-
@@ -61,7 +61,7 @@ def update_a(w_bar: torch.Tensor, act_sq_norm: torch.Tensor, a: torch.Tensor, co
     gram = weighted @ c.transpose(1, 2)  # (P, d, d)
     cross = (w_bar.reshape(p, d_b, -1) * act_sq_norm) @ c.transpose(1, 2)  # W_bar_i D C_iᵀ
     # A_i gram = cross  ⇔  gram A_iᵀ = crossᵀ (gram symmetric)
-    return _prox_solve(gram, cross.transpose(1, 2), a.transpose(1, 2), ridge).transpose(1, 2)
+    return prox_solve(gram, cross.transpose(1, 2), a.transpose(1, 2), ridge).transpose(1, 2)
 
 
 def update_b(w_bar: torch.Tensor, a: torch.Tensor, core: torch.Tensor, b: torch.Tensor,
@@ -76,7 +76,7 @@ def update_b(w_bar: torch.Tensor, a: torch.Tensor, core: torch.Tensor, b: torch.
     e = block_diag_left(a, core).reshape(d_out, q, d_b).permute(1, 2, 0)  # (Q, d, d_out)
     gram = e @ e.transpose(1, 2)
     cross = e @ w_bar.reshape(d_out, q, d_b).permute(1, 0, 2)  # (Q, d, d)
-    return _prox_solve(gram, cross, b, ridge)
+    return prox_solve(gram, cross, b, ridge)
 
 
 def _safe_inv(system: torch.Tensor) -> torch.Tensor:

@@ -11,12 +11,15 @@ import torch
 
 from torch_armor.core.bcd import refine_core_cg, update_a, update_b
 from torch_armor.core.blockdiag import block_diag_left, block_diag_right
-from torch_armor.config import ArmorConfig, SparsityPattern
+from torch_armor.core.config import ArmorConfig
 from torch_armor.core.factors import ArmorFactors
-from torch_armor.errors import ArmorNumericalError
-from torch_armor.core.proxy import _where, mask_from_scores, normalize_weight, nowag_scores, validate_layer
+from torch_armor.core.levers import AdamConfig, BcdConfig, Optimizer
+from torch_armor.core.pattern import SparsityPattern, layer_prefix
+from torch_armor.core.proxy import mask_from_scores, normalize_weight, nowag_scores, validate_layer
+from torch_armor.core.refine import refine_output
 from torch_armor.core.sparse_core import (DECREASE_SELECTIONS, block_grams, core_gradient, group_decrease, select_groups,
-                          sparse_core_step, sparse_core_steps)
+                                          sparse_core_step, sparse_core_steps)
+from torch_armor.errors import ArmorNumericalError
 
 __all__ = ["factorize", "reconstruct_normalized"]
 
@@ -49,7 +52,7 @@ class _Problem:
 class _Log:
     """Loss history at logged iterations, best-iterate tracking and the stopping rules."""
 
-    def __init__(self, problem: _Problem, config: ArmorConfig) -> None:
+    def __init__(self, problem: _Problem, config: Optimizer) -> None:
         self.config = config
         self.start = clock()
         self.iters: List[int] = [0]
@@ -89,13 +92,13 @@ class _Log:
         self.best_loss = torch.minimum(loss, self.best_loss)
 
 
-def _choose_groups(config: ArmorConfig, pattern: SparsityPattern, core, grad, a_gram, b_gram, generator,
+def _choose_groups(opt: Optimizer, d_b: int, pattern: SparsityPattern, core, grad, a_gram, b_gram, generator,
                    num: Optional[int] = None):
-    """``select_groups`` for ``config.selection_rule``, computing every group's decrease if the rule needs it."""
-    rule = config.selection_rule
+    """``select_groups`` for ``opt.selection_rule``, computing every group's decrease if the rule needs it."""
+    rule = opt.selection_rule
     decrease = (group_decrease(core, grad, a_gram, b_gram, pattern.n, pattern.m)
                 if rule in DECREASE_SELECTIONS else None)
-    return select_groups(grad, config.block_size, pattern.m, rule, generator, num=num, decrease=decrease)
+    return select_groups(grad, d_b, pattern.m, rule, generator, num=num, decrease=decrease)
 
 
 def _tile_outer(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
@@ -104,7 +107,7 @@ def _tile_outer(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     return torch.einsum("pqr,pqc->prqc", left, right).reshape(p * d_b, q * d_b)
 
 
-def _run_adam(problem: _Problem, config: ArmorConfig, log: _Log, a, b, core, mask) -> dict:
+def _run_adam(problem: _Problem, opt: AdamConfig, seed: int, log: _Log, a, b, core, mask) -> dict:
     """The paper's recipe — joint Adam on ``A``, ``B``, ``W'`` and one sparse-core group per
     tile per iteration — with hand-written gradients: 6 block-diagonal passes per iteration.
 
@@ -131,8 +134,8 @@ def _run_adam(problem: _Problem, config: ArmorConfig, log: _Log, a, b, core, mas
     params = [a, b, w_prime]
     for t in params:
         t.grad = torch.zeros_like(t)
-    optimizer = torch.optim.Adam(params, lr=config.lr)
-    generator = torch.Generator(device=w_bar.device).manual_seed(config.seed)
+    optimizer = torch.optim.Adam(params, lr=opt.lr)
+    generator = torch.Generator(device=w_bar.device).manual_seed(seed)
     best = {"a": a.clone(), "b": b.clone(), "core": core.clone(), "mask": mask.clone()}
     structured = pattern.structured
     m = pattern.m
@@ -140,7 +143,7 @@ def _run_adam(problem: _Problem, config: ArmorConfig, log: _Log, a, b, core, mas
     q_idx = torch.arange(q, device=w_bar.device)[None, :].expand(p, q)
 
     steps_done = 0
-    for it in range(1, config.iterations + 1):
+    for it in range(1, opt.iterations + 1):
         s = (w_prime * mask).contiguous()
         a_s = block_diag_left(a, s)
         residual = w_bar - block_diag_right(a_s, b)
@@ -150,7 +153,7 @@ def _run_adam(problem: _Problem, config: ArmorConfig, log: _Log, a, b, core, mas
         if structured:
             neg = -2.0 * grad
             a_gram, b_gram = block_grams(a, b, h)
-            rows, groups = _choose_groups(config, pattern, s, neg, a_gram, b_gram, generator)
+            rows, groups = _choose_groups(opt, d_b, pattern, s, neg, a_gram, b_gram, generator)
             _, delta = sparse_core_step(s, mask, a_gram, b_gram, neg, pattern.n, m, rows, groups,
                                         update_grad=True, return_delta=True)
             grad = -0.5 * neg
@@ -184,7 +187,7 @@ def _run_adam(problem: _Problem, config: ArmorConfig, log: _Log, a, b, core, mas
     return best
 
 
-def _run_bcd(problem: _Problem, config: ArmorConfig, log: _Log, a, b, core, mask) -> dict:
+def _run_bcd(problem: _Problem, opt: BcdConfig, seed: int, log: _Log, a, b, core, mask) -> dict:
     """Exact block-coordinate sweeps; every sub-step is monotone, so the last iterate is the best.
 
     A sweep: ``A`` and ``B`` by their closed forms, ``cg_steps`` of preconditioned CG on the
@@ -193,19 +196,19 @@ def _run_bcd(problem: _Problem, config: ArmorConfig, log: _Log, a, b, core, mask
     and run in sequence by :func:`~torch_armor.core.sparse_core.sparse_core_steps`.
     """
     w_bar, h, pattern = problem.w_bar, problem.h, problem.pattern
-    generator = torch.Generator(device=w_bar.device).manual_seed(config.seed)
+    generator = torch.Generator(device=w_bar.device).manual_seed(seed)
     best = {"a": a.clone(), "b": b.clone(), "core": core.clone(), "mask": mask.clone()}
-    group_updates = config.group_updates_per_sweep
-    for it in range(1, config.iterations + 1):
-        a = update_a(w_bar, h, a, core, b, config.ridge)
-        b = update_b(w_bar, a, core, b, config.ridge)
-        core = refine_core_cg(w_bar, h, a, core, mask, b, config.cg_steps, config.ridge).contiguous()
+    group_updates = opt.group_updates_per_sweep(problem.d_b)
+    for it in range(1, opt.iterations + 1):
+        a = update_a(w_bar, h, a, core, b, opt.ridge)
+        b = update_b(w_bar, a, core, b, opt.ridge)
+        core = refine_core_cg(w_bar, h, a, core, mask, b, opt.cg_steps, opt.ridge).contiguous()
         residual = w_bar - reconstruct_normalized(a, core, b)
         loss = _weighted_sq(residual, h)
         if pattern.structured and group_updates > 0:
             grad = core_gradient(residual, a, b, h).contiguous()
             a_gram, b_gram = block_grams(a, b, h)
-            rows, groups = _choose_groups(config, pattern, core, grad, a_gram, b_gram, generator,
+            rows, groups = _choose_groups(opt, problem.d_b, pattern, core, grad, a_gram, b_gram, generator,
                                           num=group_updates)
             gain = sparse_core_steps(core, mask, a_gram, b_gram, grad, pattern.n, pattern.m, rows, groups)
             loss = loss - gain.sum()
@@ -228,15 +231,16 @@ def factorize(
     """Factorize one linear weight as ``W_hat = A · (W' ⊙ M) · B`` (ARMOR).
 
     Starts from NoWag-P (``A = B = I``, ``W' = W_bar``, top-N of ``W_bar² h`` per group) and
-    runs ``config.optimizer``: ``"adam"`` (the paper's recipe: a joint Adam step on ``A``,
-    ``B``, ``W'`` then the sparse-core step — one group per tile, all ``C(M, N)`` supports
-    solved, best kept) or ``"bcd"`` (exact block-coordinate sweeps). The best iterate is
+    runs ``config.optimizer``: :class:`~torch_armor.core.levers.AdamConfig` (the paper's recipe: a
+    joint Adam step on ``A``, ``B``, ``W'`` then the sparse-core step — one group per tile, all
+    ``C(M, N)`` supports solved, best kept) or :class:`~torch_armor.core.levers.BcdConfig` (exact
+    block-coordinate sweeps). The best iterate is
     returned, so the proxy loss is never above NoWag-P's. Unstructured patterns run only the
     continuous updates, on the NoWag-P mask.
 
-    Cost: time per ``"bcd"`` sweep or ``"adam"`` step grows as ``d_out·d_in·d_b``; peak memory
+    Cost: time per BCD sweep or Adam step grows as ``d_out·d_in·d_b``; peak memory
     above the inputs is a fixed multiple of the layer's size in ``config.dtype`` — about 14× for
-    ``"bcd"`` and 18–20× for ``"adam"`` (residual, gradients, Adam moments, the best iterate),
+    BCD and 18–20× for Adam (residual, gradients, Adam moments, the best iterate),
     measured by ``python benchmarks/scale.py memory`` on 4096×4096 and 4096×11008 layers.
 
     Args:
@@ -245,14 +249,14 @@ def factorize(
         act_sq_norm: ``(d_in,)`` ``Σ_tokens x_j²`` from calibration.
         config: :class:`ArmorConfig` (defaults if ``None``), resolved for this weight's shape
             with :meth:`ArmorConfig.for_layer` (``block_size="auto"`` allowed).
-        xtx: ``(d_in, d_in)`` ``Σ_tokens x xᵀ``; with ``config.refine == "output"`` the factors are
+        xtx: ``(d_in, d_in)`` ``Σ_tokens x xᵀ``; with ``config.refine`` set (the default) the factors are
             then refined under the output-space loss (:func:`~torch_armor.core.refine.refine_output`).
         name: layer name used in error messages.
 
     Example::
 
         >>> w, h = torch.randn(64, 64), torch.rand(64) + 0.1
-        >>> f = factorize(w, h, ArmorConfig(block_size=16, num_iters=20))
+        >>> f = factorize(w, h, ArmorConfig(block_size=16, optimizer=BcdConfig(iters=20)))
         >>> f.relative_loss <= 1.0, f.dense().shape
         (True, torch.Size([64, 64]))
     """
@@ -274,10 +278,11 @@ def factorize(
     eye = torch.eye(d_b, device=device, dtype=dtype)
     a, b = eye.repeat(p, 1, 1), eye.repeat(q, 1, 1)
 
-    log = _Log(problem, config)
-    if config.iterations > 0 and float(problem.nowag_loss) > 0:
-        run = _run_adam if config.optimizer == "adam" else _run_bcd
-        best = run(problem, config, log, a, b, core, mask.clone())
+    opt = config.optimizer
+    log = _Log(problem, opt)
+    if opt.iterations > 0 and float(problem.nowag_loss) > 0:
+        run = _run_adam if isinstance(opt, AdamConfig) else _run_bcd
+        best = run(problem, opt, config.seed, log, a, b, core, mask.clone())
         a, b, core, mask = best["a"], best["b"], best["core"], best["mask"]
 
     losses = torch.stack([torch.as_tensor(x, dtype=dtype, device=device) for x in log.losses]).double().cpu()
@@ -297,16 +302,14 @@ def factorize(
         nowag_loss=nowag_loss * 2.0 ** h_exp,
         best_iter=int(log.best_iter),
     )
-    if xtx is not None and config.refine == "output":
-        from torch_armor.core.refine import refine_output
-
-        factors = refine_output(weight.detach().to(device), xtx.to(device), factors, rounds=config.refine_rounds,
-                                cg_steps=config.refine_cg_steps, damp=config.refine_damp,
-                                act_sq_norm=act_sq_norm.to(device))
+    if xtx is not None and config.refine is not None:
+        refine = config.refine
+        factors = refine_output(weight.detach().to(device), xtx.to(device), factors, rounds=refine.rounds,
+                                cg_steps=refine.cg_steps, damp=refine.damp, act_sq_norm=act_sq_norm.to(device))
     for label in ("a_blocks", "core", "b_blocks"):
         if not bool(torch.isfinite(getattr(factors, label)).all()):
             raise ArmorNumericalError(
-                f"{_where(name)}the {label} factors overflow {out_dtype} (weight scale 2^{w_exp}); "
+                f"{layer_prefix(name)}the {label} factors overflow {out_dtype} (weight scale 2^{w_exp}); "
                 f"factorize in a wider dtype (ArmorConfig(dtype=torch.float64)) or rescale the weight")
     return factors
 
@@ -326,11 +329,11 @@ def _pow2_scaled(t: torch.Tensor, device, dtype) -> Tuple[torch.Tensor, int]:
 
 def _check_result(problem: _Problem, a, core, b, mask, best_loss: float, name: Optional[str]) -> None:
     """The returned factors must be finite, keep the pattern and reproduce the tracked best loss."""
-    where = _where(name)
+    where = layer_prefix(name)
     for label, t in (("A", a), ("core", core), ("B", b)):
         if not bool(torch.isfinite(t).all()):
             raise ArmorNumericalError(f"{where}the optimizer produced non-finite {label} factors; retry with "
-                                      "ArmorConfig(dtype=torch.float64) or optimizer='bcd', and report the layer")
+                                      "ArmorConfig(dtype=torch.float64) or optimizer=BcdConfig(), and report the layer")
     if bool((core.ne(0) & ~mask).any()):
         raise ArmorNumericalError(f"{where}the sparse core has non-zeros outside its mask; please report the layer")
     recomputed = float(_weighted_sq(problem.w_bar - reconstruct_normalized(a, core, b), problem.h))

@@ -13,11 +13,11 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from torch_armor.config import SparsityPattern, parse_pattern
+from torch_armor.core.pattern import SparsityPattern, check_layer_shape, layer_prefix, parse_pattern
+from torch_armor.errors import ArmorInputError
 
 __all__ = [
     "validate_layer",
-    "check_layer_shape",
     "normalize_weight",
     "nowag_scores",
     "nm_mask_from_scores",
@@ -26,85 +26,7 @@ __all__ = [
     "nowag_prune",
     "proxy_loss",
     "relative_proxy_loss",
-    "valid_block_sizes",
-    "auto_block_size",
 ]
-
-
-def _where(name: Optional[str]) -> str:
-    return f"layer {name!r}: " if name else ""
-
-
-def valid_block_sizes(d_out: int, d_in: int, m: int = 1) -> list:
-    """Block sizes that divide both dimensions and are multiples of ``m``."""
-    g = math.gcd(d_out, d_in)
-    return [b for b in range(1, g + 1) if g % b == 0 and b % m == 0]
-
-
-def auto_block_size(d_out: int, d_in: int, max_overhead: float = 0.05, multiple_of: int = 4) -> int:
-    """Largest ARMOR block size for a ``(d_out, d_in)`` layer within a wrapper-overhead budget.
-
-    Picks the largest ``d_b`` that divides both ``d_out`` and ``d_in``, is a multiple of
-    ``multiple_of`` (the ``M`` of an ``N:M`` pattern, so groups do not straddle tiles), and
-    keeps the wrappers' extra parameters ``d_b·(d_in + d_out)`` within ``max_overhead`` of
-    the layer's ``d_in·d_out``.
-
-    Raises:
-        ValueError: bad arguments, or no block size fits (then the message gives the smallest
-            valid one and the overhead it would cost).
-
-    Example::
-
-        >>> auto_block_size(4096, 4096, 0.05, 4)     # 64 · 8192 / 4096² = 3.1 %
-        64
-        >>> auto_block_size(576, 1536, 0.05, 4)      # SmolLM2 down_proj: 16 · 2112 / 884736 = 3.8 %
-        16
-    """
-    for label, value in (("d_out", d_out), ("d_in", d_in), ("multiple_of", multiple_of)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{label} must be a positive integer, got {value!r}")
-    if isinstance(max_overhead, bool) or not isinstance(max_overhead, (int, float)) or not max_overhead > 0:
-        raise ValueError(f"max_overhead must be a positive fraction (0.05 = 5%), got {max_overhead!r}")
-    g = math.gcd(d_out, d_in)
-    divisors = sorted({d for i in range(1, math.isqrt(g) + 1) if g % i == 0 for d in (i, g // i)})
-    valid = [b for b in divisors if b % multiple_of == 0]
-    fitting = [b for b in valid if b * (d_in + d_out) / (d_in * d_out) <= max_overhead]
-    if not fitting:
-        if not valid:
-            raise ValueError(
-                f"no block size divides both dimensions of a ({d_out}, {d_in}) layer and is a multiple "
-                f"of {multiple_of}; skip this layer or use another pattern"
-            )
-        smallest = valid[0]
-        cost = smallest * (d_in + d_out) / (d_in * d_out)
-        raise ValueError(
-            f"no block size fits a ({d_out}, {d_in}) layer within {max_overhead:.1%} wrapper overhead: "
-            f"the smallest valid one, {smallest}, costs {cost:.1%}; raise max_overhead (--max-overhead) or give an integer block size"
-        )
-    return fitting[-1]
-
-
-def check_layer_shape(
-    d_out: int,
-    d_in: int,
-    pattern: Union[str, SparsityPattern] = "2:4",
-    block_size: Optional[int] = None,
-    name: Optional[str] = None,
-) -> None:
-    """Check that ``pattern`` and ``block_size`` can serve a ``(d_out, d_in)`` weight."""
-    where = _where(name)
-    pat = parse_pattern(pattern)
-    if pat.structured and d_in % pat.m != 0:
-        raise ValueError(
-            f"{where}d_in={d_in} is not a multiple of M={pat.m} for pattern '{pat}': "
-            "use a pattern whose M divides d_in, or skip this layer"
-        )
-    if block_size is not None and (d_out % block_size or d_in % block_size):
-        options = valid_block_sizes(d_out, d_in, pat.m if pat.structured else 1)
-        raise ValueError(
-            f"{where}block_size={block_size} does not divide the weight shape ({d_out}, {d_in}); "
-            f"block sizes that fit this layer: {options}"
-        )
 
 
 def validate_layer(
@@ -114,56 +36,56 @@ def validate_layer(
     block_size: Optional[int] = None,
     name: Optional[str] = None,
 ) -> SparsityPattern:
-    """Check one layer's inputs; raise ``ValueError`` saying what is wrong and what to do.
+    """Check one layer's inputs; raise :class:`~torch_armor.errors.ArmorInputError` saying what is wrong and what to do.
 
     Handled without error (documented): input channels with ``act_sq_norm == 0`` (never
     active in calibration) carry no loss, so NoWag-P prunes them first; all-zero columns or
     rows of ``W`` are normalized with a norm of 1 (they stay zero).
     """
-    where = _where(name)
+    where = layer_prefix(name)
     pat = parse_pattern(pattern)
     if not isinstance(weight, torch.Tensor) or not isinstance(act_sq_norm, torch.Tensor):
-        raise ValueError(f"{where}weight and act_sq_norm must be torch.Tensors")
+        raise ArmorInputError(f"{where}weight and act_sq_norm must be torch.Tensors")
     for label, t in (("weight", weight), ("act_sq_norm", act_sq_norm)):
         if t.is_meta:
-            raise ValueError(f"{where}{label} is on the meta device (no values): load or materialize the "
+            raise ArmorInputError(f"{where}{label} is on the meta device (no values): load or materialize the "
                              "weights (e.g. LazyCheckpoint, or model.to_empty + load_state_dict) before pruning")
         if hasattr(type(t), "__tensor_flatten__"):  # a wrapper subclass: ArmorTensor, torchao tensors
-            raise ValueError(f"{where}{label} is of type {type(t).__name__}, not a plain tensor: the layer is already "
+            raise ArmorInputError(f"{where}{label} is of type {type(t).__name__}, not a plain tensor: the layer is already "
                              "converted (pruned); prune the original dense weight, or skip this layer")
         if t.is_sparse or t.is_complex():
-            raise ValueError(f"{where}{label} must be a dense real tensor, got layout {t.layout} dtype {t.dtype}")
+            raise ArmorInputError(f"{where}{label} must be a dense real tensor, got layout {t.layout} dtype {t.dtype}")
     if weight.dim() != 2:
-        raise ValueError(
+        raise ArmorInputError(
             f"{where}weight must be 2-D (d_out, d_in), got shape {tuple(weight.shape)}; "
             "ARMOR factorizes linear layer weights only"
         )
     if not weight.dtype.is_floating_point:
-        raise ValueError(
+        raise ArmorInputError(
             f"{where}weight dtype {weight.dtype} is not supported: pass a real floating-point "
             "weight (fp32/fp16/bf16/fp64); dequantize integer weights first"
         )
     if not act_sq_norm.dtype.is_floating_point:
-        raise ValueError(f"{where}act_sq_norm dtype {act_sq_norm.dtype} must be floating point")
+        raise ArmorInputError(f"{where}act_sq_norm dtype {act_sq_norm.dtype} must be floating point")
     d_out, d_in = weight.shape
     if weight.numel() == 0:
-        raise ValueError(f"{where}weight is empty (shape {tuple(weight.shape)}): nothing to prune; skip this layer")
+        raise ArmorInputError(f"{where}weight is empty (shape {tuple(weight.shape)}): nothing to prune; skip this layer")
     if act_sq_norm.shape != (d_in,):
-        raise ValueError(
+        raise ArmorInputError(
             f"{where}act_sq_norm has shape {tuple(act_sq_norm.shape)} but the weight has "
             f"d_in={d_in}: expected ({d_in},), the sum of squared inputs per input channel"
         )
     if not torch.isfinite(weight).all():
-        raise ValueError(f"{where}weight contains NaN or Inf; fix the checkpoint before pruning")
+        raise ArmorInputError(f"{where}weight contains NaN or Inf; fix the checkpoint before pruning")
     if not torch.isfinite(act_sq_norm).all():
-        raise ValueError(
+        raise ArmorInputError(
             f"{where}act_sq_norm contains NaN or Inf: the calibration forward passes overflowed; "
             "calibrate in fp32 or with fewer tokens"
         )
     if (act_sq_norm < 0).any():
-        raise ValueError(f"{where}act_sq_norm has negative entries: it must be a sum of squares (Σ x²)")
+        raise ArmorInputError(f"{where}act_sq_norm has negative entries: it must be a sum of squares (Σ x²)")
     if not (act_sq_norm > 0).any():
-        raise ValueError(
+        raise ArmorInputError(
             f"{where}act_sq_norm is all zero: no calibration data reached this layer; "
             "run calibration forward passes before pruning"
         )
@@ -247,7 +169,7 @@ def proxy_loss(weight: torch.Tensor, approx: torch.Tensor, act_sq_norm: torch.Te
         0.0
     """
     if approx.shape != weight.shape:
-        raise ValueError(f"approx shape {tuple(approx.shape)} differs from weight shape {tuple(weight.shape)}")
+        raise ArmorInputError(f"approx shape {tuple(approx.shape)} differs from weight shape {tuple(weight.shape)}")
     w = weight.double()
     _, row_norm, col_norm = normalize_weight(w)
     diff = (w - approx.double()) / row_norm[:, None] / col_norm

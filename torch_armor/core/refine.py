@@ -16,13 +16,13 @@ raises a convex quadratic), so a round is monotone; the best iterate is kept any
 Example::
 
     >>> import torch
-    >>> from torch_armor.config import ArmorConfig
+    >>> from torch_armor.core.config import ArmorConfig, BcdConfig
     >>> from torch_armor.core.factorize import factorize
     >>> g = torch.Generator().manual_seed(0)
     >>> w, x = torch.randn(32, 64, generator=g), torch.randn(256, 64, generator=g)
     >>> x = x @ (torch.eye(64) + 0.5 * torch.randn(64, 64, generator=g))   # correlated inputs
     >>> xtx = x.T @ x
-    >>> f = factorize(w, xtx.diagonal().clone(), ArmorConfig(block_size=8, num_iters=5))
+    >>> f = factorize(w, xtx.diagonal().clone(), ArmorConfig(block_size=8, optimizer=BcdConfig(iters=5)))
     >>> r = refine_output(w, xtx, f, rounds=2)
     >>> bool(output_loss(w, r.dense(), xtx) < output_loss(w, f.dense(), xtx))
     True
@@ -36,10 +36,11 @@ from typing import Optional
 
 import torch
 
-from torch_armor.core.bcd import _prox_solve
+from torch_armor.core.bcd import prox_solve
 from torch_armor.core.blockdiag import block_diag_left, block_diag_right
 from torch_armor.core.factors import ArmorFactors
-from torch_armor.core.proxy import nowag_prune, parse_pattern, relative_proxy_loss
+from torch_armor.core.pattern import parse_pattern
+from torch_armor.core.proxy import nowag_prune, relative_proxy_loss
 
 __all__ = ["output_loss", "refine_output", "damped_xtx", "with_losses"]
 
@@ -108,7 +109,7 @@ def _update_a(w_h: torch.Tensor, h: torch.Tensor, a, core, b, ridge: float) -> t
     c = c.view(p, d_b, -1)
     gram = c_h @ c.transpose(1, 2)  # C_i H C_iᵀ
     cross = w_h.view(p, d_b, -1) @ c.transpose(1, 2)  # W_i H C_iᵀ
-    return _prox_solve(gram, cross.transpose(1, 2), a.transpose(1, 2), ridge).transpose(1, 2)
+    return prox_solve(gram, cross.transpose(1, 2), a.transpose(1, 2), ridge).transpose(1, 2)
 
 
 def _update_core(weight, h, a, core, mask, b, steps: int) -> torch.Tensor:

@@ -1,0 +1,327 @@
+#!/usr/bin/env python3
+"""Check torch_armor's import structure: floors, cycles, private names, module sizes.
+
+Pure ``ast`` (nothing is imported or executed). Every module of the package sits on a floor;
+an import may point to the same floor or a lower one, never up:
+
+    0  errors, _io, progress              (no torch_armor imports besides each other)
+    1  core                               (pure math, sparsity patterns, the method configs)
+    2  calibration                        (hooks, statistics)
+    3  tensor                             (ArmorTensor, storages; the save/load format)
+    4  engine                             (method registry, runner, pipeline, sources, run store, prune_model)
+    5  sparsifier, calibrated_sparsifier, hf, cli, recipes, __main__   (front ends)
+    6  torch_armor (the package's __init__: the public names)
+
+Violations (each printed on one line; exit status 1 if there is any):
+
+* ``upward``: a module imports a module on a higher floor;
+* ``cycle``: modules that import each other, directly or through others (function-local
+  imports count: they only hide a cycle);
+* ``private``: a module imports another module's ``_private`` name (``from m import _x``, or
+  ``m._x`` on an imported module ``m``);
+* ``alias``: torch_armor code imports a compatibility alias kept for users (``torch_armor.config``);
+* ``unplaced``: a module that the floors table does not place;
+* ``size``: a module longer than ``--max-lines`` (500) lines;
+* ``local-import``: a function-local import without a comment on its line saying why it is local.
+
+Usage::
+
+    python tools/check_layers.py                # this checkout's torch_armor/
+    python tools/check_layers.py --root DIR     # the torch_armor/ inside DIR (e.g. an old commit)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import io
+import sys
+import tokenize
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Set, Tuple
+
+PACKAGE = "torch_armor"
+
+#: (module-name prefix, floor); the longest matching prefix wins.
+FLOORS: Tuple[Tuple[str, int], ...] = (
+    ("torch_armor.errors", 0),
+    ("torch_armor._io", 0),
+    ("torch_armor.progress", 0),
+    ("torch_armor.core", 1),
+    ("torch_armor.config", 1),  # compatibility alias of torch_armor.core.config (users only)
+    ("torch_armor.calibration", 2),
+    ("torch_armor.tensor", 3),
+    ("torch_armor.engine", 4),
+    ("torch_armor.sparsifier", 5),
+    ("torch_armor.calibrated_sparsifier", 5),
+    ("torch_armor.hf", 5),
+    ("torch_armor.cli", 5),
+    ("torch_armor.recipes", 5),
+    ("torch_armor.__main__", 5),
+    ("torch_armor", 6),
+)
+FLOOR_NAMES = {0: "base", 1: "core", 2: "calibration", 3: "tensor/format", 4: "engine", 5: "front end", 6: "package"}
+
+#: Modules kept only so that users' old imports work for one release: torch_armor itself must
+#: import the new place.
+ALIASES = {
+    "torch_armor.config": "torch_armor.core.config",
+    "torch_armor.recipes.prune": "torch_armor.engine.prune",
+}
+
+#: Modules allowed above the size limit, each with the reason (to be emptied).
+SIZE_EXEMPT: Dict[str, str] = {
+    "torch_armor/tensor/armor_tensor.py": "issue #21 splits ArmorTensor into one class per storage format",
+}
+
+
+@dataclass
+class Import:
+    target: str  # the torch_armor module imported
+    line: int
+    names: Tuple[str, ...] = ()  # names taken from it (``from target import a, b``)
+    local: bool = False  # inside a function
+    commented: bool = False  # a comment on the import's line
+    third_party: bool = False  # not a torch_armor module (only function-local ones are recorded)
+
+
+@dataclass
+class Module:
+    name: str
+    path: Path
+    lines: int
+    imports: List[Import] = field(default_factory=list)
+    private_attrs: List[Tuple[int, str, str]] = field(default_factory=list)  # (line, module, attribute)
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def floor_of(name: str) -> Optional[int]:
+    best = None
+    for prefix, floor in FLOORS:
+        if name == prefix or name.startswith(prefix + "."):
+            if best is None or len(prefix) > len(best[0]):
+                best = (prefix, floor)
+    return None if best is None else best[1]
+
+
+def _commented_lines(source: str) -> Set[int]:
+    lines = set()
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type == tokenize.COMMENT:
+                lines.add(tok.start[0])
+    except (tokenize.TokenError, SyntaxError):
+        pass
+    return lines
+
+
+class _Visitor(ast.NodeVisitor):
+    def __init__(self, module: Module, known: Set[str], is_package: bool, comments: Set[int]) -> None:
+        self.module = module
+        self.known = known
+        self.is_package = is_package
+        self.comments = comments
+        self.depth = 0  # function nesting
+        self.aliases: Dict[str, str] = {}  # local name -> torch_armor module it is bound to
+
+    def _resolve(self, node: ast.ImportFrom) -> str:
+        if not node.level:
+            return node.module or ""
+        base = self.module.name.split(".")
+        if not self.is_package:
+            base = base[:-1]
+        base = base[: len(base) - (node.level - 1)]
+        return ".".join(base + ([node.module] if node.module else []))
+
+    def _add(self, target: str, node: ast.AST, names: Tuple[str, ...] = ()) -> None:
+        end = getattr(node, "end_lineno", node.lineno) or node.lineno
+        commented = any(line in self.comments for line in range(node.lineno, end + 1))
+        self.module.imports.append(Import(target, node.lineno, names, self.depth > 0, commented))
+
+    def visit_FunctionDef(self, node: ast.AST) -> None:
+        self.depth += 1
+        self.generic_visit(node)
+        self.depth -= 1
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def _third_party(self, what: str, node: ast.AST) -> None:
+        if self.depth > 0:
+            self._add(what, node)
+            self.module.imports[-1].third_party = True
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            if alias.name == PACKAGE or alias.name.startswith(PACKAGE + "."):
+                self._add(alias.name, node)
+                if alias.asname:
+                    self.aliases[alias.asname] = alias.name
+            else:
+                self._third_party(alias.name, node)
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        base = self._resolve(node)
+        if not (base == PACKAGE or base.startswith(PACKAGE + ".")):
+            self._third_party(base, node)
+            return
+        plain: List[str] = []
+        for alias in node.names:
+            sub = f"{base}.{alias.name}"
+            if sub in self.known:  # ``from torch_armor.tensor import serialization``: a module
+                self._add(sub, node)
+                self.aliases[alias.asname or alias.name] = sub
+            else:
+                plain.append(alias.name)
+        if plain or not node.names:
+            self._add(base, node, tuple(plain))
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        if isinstance(node.value, ast.Name) and node.value.id in self.aliases and _private(node.attr):
+            self.module.private_attrs.append((node.lineno, self.aliases[node.value.id], node.attr))
+        self.generic_visit(node)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def scan(package_dir: Path) -> Dict[str, Module]:
+    root = package_dir.parent
+    paths = sorted(package_dir.rglob("*.py"))
+    known = {module_name(p, root) for p in paths}
+    modules: Dict[str, Module] = {}
+    for path in paths:
+        source = path.read_text(encoding="utf-8")
+        name = module_name(path, root)
+        module = Module(name, path, source.count("\n") + (not source.endswith("\n") and bool(source)))
+        tree = ast.parse(source, filename=str(path))
+        _Visitor(module, known, path.name == "__init__.py", _commented_lines(source)).visit(tree)
+        modules[name] = module
+    return modules
+
+
+def _cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """Strongly connected components with more than one module, or a module importing itself (Tarjan)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack: Set[str] = set()
+    out: List[List[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1 or v in graph.get(v, ()):
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def check(package_dir: Path, max_lines: int = 500) -> List[str]:
+    """Every violation, one line each (empty: the package is in order)."""
+    modules = scan(package_dir)
+    root = package_dir.parent
+    problems: List[str] = []
+    graph: Dict[str, Set[str]] = defaultdict(set)
+    for name, mod in sorted(modules.items()):
+        where = str(mod.path.relative_to(root))
+        floor = floor_of(name)
+        if floor is None:
+            problems.append(f"unplaced: {where}: module {name} is on no floor; add it to FLOORS in tools/check_layers.py")
+            continue
+        limit_reason = SIZE_EXEMPT.get(where)
+        if mod.lines > max_lines and limit_reason is None:
+            problems.append(f"size: {where}: {mod.lines} lines (limit {max_lines}); split the module")
+        for imp in mod.imports:
+            target = imp.target
+            if imp.local and not imp.commented:
+                problems.append(f"local-import: {where}:{imp.line}: function-local import of {target} without a "
+                                "comment saying why it is not at the top")
+            if imp.third_party:
+                continue
+            if target != name and target in modules:
+                graph[name].add(target)
+            elif target not in modules:
+                problems.append(f"unplaced: {where}:{imp.line}: imports {target}, which is not a module of {PACKAGE}")
+                continue
+            if target in ALIASES and name not in ALIASES and name != PACKAGE:
+                problems.append(f"alias: {where}:{imp.line}: imports {target}, a compatibility alias for users; "
+                                f"import {ALIASES[target]}")
+            t_floor = floor_of(target)
+            if t_floor is not None and t_floor > floor:
+                problems.append(f"upward: {where}:{imp.line}: {name} ({FLOOR_NAMES[floor]}, floor {floor}) imports "
+                                f"{target} ({FLOOR_NAMES[t_floor]}, floor {t_floor})")
+            if target != name:
+                for n in imp.names:
+                    if _private(n):
+                        problems.append(f"private: {where}:{imp.line}: imports {target}.{n}; make it public or "
+                                        "keep it in its module")
+        for line, target, attr in mod.private_attrs:
+            if target != name:
+                problems.append(f"private: {where}:{line}: uses {target}.{attr}; make it public")
+    for comp in _cycles(graph):
+        problems.append(f"cycle: {' <-> '.join(comp)} import each other")
+    return problems
+
+
+def local_imports(package_dir: Path) -> List[str]:
+    """Every function-local import of a torch_armor module (for the report)."""
+    root = package_dir.parent
+    return [f"{m.path.relative_to(root)}:{i.line}: {i.target}" for m in scan(package_dir).values()
+            for i in m.imports if i.local and not i.third_party]
+
+
+def main(argv: Optional[Iterable[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--root", default=str(Path(__file__).resolve().parents[1]),
+                        help="directory holding the torch_armor/ package (default: this checkout)")
+    parser.add_argument("--max-lines", type=int, default=500, help="module size limit (default 500)")
+    parser.add_argument("--list-local", action="store_true", help="also list the function-local imports")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    package_dir = Path(args.root) / PACKAGE
+    if not package_dir.is_dir():
+        print(f"check_layers: {package_dir} is not a directory", file=sys.stderr)
+        return 2
+    problems = check(package_dir, args.max_lines)
+    if args.list_local:
+        for line in local_imports(package_dir):
+            print(f"local: {line}")
+    for line in problems:
+        print(line)
+    modules = scan(package_dir)
+    print(f"check_layers: {len(modules)} modules, {sum(not i.third_party for m in modules.values() for i in m.imports)} "
+          f"torch_armor imports, {len(problems)} violation(s)", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""The levers of :class:`~torch_armor.core.config.ArmorConfig`, one frozen config each.
+
+* the per-layer optimizer: :class:`BcdConfig` (default) or :class:`AdamConfig` (the paper's);
+* output-space refinement: :class:`RefineConfig` (``ArmorConfig(refine=None)``: off);
+* block reconstruction: :class:`ReconstructConfig` (``ArmorConfig(reconstruct=None)``: off).
+
+A new setting of a lever is a new field with a default here; :meth:`ArmorConfig.to_dict
+<torch_armor.core.config.ArmorConfig.to_dict>` serializes it as ``"<lever>_<field>"`` when it
+differs from that default.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional, Union
+
+from torch_armor.core.method_config import check_count, check_fraction
+from torch_armor.errors import ArmorInputError
+
+__all__ = ["BcdConfig", "AdamConfig", "RefineConfig", "ReconstructConfig", "Optimizer", "SELECTIONS"]
+
+#: How a tile picks the groups its sparse-core steps update
+#: (:func:`~torch_armor.core.sparse_core.select_groups`).
+SELECTIONS = ("l1-random", "l2-random", "l1-greedy", "random", "decrease-greedy", "mixed")
+
+
+def _check_loop(owner: str, cfg: Any) -> None:
+    """The fields every optimizer shares: iterations, selection, stopping rules, logging."""
+    check_count(owner, "iters", cfg.iters)
+    if cfg.selection is not None and cfg.selection not in SELECTIONS:
+        raise ArmorInputError(f"{owner}.selection must be one of {SELECTIONS} or None, got {cfg.selection!r}")
+    if cfg.time_budget_s is not None and (isinstance(cfg.time_budget_s, bool) or not cfg.time_budget_s > 0):
+        raise ArmorInputError(f"{owner}.time_budget_s must be positive seconds or None, got {cfg.time_budget_s!r}")
+    check_fraction(owner, "tol", cfg.tol)
+    check_count(owner, "log_every", cfg.log_every, minimum=1)
+
+
+@dataclass(frozen=True)
+class BcdConfig:
+    """Exact block-coordinate sweeps (the default optimizer): closed-form ``A`` and ``B``,
+    preconditioned CG on the kept core values, then exact sparse-core group updates.
+
+    Args:
+        iters: sweeps per layer (default 30).
+        cg_steps: CG steps on the core per sweep.
+        group_updates: sparse-core group updates per tile per sweep (``None``: ``max(1, d_b // 2)``,
+            see :meth:`group_updates_per_sweep`).
+        ridge: relative proximal ridge of the closed-form solves.
+        selection: how each tile picks its groups (``None``: ``"mixed"``, see :attr:`selection_rule`;
+            one of :data:`SELECTIONS`).
+        time_budget_s: also stop after this much wall time per layer (``None``: no limit).
+        tol: stop when the relative loss improves by less than this between two logged points.
+        log_every: record the relative proxy loss every this many sweeps.
+
+    Example::
+
+        >>> BcdConfig().group_updates_per_sweep(16), BcdConfig(group_updates=3).group_updates_per_sweep(16)
+        (8, 3)
+    """
+
+    iters: int = 30
+    cg_steps: int = 2
+    group_updates: Optional[int] = None
+    ridge: float = 1e-6
+    selection: Optional[str] = None
+    time_budget_s: Optional[float] = None
+    tol: float = 0.0
+    log_every: int = 1
+
+    name: ClassVar[str] = "bcd"
+    default_selection: ClassVar[str] = "mixed"
+
+    def __post_init__(self) -> None:
+        _check_loop("BcdConfig", self)
+        check_count("BcdConfig", "cg_steps", self.cg_steps)
+        if self.group_updates is not None:
+            check_count("BcdConfig", "group_updates", self.group_updates)
+        check_fraction("BcdConfig", "ridge", self.ridge)
+
+    @property
+    def iterations(self) -> int:
+        """Sweeps per layer."""
+        return self.iters
+
+    @property
+    def selection_rule(self) -> str:
+        """``selection`` if given, else ``"mixed"``."""
+        return self.selection if self.selection is not None else self.default_selection
+
+    def group_updates_per_sweep(self, block_size: int) -> int:
+        """``group_updates`` if given, else ``max(1, block_size // 2)``."""
+        if self.group_updates is not None:
+            return self.group_updates
+        if isinstance(block_size, bool) or not isinstance(block_size, int):
+            raise ArmorInputError(f"block_size={block_size!r} is chosen per layer: call config.for_layer(d_out, d_in) "
+                                  "first")
+        return max(1, block_size // 2)
+
+
+@dataclass(frozen=True)
+class AdamConfig:
+    """The paper's optimizer: one joint Adam step on ``A``, ``B``, ``W'`` and one sparse-core group
+    per tile per iteration.
+
+    Args:
+        iters: (Adam step, sparse-core step) pairs per layer (default 1000).
+        lr: Adam's learning rate (paper: 1e-4).
+        selection, time_budget_s, tol, log_every: as in :class:`BcdConfig` (default selection
+            ``"l1-random"``).
+    """
+
+    iters: int = 1000
+    lr: float = 1e-4
+    selection: Optional[str] = None
+    time_budget_s: Optional[float] = None
+    tol: float = 0.0
+    log_every: int = 1
+
+    name: ClassVar[str] = "adam"
+    default_selection: ClassVar[str] = "l1-random"
+
+    def __post_init__(self) -> None:
+        _check_loop("AdamConfig", self)
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not (math.isfinite(self.lr)
+                                                                                      and self.lr > 0):
+            raise ArmorInputError(f"AdamConfig.lr must be a positive finite number, got {self.lr!r}")
+
+    @property
+    def iterations(self) -> int:
+        """Adam steps per layer."""
+        return self.iters
+
+    @property
+    def selection_rule(self) -> str:
+        """``selection`` if given, else ``"l1-random"``."""
+        return self.selection if self.selection is not None else self.default_selection
+
+
+@dataclass(frozen=True)
+class RefineConfig:
+    """Output-space refinement after the optimizer: ``A``, the kept core values and ``B`` (mask
+    fixed) re-fitted under ``tr((W − Ŵ) H (W − Ŵ)ᵀ)``, ``H = XᵀX``
+    (:func:`torch_armor.core.refine.refine_output`), wherever ``XᵀX`` is known.
+
+    Args:
+        rounds: alternations of exact ``A`` / CG on the core / CG on ``B``.
+        cg_steps: CG steps per core and ``B`` update.
+        damp: dampening of ``H`` as a fraction of its mean diagonal.
+    """
+
+    rounds: int = 3
+    cg_steps: int = 30
+    damp: float = 0.01
+
+    def __post_init__(self) -> None:
+        check_count("RefineConfig", "rounds", self.rounds)
+        check_count("RefineConfig", "cg_steps", self.cg_steps)
+        check_fraction("RefineConfig", "damp", self.damp)
+
+
+@dataclass(frozen=True)
+class ReconstructConfig:
+    """Block reconstruction in :func:`~torch_armor.prune_model` (the sparsifiers, which see no
+    blocks, skip it): after a decoder block's linears are factorized, Adam on the block's ``A``,
+    ``B`` and kept core values, masks fixed, towards the dense block's outputs
+    (:mod:`torch_armor.engine.reconstruct`).
+
+    Args:
+        steps: Adam steps per block, one calibration batch each (``ArmorConfig(reconstruct=None)``
+            turns reconstruction off).
+        lr: Adam's step relative to each factor's RMS.
+    """
+
+    steps: int = 8
+    lr: float = 5e-3
+
+    def __post_init__(self) -> None:
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+            raise ArmorInputError(f"ReconstructConfig.steps must be a positive integer, got {self.steps!r}; "
+                                  "ArmorConfig(reconstruct=None) turns reconstruction off")
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not (math.isfinite(self.lr)
+                                                                                      and self.lr > 0):
+            raise ArmorInputError(f"ReconstructConfig.lr must be a positive finite number, got {self.lr!r}")
+
+
+Optimizer = Union[BcdConfig, AdamConfig]

@@ -1,0 +1,191 @@
+"""The baseline methods' configs, and what every method config shares (:class:`MethodConfig`).
+
+A config's type is its method: :class:`MagnitudeConfig`, :class:`WandaConfig`,
+:class:`NoWagConfig`, :class:`SparseGPTConfig` here and :class:`~torch_armor.core.config.ArmorConfig`
+(the method registry, :mod:`torch_armor.engine.methods`, maps each type to the code that runs it).
+All are frozen dataclasses checked in ``__post_init__``; errors are
+:class:`~torch_armor.errors.ArmorInputError` (a ``ValueError``).
+
+Example::
+
+    >>> SparseGPTConfig(pattern="4:8", damp=0.1)
+    SparseGPTConfig(pattern='4:8', block_size=128, damp=0.1)
+    >>> WandaConfig().for_layer(64, 30, name="fc")
+    Traceback (most recent call last):
+    ...
+    torch_armor.errors.ArmorInputError: layer 'fc': d_in=30 is not a multiple of M=4 for pattern '2:4': use a pattern whose M divides d_in, or skip this layer
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import torch
+
+from torch_armor.core.pattern import SparsityPattern, check_layer_shape, parse_pattern
+from torch_armor.errors import ArmorInputError, deprecated
+
+__all__ = ["MethodConfig", "MagnitudeConfig", "WandaConfig", "NoWagConfig", "SparseGPTConfig", "BaselineConfig",
+           "config_to_dict", "plain_value"]
+
+
+def plain_value(value: Any) -> Any:
+    """``value`` as JSON: dtypes and devices as strings, tuples as lists."""
+    if isinstance(value, (torch.dtype, torch.device)):
+        return str(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return [plain_value(v) for v in value]
+    return str(value)
+
+
+def check_count(owner: str, key: str, value: Any, minimum: int = 0) -> None:
+    """``value`` must be an integer ``>= minimum`` (booleans are not counts)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = "a positive" if minimum == 1 else "a non-negative"
+        raise ArmorInputError(f"{owner}.{key} must be {what} integer, got {value!r}")
+
+
+def check_fraction(owner: str, key: str, value: Any) -> None:
+    """``value`` must be a number in ``[0, 1)``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ArmorInputError(f"{owner}.{key} must be in [0, 1), got {value!r}")
+
+
+def normalized_pattern(owner: str, pattern: Any) -> str:
+    """The one spelling of a pattern (``"2:4"``, ``"unstructured:0.5"``); errors name the owner."""
+    try:
+        return str(parse_pattern(pattern))
+    except ArmorInputError as err:
+        raise ArmorInputError(f"{owner}.pattern: {err}") from None
+
+
+class MethodConfig:
+    """What every method config offers: its :attr:`sparsity`, a per-layer resolution
+    (:meth:`for_layer`), an up-front check (:meth:`check_layer`) and its serialized form
+    (:meth:`to_dict`)."""
+
+    pattern: str
+
+    @property
+    def sparsity(self) -> SparsityPattern:
+        """The parsed :attr:`pattern`."""
+        return parse_pattern(self.pattern)
+
+    @property
+    def needs_allocation(self) -> bool:
+        """Whether the engine must choose per-layer settings from measurements first (ARMOR's
+        ``block_size="budget"``)."""
+        return False
+
+    def for_layer(self, d_out: int, d_in: int, name: Optional[str] = None) -> "MethodConfig":
+        """This config for one ``(d_out, d_in)`` layer, checked against the shape (errors name ``name``)."""
+        check_layer_shape(d_out, d_in, self.sparsity, None, name=name)
+        return self
+
+    def check_layer(self, d_out: int, d_in: int, name: Optional[str] = None) -> None:
+        """Fail before anything is pruned if this config cannot serve a ``(d_out, d_in)`` layer."""
+        self.for_layer(d_out, d_in, name)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The serialized form (report settings, sparsifier states): the baselines keep the flat
+        ``{pattern, block_size, damp}`` of the former ``BaselineConfig``."""
+        return {"pattern": self.pattern, "block_size": _SPARSEGPT_BLOCK, "damp": _SPARSEGPT_DAMP}
+
+
+_SPARSEGPT_BLOCK = 128
+_SPARSEGPT_DAMP = 0.01
+
+
+@dataclass(frozen=True)
+class MagnitudeConfig(MethodConfig):
+    """Magnitude pruning: keep the largest ``|W_ij|`` (:func:`~torch_armor.core.baselines.magnitude_prune`)."""
+
+    pattern: str = "2:4"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pattern", normalized_pattern(type(self).__name__, self.pattern))
+
+
+@dataclass(frozen=True)
+class WandaConfig(MethodConfig):
+    """Wanda: keep the largest ``|W_ij|·‖x_j‖`` (:func:`~torch_armor.core.baselines.wanda_prune`)."""
+
+    pattern: str = "2:4"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pattern", normalized_pattern(type(self).__name__, self.pattern))
+
+
+@dataclass(frozen=True)
+class NoWagConfig(MethodConfig):
+    """NoWag-P: keep the largest normalized ``W̄_ij²·h_j`` (:func:`~torch_armor.core.proxy.nowag_prune`)."""
+
+    pattern: str = "2:4"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pattern", normalized_pattern(type(self).__name__, self.pattern))
+
+
+@dataclass(frozen=True)
+class SparseGPTConfig(MethodConfig):
+    """SparseGPT (:func:`~torch_armor.core.baselines.sparsegpt_prune`).
+
+    Args:
+        pattern: ``"2:4"``, any ``"N:M"`` or ``"unstructured:F"``.
+        block_size: the lazy-batch width (a multiple of ``M``).
+        damp: dampening of ``XᵀX`` as a fraction of its mean diagonal.
+    """
+
+    pattern: str = "2:4"
+    block_size: int = _SPARSEGPT_BLOCK
+    damp: float = _SPARSEGPT_DAMP
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pattern", normalized_pattern("SparseGPTConfig", self.pattern))
+        check_count("SparseGPTConfig", "block_size", self.block_size, minimum=1)
+        check_fraction("SparseGPTConfig", "damp", self.damp)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"pattern": self.pattern, "block_size": self.block_size, "damp": self.damp}
+
+
+@dataclass(frozen=True)
+class BaselineConfig:
+    """Deprecated: the settings of every baseline, used beside a method string. Use the method's
+    own config (:class:`SparseGPTConfig`, :class:`WandaConfig`, :class:`NoWagConfig`,
+    :class:`MagnitudeConfig`); the engine converts this one for one release."""
+
+    pattern: str = "2:4"
+    block_size: int = _SPARSEGPT_BLOCK
+    damp: float = _SPARSEGPT_DAMP
+
+    def __post_init__(self) -> None:
+        deprecated("BaselineConfig is deprecated: the config's type is the method; use "
+                   "SparseGPTConfig(pattern=..., block_size=..., damp=...), WandaConfig(pattern=...), "
+                   "NoWagConfig(pattern=...) or MagnitudeConfig(pattern=...)", stacklevel=4)
+        object.__setattr__(self, "pattern", normalized_pattern("BaselineConfig", self.pattern))
+        check_count("BaselineConfig", "block_size", self.block_size, minimum=1)
+        check_fraction("BaselineConfig", "damp", self.damp)
+
+    def fields_for(self, config_type: type) -> Dict[str, Any]:
+        """The fields ``config_type`` takes (``pattern``; SparseGPT also ``block_size``, ``damp``)."""
+        names = {f.name for f in dataclasses.fields(config_type)}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k in names}
+
+
+def config_to_dict(config: Any) -> Dict[str, Any]:
+    """The serialized form of a method config (run-store identity, report settings, sparsifier
+    states): flat JSON-ready keys, unchanged from before the configs were nested.
+
+    Example::
+
+        >>> config_to_dict(SparseGPTConfig(damp=0.1))
+        {'pattern': '2:4', 'block_size': 128, 'damp': 0.1}
+    """
+    if not isinstance(config, MethodConfig):
+        raise ArmorInputError(f"expected a method config (ArmorConfig, SparseGPTConfig, …), got {type(config).__name__}")
+    return config.to_dict()
