@@ -23,6 +23,8 @@ from typing import Dict, Iterable, List, Mapping, Sequence, Tuple
 
 import numpy as np
 
+from torch_armor.core.pattern import candidate_block_sizes  # noqa: F401  (the candidates this module chooses from)
+
 __all__ = ["allocate_block_sizes", "candidate_block_sizes", "layer_kind", "loss_curves", "overhead_of"]
 
 #: The DP works in integer cost units; above this many it coarsens them (costs rounded up, so the
@@ -34,21 +36,6 @@ def overhead_of(block_sizes: Mapping[str, int], shapes: Mapping[str, Tuple[int, 
     """Wrapper parameters ``Σ d_b·(d_out + d_in)`` as a fraction of ``Σ d_out·d_in``."""
     extra = sum(block_sizes[n] * (shapes[n][0] + shapes[n][1]) for n in block_sizes)
     return extra / sum(shapes[n][0] * shapes[n][1] for n in block_sizes)
-
-
-def candidate_block_sizes(d_out: int, d_in: int, multiple_of: int, lo: int = 8, hi: int = 64) -> List[int]:
-    """Block sizes in ``[lo, hi]`` that divide both dimensions and are multiples of ``multiple_of``:
-    the powers of two among them if there are any (fewer candidates to measure), else all.
-
-    Example::
-
-        >>> candidate_block_sizes(576, 1536, 4), candidate_block_sizes(36, 36, 4)
-        ([8, 16, 32, 64], [12, 36])
-    """
-    g = math.gcd(d_out, d_in)
-    valid = [b for b in range(lo, hi + 1) if g % b == 0 and b % multiple_of == 0]
-    powers = [b for b in valid if b & (b - 1) == 0]
-    return powers or valid
 
 
 def layer_kind(name: str) -> str:

@@ -5,9 +5,9 @@ For each decoder block, in order:
 1. statistics of the block's linears from the inputs that reach the block — with
    ``sequential=True`` the outputs of the already-pruned blocks before it (as SparseGPT and
    llm-compressor do), with ``False`` the dense model's;
-2. the method (:data:`~torch_armor.engine.runner.METHODS`) on every selected linear of the block;
-   ARMOR layers go through the run store (every finished layer written atomically) and are
-   shared out across ``torchrun`` ranks by cost;
+2. the config's method (:mod:`torch_armor.engine.methods`) on every selected linear of the block;
+   a method that factorizes (ARMOR) sends its layers through the run store (every finished layer
+   written atomically) and shares them out across ``torchrun`` ranks by cost;
 3. the block's outputs become the next block's inputs; a streamed block is written to its own
    shard and freed.
 
@@ -23,18 +23,29 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save
 from torch import nn
-from torch_armor.progress import tqdm
 
 from torch_armor._io import atomic_write
 from torch_armor.calibration.blocks import BlockInput, block_statistics, capture_block_inputs, run_block
+from torch_armor.core.method_config import config_to_dict
+from torch_armor.core.pattern import candidate_block_sizes
+from torch_armor.core.refine import with_losses
+from torch_armor.engine.allocate import allocate_block_sizes, loss_curves
+from torch_armor.engine.distributed import distributed_factorize
+from torch_armor.engine.methods import Method, method_for
+from torch_armor.engine.reconstruct import reconstruct_block
 from torch_armor.engine.report import LayerResult, PruneReport
-from torch_armor.engine.runner import METHODS, LayerSolution, ProxyReference, layer_config, solve_layer
-from torch_armor.engine.runstore import RunStore, config_to_dict
+from torch_armor.engine.runner import LayerSolution, ProxyReference, solve_layer
+from torch_armor.engine.runstore import RunStore
+from torch_armor.engine.sources import BlockSink, BlockSource
+from torch_armor.errors import ArmorInputError
+from torch_armor.progress import tqdm
 
 __all__ = ["BlockPipeline", "HIDDEN_NAME", "BLOCKS_DIR"]
 
@@ -50,20 +61,18 @@ BLOCKS_DIR = "blocks"
 
 @dataclass
 class BlockPipeline:
-    """One run of the engine over a model's decoder blocks.
+    """One run of the engine over a model's decoder blocks with one method config.
 
-    ``source`` provides the model and loads/frees its blocks (an in-memory model, or a
-    :class:`~torch_armor.engine.checkpoint.LazyCheckpoint` whose blocks are materialized one at
-    a time); ``write_block(index, prefix, block)`` is called when a block is finished (e.g. to
-    write it to a shard) and ``block_done(index)`` tells whether a block was already written by an
-    earlier, interrupted run.
+    ``source`` provides the model and loads/frees its blocks (:class:`~torch_armor.engine.sources.InMemory`,
+    or :class:`~torch_armor.engine.sources.Streamed` whose blocks are materialized one at a time);
+    ``sink`` (rank 0) keeps each finished block (e.g. a shard per block) and tells which ones an
+    earlier, interrupted run already kept.
     """
 
-    source: Any
+    source: BlockSource
     blocks_prefix: str
     blocks: nn.ModuleList
     names: Sequence[str]
-    method: str
     config: Any
     sequential: bool = True
     store: Optional[RunStore] = None
@@ -73,10 +82,13 @@ class BlockPipeline:
     hidden_dir: Optional[Path] = None
     storage: str = "dense"
     progress: bool = True
-    write_block: Optional[Callable[[int, str, nn.Module], None]] = None
-    block_done: Optional[Callable[[int], bool]] = None
+    sink: Optional[BlockSink] = None
     rank: int = 0
     world_size: int = 1
+
+    @property
+    def method(self) -> Method:
+        return method_for(self.config)
 
     # -- hidden states at block boundaries ---------------------------------------------------
     def _hidden_path(self) -> Optional[Path]:
@@ -86,8 +98,6 @@ class BlockPipeline:
         path = self._hidden_path()
         if path is None or self.rank != 0:
             return
-        from safetensors.torch import save
-
         tensors = {f"batch.{j:06d}": inp.hidden.contiguous() for j, inp in enumerate(inputs)}
         atomic_write(path, save(tensors, metadata={"block": str(index), "identity": self.identity}))
 
@@ -96,8 +106,6 @@ class BlockPipeline:
         path = self._hidden_path()
         if path is None or not path.exists():
             return 0
-        from safetensors import safe_open
-
         with safe_open(str(path), framework="pt") as fh:
             meta = fh.metadata() or {}
             if meta.get("identity") != self.identity or len(list(fh.keys())) != len(inputs):
@@ -108,16 +116,16 @@ class BlockPipeline:
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self, calibration: Sequence[torch.Tensor]) -> PruneReport:
-        method = METHODS[self.method]
+        method = self.method
         start_all = time.perf_counter()
         self.source.prepare_inputs()
         inputs = capture_block_inputs(self.source.model, self.blocks[0], calibration, hidden_dtype=self.hidden_dtype)
         self.source.release_inputs()
         by_block = self._names_by_block()
-        if self.method == "armor" and self.config.block_size == "budget" and not self.config.block_sizes:
+        if self.config.needs_allocation:
             self.config = self._allocate(inputs, by_block)
-        report = PruneReport(method=self.method, pattern=self.config.pattern, settings=config_to_dict(self.config)
-                             if self.method == "armor" else dict(vars(self.config)))
+        report = PruneReport(method=method.name, pattern=self.config.pattern, settings=config_to_dict(self.config),
+                             rank=self.rank, world_size=self.world_size)
         if self.hidden_dir is not None:
             for j, inp in enumerate(inputs):
                 inp.offload(Path(self.hidden_dir) / f"batch-{j:06d}.safetensors")
@@ -143,8 +151,8 @@ class BlockPipeline:
                 if self.sequential or not names:  # the (pruned) block's outputs feed the next block
                     for inp in inputs:
                         inp.hidden = run_block(block, inp, self.device)
-                if self.write_block is not None and self.rank == 0:
-                    self.write_block(index, prefix, block)
+                if self.sink is not None and self.rank == 0:
+                    self.sink.write(index, prefix, block)
                 self.source.release_block(prefix)
                 self._save_hidden(index + 1, inputs)
                 bar.update(1)
@@ -156,14 +164,12 @@ class BlockPipeline:
     def _allocate(self, inputs: Sequence[BlockInput], by_block: List[List[str]]) -> Any:
         """``block_size="budget"``: measure each layer kind's loss at every candidate block size on
         a few blocks (dense stream), then give every layer its size within the model-wide budget."""
-        from torch_armor.engine.allocate import allocate_block_sizes, candidate_block_sizes, loss_curves
-
         cfg = dataclasses.replace(self.config, block_size=16)
         with_layers = [i for i, names in enumerate(by_block) if names]
         count = min(ALLOCATION_SAMPLE_BLOCKS, len(with_layers))
         sample = sorted({with_layers[round(k * (len(with_layers) - 1) / max(1, count - 1))] for k in range(count)})
         work = [BlockInput(inp.hidden, inp.kwargs) for inp in inputs]
-        multiple = cfg.sparsity.m if cfg.sparsity.structured else 1
+        multiple = cfg.sparsity.group
         measured: Dict[str, Dict[int, float]] = {}
         start = time.perf_counter()
         for index in range(sample[-1] + 1):
@@ -173,12 +179,12 @@ class BlockPipeline:
             if index in sample:
                 layers = {n: self.source.model.get_submodule(n) for n in by_block[index]}
                 stats = block_statistics(block, layers, work, device=self.device,
-                                         track_xtx=METHODS["armor"].needs_xtx(cfg), propagate=True)
+                                         track_xtx=self.method.needs_xtx(cfg), propagate=True)
                 for n, layer in layers.items():
                     d_out, d_in = layer.weight.shape
                     measured[n] = {}
                     for size in candidate_block_sizes(d_out, d_in, multiple):
-                        f = solve_layer("armor", layer.weight, stats[n], dataclasses.replace(cfg, block_size=size), n).factors
+                        f = solve_layer(layer.weight, stats[n], dataclasses.replace(cfg, block_size=size), n).factors
                         measured[n][size] = f.relative_output_loss if f.refined else f.relative_loss
             else:
                 for inp in work:
@@ -197,22 +203,22 @@ class BlockPipeline:
             rest = name[len(self.blocks_prefix) + 1:] if name.startswith(self.blocks_prefix + ".") else ""
             head = rest.split(".", 1)[0]
             if not head.isdigit():
-                raise ValueError(f"layer {name!r} is not inside a decoder block of {self.blocks_prefix!r}; "
+                raise ArmorInputError(f"layer {name!r} is not inside a decoder block of {self.blocks_prefix!r}; "
                                  "prune_model prunes linears of decoder blocks only")
             by_block[int(head)].append(name)
         return by_block
 
     def _resume_point(self, inputs: List[BlockInput], by_block: List[List[str]]) -> int:
         """The first block to compute: blocks before it are finished and their outputs saved."""
-        if self.store is None or self.method != "armor":
+        if self.store is None:
             return 0
         saved = self._load_hidden(inputs)
         for index in range(saved):
             if not all(self.store.done(n) for n in by_block[index]):
-                raise ValueError(f"run directory {self.store.directory}: saved hidden states follow block "
+                raise ArmorInputError(f"run directory {self.store.directory}: saved hidden states follow block "
                                  f"{saved - 1} but block {index} is unfinished; delete {HIDDEN_NAME} to redo them")
-            if self.block_done is not None and not self.block_done(index):
-                raise ValueError(f"run directory {self.store.directory}: block {index} was not written; "
+            if self.sink is not None and not self.sink.done(index):
+                raise ArmorInputError(f"run directory {self.store.directory}: block {index} was not written; "
                                  f"delete {HIDDEN_NAME} to redo it")
         if saved:
             logger.info("resuming at decoder block %d of %d", saved, len(self.blocks))
@@ -228,14 +234,14 @@ class BlockPipeline:
             factors = self.store.load(name)
             report.layers.append(_result(name, factors.shape, float(factors.relative_loss),
                                          float(factors.history_time_s[-1]), factors))
-            if self.write_block is None:
-                LayerSolution(name, "armor", factors=factors).apply(self.source.model.get_submodule(name), self.storage)
+            if self.sink is None:
+                LayerSolution(name, self.method.name, factors=factors).apply(self.source.model.get_submodule(name), self.storage)
 
     def _reconstruction_data(self, inputs: Sequence[BlockInput]):
         """Block reconstruction's data: the inputs that reach the block, taken before a one-shot
         run replaces them, and a list that the statistics pass fills with the dense block's
         outputs (``None`` when reconstruction is off)."""
-        if self.method != "armor" or self.config.reconstruct_steps <= 0:
+        if not self.method.reconstructs(self.config):
             return None
         return [BlockInput(inp.hidden, inp.kwargs) for inp in inputs], []
 
@@ -258,9 +264,6 @@ class BlockPipeline:
                      report: PruneReport) -> Dict[str, LayerSolution]:
         """Adam on the block's factors against the dense block's outputs (rank 0; the result goes
         through the run store, and a marker says the block's stored factors are final)."""
-        from torch_armor.core.refine import with_losses
-        from torch_armor.engine.reconstruct import reconstruct_block
-
         names = list(solutions)
         errors = self._reconstructed_errors(index)
         if errors is not None:  # an interrupted run finished it: the store holds the result
@@ -271,10 +274,10 @@ class BlockPipeline:
             start = time.perf_counter()
             new, before, after = reconstruct_block(
                 block, {n[len(prefix):]: solutions[n].factors for n in names}, recon[0], recon[1],
-                steps=self.config.reconstruct_steps, lr=self.config.reconstruct_lr, device=self.device,
+                steps=self.config.reconstruct.steps, lr=self.config.reconstruct.lr, device=self.device,
                 seed=self.config.seed)
             seconds = (time.perf_counter() - start) / len(names)
-            solutions = {n: LayerSolution(n, "armor", seconds=solutions[n].seconds + seconds,
+            solutions = {n: LayerSolution(n, self.method.name, seconds=solutions[n].seconds + seconds,
                                           factors=with_losses(new[n[len(prefix):]], layers[n].weight, stats[n].xtx,
                                                               stats[n].act_sq_norm, seconds))
                          for n in names}
@@ -290,27 +293,27 @@ class BlockPipeline:
             dist.barrier()  # rank 0 saved the reconstructed factors: every rank reads them
             if self.rank != 0:
                 store = self._fresh_store()
-                solutions = {n: LayerSolution(n, "armor", factors=store.load(n), seconds=solutions[n].seconds)
+                solutions = {n: LayerSolution(n, self.method.name, factors=store.load(n), seconds=solutions[n].seconds)
                              for n in names}
                 report.block_errors[index] = self._reconstructed_errors(index)
         return solutions
 
     def _solve_block(self, names: List[str], layers: Dict[str, nn.Linear], stats, report: PruneReport, bar,
                      index: int = 0, block: Optional[nn.Module] = None, recon=None) -> None:
-        cfgs = {n: layer_config(self.method, self.config, tuple(layers[n].weight.shape), n) for n in names}
-        if self.method == "armor":
-            solutions = self._armor_block(names, layers, stats, cfgs, bar)
+        cfgs = {n: self.config.for_layer(*layers[n].weight.shape, name=n) for n in names}
+        if self.method.factorizes:
+            solutions = self._factorize_block(names, layers, stats, cfgs, bar)
             if recon is not None:
                 solutions = self._reconstruct(index, block, layers, stats, solutions, cfgs, recon, report)
         else:
             solutions = {}
             for n in names:
                 bar.set_postfix_str(n[-40:], refresh=False)
-                solutions[n] = solve_layer(self.method, layers[n].weight, stats[n], cfgs[n], n)
+                solutions[n] = solve_layer(layers[n].weight, stats[n], cfgs[n], n)
         for n in names:
             weight = layers[n].weight.detach()
             sol = solutions[n]
-            if sol.factors is not None:  # ARMOR: the loss factorize measured, as a resumed run replays it
+            if sol.factors is not None:  # factors: the loss the optimizer measured, as a resumed run replays it
                 rel = float(sol.factors.relative_loss)
             else:
                 ref = ProxyReference(weight, stats[n].act_sq_norm, cfgs[n].pattern)
@@ -318,9 +321,7 @@ class BlockPipeline:
             report.layers.append(_result(n, tuple(weight.shape), rel, sol.seconds, sol.factors))
             sol.apply(layers[n], self.storage)
 
-    def _armor_block(self, names, layers, stats, cfgs, bar) -> Dict[str, LayerSolution]:
-        from torch_armor.engine.distributed import distributed_factorize
-
+    def _factorize_block(self, names, layers, stats, cfgs, bar) -> Dict[str, LayerSolution]:
         def done(fqn: str, factors) -> None:
             bar.set_postfix_str(f"{fqn[-32:]} rel {factors.relative_loss:.3f}", refresh=False)
 
@@ -332,7 +333,7 @@ class BlockPipeline:
             if self.rank != 0:
                 store = self._fresh_store()
                 factors = {n: store.load(n) for n in names}
-        return {n: LayerSolution(n, "armor", factors=factors[n],
+        return {n: LayerSolution(n, self.method.name, factors=factors[n],
                                  seconds=float(factors[n].history_time_s[-1])) for n in names}
 
 

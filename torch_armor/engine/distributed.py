@@ -48,24 +48,19 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from torch_armor.config import ArmorConfig
+from torch_armor.core.config import ArmorConfig
 from torch_armor.core.factors import ArmorFactors
-from torch_armor.engine.layers import (
-    LayerInput,
-    _check_layers,
-    _compute_layers,
-    _eager_shapes,
-    _pending,
-    factorize_layers,
-    layer_configs,
-)
+from torch_armor.engine.layers import (LayerInput, check_layer_inputs, compute_layers, eager_shapes, factorize_layers,
+                                       layer_configs, pending_layers)
 from torch_armor.engine.runstore import RunStore
+from torch_armor.errors import ArmorInputError, ArmorRankError
 
 __all__ = [
     "Topology",
     "layer_cost",
     "shard_layers",
     "init_distributed",
+    "launched_world_size",
     "distributed_factorize",
 ]
 
@@ -142,6 +137,14 @@ def _env_int(name: str, default: int) -> int:
         return int(value)
     except ValueError:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def launched_world_size() -> int:
+    """How many ranks this process belongs to: the process group's size, else ``$WORLD_SIZE``
+    (set by ``torchrun``), else 1."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return max(1, _env_int("WORLD_SIZE", 1))
 
 
 def init_distributed(
@@ -257,11 +260,11 @@ def distributed_factorize(
 
     Raises:
         RunMismatchError: ``store`` belongs to another run (on every rank).
-        RuntimeError: another rank failed; its message is included. Finished layers stay
+        ArmorRankError: another rank failed (a ``RuntimeError``); its message is included. Finished layers stay
             saved: rerun the same command to resume.
     """
-    layers = _check_layers(layers)
-    configs = layer_configs(layers, config, per_layer_overrides, _eager_shapes(layers))
+    layers = check_layer_inputs(layers)
+    configs = layer_configs(layers, config, per_layer_overrides, eager_shapes(layers))
     topo = init_distributed(backend, device=config.device)
     try:
         if topo.world_size == 1:
@@ -278,7 +281,7 @@ def distributed_factorize(
         try:
             store = store.with_rank(rank)
             if rank == 0:
-                pending = _pending(layers, configs, store)
+                pending = pending_layers(layers, configs, store)
                 store.plan(pending)
                 decision = [{"pending": pending}]
         except Exception as err:  # every rank must reach the collective, even after an error
@@ -287,13 +290,13 @@ def distributed_factorize(
         if local_error is not None:
             raise local_error
         if "error" in decision[0]:
-            raise RuntimeError(f"rank 0 failed before factorizing: {decision[0]['error']}")
+            raise ArmorRankError(f"rank 0 failed before factorizing: {decision[0]['error']}")
         pending = decision[0]["pending"]
 
         own: Dict[str, ArmorFactors] = {}
         try:
             shards = shard_layers(_costs_for(pending, layers, configs, costs), world)
-            own = _compute_layers(layers, shards[rank], configs, store, progress=progress and rank == 0,
+            own = compute_layers(layers, shards[rank], configs, store, progress=progress and rank == 0,
                                   on_layer_done=on_layer_done, keep=return_factors,
                                   desc=f"factorize (rank 0 of {world})")
         except Exception as err:
@@ -306,7 +309,7 @@ def distributed_factorize(
             raise local_error
         if failed:
             r, message = failed[0]
-            raise RuntimeError(
+            raise ArmorRankError(
                 f"rank {r} failed: {message}. The layers finished so far are saved in {store.directory}; "
                 "fix the cause and rerun the same command to resume"
             )

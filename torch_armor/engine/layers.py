@@ -37,15 +37,17 @@ import time
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
-from torch_armor.progress import tqdm
 
-from torch_armor.config import ArmorConfig
+from torch_armor.core.config import ArmorConfig
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.engine.identity import act_sq_norm_of
 from torch_armor.engine.runner import solve_layer
-from torch_armor.engine.runstore import RunMismatchError, RunStore
+from torch_armor.engine.runstore import RunStore
+from torch_armor.errors import RunMismatchError
+from torch_armor.progress import tqdm
 
-__all__ = ["factorize_layers", "layer_configs"]
+__all__ = ["factorize_layers", "layer_configs", "check_layer_inputs", "eager_shapes", "compute_layers",
+           "pending_layers", "LayerInput"]
 
 logger = logging.getLogger("torch_armor")
 
@@ -108,7 +110,7 @@ def layer_configs(
     return {n: _layer_config(config, overrides.get(n), n, shapes.get(n)) for n in names}
 
 
-def _eager_shapes(layers: Mapping[str, Any]) -> Dict[str, Tuple[int, int]]:
+def eager_shapes(layers: Mapping[str, Any]) -> Dict[str, Tuple[int, int]]:
     """``{name: weight shape}`` of the layers given as ``(weight, act_sq_norm)`` (not lazily)."""
     return {fqn: tuple(v[0].shape) for fqn, v in layers.items()
             if not callable(v) and isinstance(v, (tuple, list)) and v and isinstance(v[0], torch.Tensor)}
@@ -128,7 +130,7 @@ def _materialize(fqn: str, value: LayerInput) -> Tuple[torch.Tensor, torch.Tenso
     return value[0], stats if getattr(stats, "xtx", None) is not None else act_sq_norm_of(stats, fqn)
 
 
-def _check_layers(layers: Any) -> Mapping[str, LayerInput]:
+def check_layer_inputs(layers: Any) -> Mapping[str, LayerInput]:
     if not isinstance(layers, Mapping):
         raise ValueError(
             "layers must be a mapping {name: (weight, act_sq_norm)} or {name: callable returning it}, "
@@ -139,7 +141,7 @@ def _check_layers(layers: Any) -> Mapping[str, LayerInput]:
     return layers
 
 
-def _compute_layers(
+def compute_layers(
     layers: Mapping[str, LayerInput],
     todo: Sequence[str],
     configs: Mapping[str, ArmorConfig],
@@ -163,7 +165,7 @@ def _compute_layers(
                 start = time.perf_counter()
                 try:
                     cfg = configs[fqn].for_layer(*weight.shape, name=fqn) if weight.dim() == 2 else configs[fqn]
-                    factors = solve_layer("armor", weight, h, cfg, fqn).factors
+                    factors = solve_layer(weight, h, cfg, fqn).factors
                 except Exception as err:
                     if store is not None:
                         store.mark_failed(fqn, err)
@@ -183,7 +185,7 @@ def _compute_layers(
     return out
 
 
-def _pending(
+def pending_layers(
     layers: Mapping[str, LayerInput], configs: Mapping[str, ArmorConfig], store: RunStore
 ) -> List[str]:
     """Layers not finished in ``store``; raises if a finished one has other settings or shape."""
@@ -241,21 +243,21 @@ def factorize_layers(
             another shape (checked for every layer before any work starts).
         ValueError: malformed ``layers`` or overrides.
     """
-    layers = _check_layers(layers)
-    configs = layer_configs(layers, config, per_layer_overrides, _eager_shapes(layers))
+    layers = check_layer_inputs(layers)
+    configs = layer_configs(layers, config, per_layer_overrides, eager_shapes(layers))
     if store is not None and store.rank != 0:
         raise ValueError(
             f"this store writes as rank {store.rank}; factorize_layers runs a single process (rank 0). "
             "Use torch_armor.engine.distributed.distributed_factorize for multi-rank runs"
         )
-    todo = list(layers) if store is None else _pending(layers, configs, store)
+    todo = list(layers) if store is None else pending_layers(layers, configs, store)
     if store is not None:
         skipped = len(layers) - len(todo)
         if skipped:
             logger.info("run %s: %d of %d layers already finished, %d to compute",
                         store.directory, skipped, len(layers), len(todo))
         store.plan(todo)
-    computed = _compute_layers(layers, todo, configs, store, progress=progress, on_layer_done=on_layer_done,
+    computed = compute_layers(layers, todo, configs, store, progress=progress, on_layer_done=on_layer_done,
                                keep=return_factors, total=len(layers))
     if store is not None:
         store.finalize()

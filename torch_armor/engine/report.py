@@ -14,17 +14,17 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
-__all__ = ["LayerResult", "PruneReport", "block_index", "wrapper_overhead"]
+from torch import nn
 
+from torch_armor.calibration.selection import block_index
+from torch_armor.core.factors import ArmorFactors
+from torch_armor.engine.methods import method_label
+from torch_armor.errors import ArmorInputError
+from torch_armor.tensor.armor_tensor import ArmorTensor
 
-def block_index(name: str) -> Optional[int]:
-    """The first all-digit component of a dotted module name (the decoder layer index)."""
-    for part in name.split("."):
-        if part.isdigit():
-            return int(part)
-    return None
+__all__ = ["LayerResult", "PruneReport", "wrapper_overhead"]
 
 
 @dataclass
@@ -54,6 +54,8 @@ class PruneReport:
         settings: method settings (ARMOR config, SparseGPT block size and damping).
         block_errors: with block reconstruction, ``{block index: (before, after)}``: the relative
             output error ``‖Y − Y_dense‖² / ‖Y_dense‖²`` of the block on held-out calibration data.
+        rank, world_size: where this process stood in a ``torchrun`` job (not saved: every rank
+            returns a report, rank 0 writes the model).
     """
 
     method: str
@@ -62,6 +64,8 @@ class PruneReport:
     seconds: float = 0.0
     settings: Dict[str, Any] = field(default_factory=dict)
     block_errors: Dict[int, Tuple[float, float]] = field(default_factory=dict)
+    rank: int = 0
+    world_size: int = 1
 
     @property
     def wrapper_params(self) -> int:
@@ -113,10 +117,10 @@ class PruneReport:
 
     def save_plot(self, path: Union[str, os.PathLike], title: Optional[str] = None) -> None:
         """PNG: relative proxy loss per layer (coloured by linear type) and time per layer."""
-        import matplotlib
+        import matplotlib  # heavy and only for the plot: imported when one is drawn
 
         matplotlib.use("Agg", force=True)
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # after matplotlib.use("Agg")
 
         kinds = [layer.name.rsplit(".", 1)[-1] for layer in self.layers]
         palette = plt.get_cmap("tab10")
@@ -145,18 +149,12 @@ class PruneReport:
             ax2.set_xlabel("decoder layer")
         else:
             ax2.set_xlabel("layer (pruning order)")
-        label = _label(self.method)
+        label = method_label(self.method)
         ax1.set_title(title or f"{label} {self.pattern}: {len(xs)} linears, mean relative proxy loss "
                       f"{self.mean_relative_proxy_loss:.3f}, {self.seconds:.0f} s")
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
-
-
-def _label(method: str) -> str:
-    from torch_armor.engine.runner import METHODS
-
-    return METHODS[method].label if method in METHODS else method
 
 
 def wrapper_overhead(obj: Any) -> float:
@@ -179,13 +177,7 @@ def wrapper_overhead(obj: Any) -> float:
     if isinstance(obj, PruneReport):
         return obj.overhead
     extra = dense = 0
-    from torch import nn
-
-    from torch_armor.core.factors import ArmorFactors
-
     if isinstance(obj, nn.Module):
-        from torch_armor.tensor.armor_tensor import ArmorTensor
-
         for module in obj.modules():
             w = getattr(module, "weight", None)
             if isinstance(module, nn.Linear) and isinstance(w, ArmorTensor):
@@ -195,7 +187,7 @@ def wrapper_overhead(obj: Any) -> float:
         items = obj.values() if isinstance(obj, Mapping) else obj
         for f in items:
             if not isinstance(f, ArmorFactors):
-                raise ValueError(f"expected ArmorFactors, got {type(f).__name__}")
+                raise ArmorInputError(f"expected ArmorFactors, got {type(f).__name__}")
             extra += f.num_wrapper_params()
             dense += f.shape[0] * f.shape[1]
     return extra / dense if dense else 0.0

@@ -16,13 +16,13 @@ A run directory holds::
                                   block, a rerun resumes at that block
     blocks/block-NNNNN.safetensors
                                   (streamed checkpoints only) each finished decoder block, written
-                                  by :func:`~torch_armor.tensor.serialization.save_shard`; at the
+                                  by :func:`~torch_armor.tensor.safetensors_io.save_shard`; at the
                                   end ``blocks/rest.safetensors`` (the weights outside the decoder
                                   blocks) joins them and all are moved into the output checkpoint
                                   by :func:`~torch_armor.tensor.serialization.assemble_checkpoint`
 
 The last two are written by :class:`~torch_armor.engine.blocks.BlockPipeline` and
-:func:`~torch_armor.recipes.prune.prune_model` (which streams a model when given a checkpoint
+:func:`~torch_armor.engine.prune.prune_model` (which streams a model when given a checkpoint
 directory instead of a module); the store itself writes the manifests and ``layers/``.
 
 Every file is written with :func:`torch_armor._io.atomic_write`: to a temporary name in the same
@@ -47,21 +47,27 @@ Writers: one process per run directory, or the ranks of one distributed run (ran
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
+import io
 import json
 import os
 import time
 import warnings
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
-from urllib.parse import quote
 
 import torch
+from safetensors import safe_open
 
 from torch_armor._io import TMP_MARK, atomic_write, file_sha256
-from torch_armor.config import ArmorConfig
+from torch_armor.core.config import ArmorConfig
 from torch_armor.core.factors import ArmorFactors
+from torch_armor.core.method_config import config_to_dict
+from torch_armor.engine.manifest import (FORMAT_NAME, FORMAT_VERSION, LAYERS_DIR, MANIFEST_NAME, SHARD_PREFIX,
+                                         STATUS_RANK, config_diff, default_rank, identity_diff, layer_filename,
+                                         read_manifest)
+from torch_armor.errors import ArmorInputError, ArmorIOError, RunMismatchError
+from torch_armor.tensor.safetensors_io import write_safetensors
 
 __all__ = [
     "RunStore",
@@ -70,146 +76,16 @@ __all__ = [
     "MANIFEST_NAME",
 ]
 
-FORMAT_NAME = "torch_armor.run"
-FORMAT_VERSION = 1
-MANIFEST_NAME = "manifest.json"
-LAYERS_DIR = "layers"
-_SHARD_PREFIX = "manifest.rank-"
-#: Config fields that do not define a run: where a layer was optimized may change between
-#: resumes (a GPU run finished on CPU, ``cuda:0`` and ``cuda:1`` ranks); it is recorded per layer.
-_NOT_IDENTITY = ("device",)
-_STATUS_RANK = {"pending": 0, "failed": 1, "done": 2}
-
 PathLike = Union[str, "os.PathLike[str]"]
 
 
 def _deterministic_safetensors(tensors: Mapping[str, Any], metadata: Dict[str, str]) -> bytes:
     """safetensors bytes with a sorted header: the same layer always gives the same file
     (``safetensors.torch.save`` orders metadata by a randomly seeded hash map)."""
-    import io
-
-    from torch_armor.tensor.serialization import _write_safetensors
-
     buf = io.BytesIO()
-    _write_safetensors(buf, dict(tensors), metadata)
+    write_safetensors(buf, dict(tensors), metadata)
     return buf.getvalue()
 
-
-class RunMismatchError(ValueError):
-    """A run directory belongs to another run (config, model or statistics differ)."""
-
-
-# --------------------------------------------------------------------------- hashing
-
-
-# --------------------------------------------------------------------------- config identity
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, (torch.dtype, torch.device)):
-        return str(value)
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, tuple):
-        return [_plain(v) for v in value]
-    return str(value)
-
-
-def config_to_dict(config: ArmorConfig) -> Dict[str, Any]:
-    """The fields of an :class:`ArmorConfig` as JSON-ready values (dtypes/devices as strings),
-    with the derived ones as the values a run uses: ``num_iters`` is :attr:`~ArmorConfig.iterations`,
-    ``group_updates`` :attr:`~ArmorConfig.group_updates_per_sweep` (left ``None`` while the block
-    size is ``"auto"``), ``selection`` :attr:`~ArmorConfig.selection_rule`. So a config that
-    leaves a value to its default and one that spells the default out are the same run.
-
-    Example::
-
-        >>> d = config_to_dict(ArmorConfig(block_size=32))
-        >>> d["block_size"], d["dtype"], d["num_iters"], d["group_updates"]
-        (32, 'torch.float32', 30, 16)
-    """
-    if not isinstance(config, ArmorConfig):
-        raise ValueError(f"expected an ArmorConfig, got {type(config).__name__}")
-    out = {f.name: _plain(getattr(config, f.name)) for f in dataclasses.fields(ArmorConfig)}
-    out["num_iters"] = config.iterations
-    out["selection"] = config.selection_rule
-    if config.group_updates is not None or config.block_size not in ("auto", "budget"):
-        out["group_updates"] = config.group_updates_per_sweep
-    return out
-
-
-def _config_diff(stored: Mapping[str, Any], current: Mapping[str, Any]) -> List[str]:
-    keys = sorted((set(stored) | set(current)) - set(_NOT_IDENTITY))
-    return [f"{k}: run has {stored.get(k)!r}, now {current.get(k)!r}" for k in keys
-            if stored.get(k) != current.get(k)]
-
-
-# --------------------------------------------------------------------------- manifest files
-
-
-def _read_json(path: Path) -> Dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, ValueError) as err:
-        raise RunMismatchError(
-            f"{path} cannot be read ({err}); it is not a torch_armor run manifest. Use another run "
-            "directory, or delete this one to start over"
-        ) from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
-        raise RunMismatchError(
-            f"{path} is not a torch_armor run manifest (format {data.get('format') if isinstance(data, dict) else None!r}); "
-            "use another run directory"
-        )
-    if data.get("version") != FORMAT_VERSION:
-        raise RunMismatchError(
-            f"{path} has run format version {data.get('version')!r}, this torch_armor writes {FORMAT_VERSION}; "
-            "finish it with the torch_armor version that started it, or start a new run directory"
-        )
-    return data
-
-
-def _layer_filename(fqn: str) -> str:
-    if not isinstance(fqn, str) or not fqn:
-        raise ValueError(f"layer names must be non-empty strings, got {fqn!r}")
-    safe = quote(fqn, safe="")
-    if safe.startswith("."):
-        safe = "%2E" + safe[1:]
-    if len(safe) > 180:  # file-name limits: keep a readable prefix and make it unique
-        safe = f"{safe[:140]}-{hashlib.sha256(fqn.encode()).hexdigest()[:24]}"
-    return f"{safe}.safetensors"
-
-
-# --------------------------------------------------------------------------- the store
-
-
-def _default_rank() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
-    try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        return 0
-
-
-def _short(value: Any) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, default=str)
-    return text if len(text) <= 40 else text[:16] + "…"
-
-
-def _identity_diff(stored: Any, current: str) -> List[str]:
-    """What differs between two run identities; JSON identities (``prune_model``'s: content hash of
-    the weights, of the calibration data, method, layers, …) are compared key by key."""
-    try:
-        old, new = json.loads(stored), json.loads(current)
-    except (TypeError, ValueError):
-        old = new = None
-    if not (isinstance(old, dict) and isinstance(new, dict)):
-        return [f"  model_id: run has {stored!r}, now {current!r}"]
-    why = {"model": " (other weights: a changed checkpoint at the same path?)",
-           "calibration": " (other calibration token ids)"}
-    return [f"  model_id.{k}: run has {_short(old.get(k))}, now {_short(new.get(k))}{why.get(k, '')}"
-            for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
 
 
 class RunStore:
@@ -233,16 +109,16 @@ class RunStore:
     Example::
 
         >>> import tempfile
-        >>> from torch_armor import ArmorConfig, factorize
+        >>> from torch_armor import ArmorConfig, BcdConfig, factorize
         >>> from torch_armor.engine.identity import hash_statistics
         >>> w, h = torch.randn(16, 32), torch.rand(32) + 0.1
-        >>> cfg = ArmorConfig(block_size=16, num_iters=2)
+        >>> cfg = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=2))
         >>> with tempfile.TemporaryDirectory() as d:
         ...     store = RunStore(d, cfg, model_id="toy", stats_hash=hash_statistics({"fc": h}))
         ...     path = store.save("fc", factorize(w, h, cfg))
         ...     store.done("fc"), path.name, store.load("fc").core.shape
         ...     try:
-        ...         RunStore(d, ArmorConfig(block_size=16, num_iters=5), "toy", store.stats_hash)
+        ...         RunStore(d, ArmorConfig(block_size=16, optimizer=BcdConfig(iters=5)), "toy", store.stats_hash)
         ...     except RunMismatchError as err:
         ...         print(str(err).splitlines()[1])
         (True, 'fc.safetensors', torch.Size([16, 32]))
@@ -259,21 +135,21 @@ class RunStore:
         rank: Optional[int] = None,
     ) -> None:
         if not isinstance(model_id, str) or not model_id:
-            raise ValueError(f"model_id must be a non-empty string naming the model, got {model_id!r}")
+            raise ArmorInputError(f"model_id must be a non-empty string naming the model, got {model_id!r}")
         if not isinstance(stats_hash, str) or not stats_hash:
-            raise ValueError(
+            raise ArmorInputError(
                 f"stats_hash must be a non-empty string, e.g. hash_statistics(stats), got {stats_hash!r}"
             )
         self.directory = Path(directory)
         if self.directory.exists() and not self.directory.is_dir():
-            raise ValueError(f"run directory {self.directory} exists and is not a directory")
+            raise ArmorInputError(f"run directory {self.directory} exists and is not a directory")
         self.config = config
         self.config_dict = config_to_dict(config)
         self.model_id = model_id
         self.stats_hash = stats_hash
-        self.rank = _default_rank() if rank is None else int(rank)
+        self.rank = default_rank() if rank is None else int(rank)
         if self.rank < 0:
-            raise ValueError(f"rank must be >= 0, got {rank!r}")
+            raise ArmorInputError(f"rank must be >= 0, got {rank!r}")
         self.directory.mkdir(parents=True, exist_ok=True)
         (self.directory / LAYERS_DIR).mkdir(exist_ok=True)
         self.created = time.time()
@@ -286,28 +162,28 @@ class RunStore:
     @property
     def manifest_path(self) -> Path:
         """The manifest file this writer writes (``manifest.json`` for rank 0)."""
-        name = MANIFEST_NAME if self.rank == 0 else f"{_SHARD_PREFIX}{self.rank}.json"
+        name = MANIFEST_NAME if self.rank == 0 else f"{SHARD_PREFIX}{self.rank}.json"
         return self.directory / name
 
     def _shard_paths(self) -> List[Path]:
         def rank_of(p: Path) -> int:
             try:
-                return int(p.name[len(_SHARD_PREFIX):-len(".json")])
+                return int(p.name[len(SHARD_PREFIX):-len(".json")])
             except ValueError:
                 return -1
-        shards = [p for p in self.directory.glob(f"{_SHARD_PREFIX}*.json") if rank_of(p) >= 1]
+        shards = [p for p in self.directory.glob(f"{SHARD_PREFIX}*.json") if rank_of(p) >= 1]
         return sorted(shards, key=rank_of)
 
     def _check_identity(self, data: Mapping[str, Any], path: Path) -> None:
         problems = []
         if data.get("model_id") != self.model_id:
-            problems += _identity_diff(data.get("model_id"), self.model_id)
+            problems += identity_diff(data.get("model_id"), self.model_id)
         if data.get("stats_hash") != self.stats_hash:
             problems.append(
                 f"  stats_hash: run has {str(data.get('stats_hash'))[:16]}…, now {self.stats_hash[:16]}… "
                 "(the calibration statistics differ: other data, windows, seed or model)"
             )
-        problems += [f"  {d}" for d in _config_diff(data.get("config") or {}, self.config_dict)]
+        problems += [f"  {d}" for d in config_diff(data.get("config") or {}, self.config_dict)]
         if problems:
             raise RunMismatchError(
                 f"run directory {self.directory} belongs to a different run ({path.name}):\n"
@@ -323,7 +199,7 @@ class RunStore:
             sources.append(manifest)
         sources += self._shard_paths()
         for path in sources:
-            data = _read_json(path)
+            data = read_manifest(path)
             self._check_identity(data, path)
             layers = data.get("layers") or {}
             if not isinstance(layers, dict):
@@ -345,7 +221,7 @@ class RunStore:
             self._known[fqn] = entry
             return
         # done (the newest write wins) > failed > pending
-        rank_old, rank_new = (_STATUS_RANK.get(e.get("status"), -1) for e in (old, entry))
+        rank_old, rank_new = (STATUS_RANK.get(e.get("status"), -1) for e in (old, entry))
         if rank_new > rank_old or (rank_new == rank_old == 2 and entry.get("written_at", 0) >= old.get("written_at", 0)):
             self._known[fqn] = entry
 
@@ -373,7 +249,7 @@ class RunStore:
     # -- per layer -----------------------------------------------------------------------------
     def layer_path(self, fqn: str) -> Path:
         """Where layer ``fqn`` is (or will be) stored."""
-        return self.directory / LAYERS_DIR / _layer_filename(fqn)
+        return self.directory / LAYERS_DIR / layer_filename(fqn)
 
     def layer_info(self, fqn: str) -> Dict[str, Any]:
         """The manifest entry of a layer (status, file, sha256, shape, seconds, …); ``{}`` if unknown."""
@@ -437,7 +313,7 @@ class RunStore:
         stored = entry.get("config")
         if entry.get("status") != "done" or stored is None:
             return
-        diff = _config_diff(stored, config_to_dict(config))
+        diff = config_diff(stored, config_to_dict(config))
         if diff:
             raise RunMismatchError(
                 f"run directory {self.directory}: finished layer {fqn!r} was computed with other settings:\n  "
@@ -465,7 +341,7 @@ class RunStore:
             The layer file's path.
         """
         if not isinstance(factors, ArmorFactors):
-            raise ValueError(f"layer {fqn!r}: save() expects ArmorFactors, got {type(factors).__name__}")
+            raise ArmorInputError(f"layer {fqn!r}: save() expects ArmorFactors, got {type(factors).__name__}")
         cfg = config or self.config
         tensors = factors.to_tensors()
         scalars = factors.metadata()
@@ -520,8 +396,6 @@ class RunStore:
     def _write_or_explain(self, path: Path, data: Any, what: str) -> None:
         """``atomic_write``, turning an OSError (disk full, read-only) into an :class:`ArmorIOError`
         that names the file and says the finished layers are kept."""
-        from torch_armor.errors import ArmorIOError
-
         try:
             atomic_write(path, data)
         except OSError as err:
@@ -532,8 +406,6 @@ class RunStore:
 
     def load(self, fqn: str) -> ArmorFactors:
         """Read a finished layer back (CPU tensors, bit-identical to what :meth:`save` got)."""
-        from safetensors import safe_open
-
         if not self.done(fqn):
             raise KeyError(
                 f"layer {fqn!r} is not finished in run {self.directory} (status "
@@ -543,7 +415,7 @@ class RunStore:
         with safe_open(str(path), framework="pt") as fh:
             meta = fh.metadata() or {}
             if meta.get("fqn") != fqn:
-                raise ValueError(
+                raise ArmorInputError(
                     f"{path} holds layer {meta.get('fqn')!r}, expected layer {fqn!r}; the run directory was "
                     "edited: delete the file to recompute it"
                 )
@@ -554,7 +426,7 @@ class RunStore:
                                              best_iter=int(meta.get("best_iter", "0")),
                                              relative_output_loss=float(meta.get("relative_output_loss", "nan")))
         except ValueError as err:
-            raise ValueError(f"{path} (layer {fqn!r}): {err}; the run directory was edited: delete the file "
+            raise ArmorInputError(f"{path} (layer {fqn!r}): {err}; the run directory was edited: delete the file "
                              "to recompute it") from None
 
     def finalize(self) -> None:
@@ -564,10 +436,10 @@ class RunStore:
         runs call it at the end of :func:`~torch_armor.engine.layers.factorize_layers`.
         """
         if self.rank != 0:
-            raise ValueError(f"finalize() merges the rank manifests and must run on rank 0, not rank {self.rank}")
+            raise ArmorInputError(f"finalize() merges the rank manifests and must run on rank 0, not rank {self.rank}")
         shards = self._shard_paths()
         for path in shards:
-            data = _read_json(path)
+            data = read_manifest(path)
             self._check_identity(data, path)
             for fqn, entry in (data.get("layers") or {}).items():
                 if isinstance(entry, dict):

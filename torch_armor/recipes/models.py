@@ -17,8 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from torch_armor.calibration.observer import decoder_linear_names
-from torch_armor.engine.report import block_index
+from torch_armor.calibration.selection import select_layers  # noqa: F401  (re-exported: a model recipe)
 
 __all__ = ["parse_dtype", "is_armor_checkpoint", "check_model_source", "load_model", "load_tokenizer", "select_layers"]
 
@@ -196,53 +195,3 @@ def load_tokenizer(path: Union[str, os.PathLike]) -> Any:
             f"{path} has no loadable tokenizer ({type(err).__name__}: {err}); save one there with "
             "tokenizer.save_pretrained(directory)"
         ) from None
-
-
-_INDEX_SPEC = re.compile(r"^\s*\d+\s*(-\s*\d+\s*)?(,\s*\d+\s*(-\s*\d+\s*)?)*$")
-
-
-
-
-def select_layers(model: Union[nn.Module, Sequence[str]], layers: Optional[str] = None) -> List[str]:
-    """Names of the linears to prune: :func:`~torch_armor.calibration.observer.decoder_linear_names`,
-    optionally restricted.
-
-    Args:
-        model: the model, or a list of candidate linear names.
-        layers: ``None`` — all; decoder layer indices such as ``"0-1"`` or ``"0,5,10-12"``
-            (matched against the first numeric component of each name, e.g. ``model.layers.3.…``);
-            anything else is a regular expression searched in each name (``"mlp"``, ``"q_proj$"``).
-
-    Raises:
-        ValueError: the restriction selects nothing, or the regular expression is invalid.
-
-    Example::
-
-        >>> names = [f"model.layers.{i}.mlp.{p}" for i in range(3) for p in ("up_proj", "down_proj")]
-        >>> select_layers(names, "1-2")
-        ['model.layers.1.mlp.up_proj', 'model.layers.1.mlp.down_proj', 'model.layers.2.mlp.up_proj', 'model.layers.2.mlp.down_proj']
-        >>> select_layers(names, "0.*down")
-        ['model.layers.0.mlp.down_proj']
-    """
-    names = decoder_linear_names(model) if isinstance(model, nn.Module) else list(model)
-    if layers is None or str(layers).strip() in ("", "all"):
-        chosen = names
-    elif _INDEX_SPEC.match(layers):
-        wanted: set = set()
-        for part in layers.split(","):
-            lo, _, hi = part.partition("-")
-            lo_i, hi_i = int(lo), int(hi) if hi.strip() else int(lo)
-            if hi_i < lo_i:
-                raise ValueError(f"layer range {part.strip()!r} is empty (end before start)")
-            wanted.update(range(lo_i, hi_i + 1))
-        chosen = [n for n in names if block_index(n) in wanted]
-    else:
-        try:
-            regex = re.compile(layers)
-        except re.error as err:
-            raise ValueError(f"--layers {layers!r} is neither indices like '0-1' nor a valid regular expression: {err}") from None
-        chosen = [n for n in names if regex.search(n)]
-    if not chosen:
-        sample = ", ".join(names[:3])
-        raise ValueError(f"--layers {layers!r} selects none of the {len(names)} prunable linears (e.g. {sample})")
-    return chosen

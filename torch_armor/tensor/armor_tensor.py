@@ -51,7 +51,7 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 from torchao.utils import TorchAOBaseTensor
 
 from torch_armor.core.blockdiag import block_diag_left, block_diag_right
-from torch_armor.config import parse_pattern
+from torch_armor.core.pattern import parse_pattern
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.tensor.packing import check_nm_mask, pack_nm, semi_structured_supported, to_semi_structured, unpack_nm
 
@@ -539,5 +539,3 @@ def armor_linear_from_factors(
     linear.weight = nn.Parameter(new, requires_grad=False)
     return linear
 
-
-from torch_armor.tensor import interop as _interop  # noqa: E402,F401  (requires_grad_, copy_, safe globals)

@@ -193,7 +193,7 @@ def checkpoint_size(directory: Any) -> ModelSize:
 
     from safetensors import safe_open
 
-    from torch_armor.tensor.flatten import _layer_keys
+    from torch_armor.tensor.layout import layer_keys as _layer_keys
 
     path = Path(directory)
     quant = json.loads((path / "config.json").read_text()).get("quantization_config") or {} \

@@ -1,0 +1,93 @@
+"""Which linears to prune: every decoder linear (:func:`~torch_armor.calibration.observer.decoder_linear_names`),
+or a selection of them by names, decoder-block indices, a regular expression or a predicate.
+
+Example::
+
+    >>> names = [f"model.layers.{i}.mlp.{p}" for i in range(3) for p in ("up_proj", "down_proj")]
+    >>> select_layers(names, "1-2")
+    ['model.layers.1.mlp.up_proj', 'model.layers.1.mlp.down_proj', 'model.layers.2.mlp.up_proj', 'model.layers.2.mlp.down_proj']
+    >>> select_layers(names, "0.*down")
+    ['model.layers.0.mlp.down_proj']
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, List, Optional, Sequence, Union
+
+from torch import nn
+
+from torch_armor.calibration.observer import decoder_linear_names
+from torch_armor.errors import ArmorInputError
+
+__all__ = ["block_index", "select_layers", "LayerSelection"]
+
+#: What to prune: ``None`` (every decoder linear), names, a selection string (``"0-3"``, a regular
+#: expression) or a predicate ``(name, module) -> bool``.
+LayerSelection = Union[None, str, Sequence[str], Callable[[str, nn.Module], bool]]
+
+_INDEX_SPEC = re.compile(r"^\s*\d+\s*(-\s*\d+\s*)?(,\s*\d+\s*(-\s*\d+\s*)?)*$")
+
+
+def block_index(name: str) -> Optional[int]:
+    """The first all-digit component of a dotted module name (the decoder layer index).
+
+    Example::
+
+        >>> block_index("model.layers.17.self_attn.q_proj"), block_index("lm_head")
+        (17, None)
+    """
+    for part in name.split("."):
+        if part.isdigit():
+            return int(part)
+    return None
+
+
+def select_layers(model: Union[nn.Module, Sequence[str]], layers: LayerSelection = None) -> List[str]:
+    """Names of the linears to prune: :func:`~torch_armor.calibration.observer.decoder_linear_names`,
+    optionally restricted.
+
+    Args:
+        model: the model, or a list of candidate linear names.
+        layers: ``None`` — all; decoder layer indices such as ``"0-1"`` or ``"0,5,10-12"``
+            (matched against the first numeric component of each name, e.g. ``model.layers.3.…``);
+            any other string is a regular expression searched in each name (``"mlp"``, ``"q_proj$"``);
+            a list of names is taken as is; a callable ``(name, module) -> bool`` keeps the
+            decoder linears it accepts (``model`` must then be the model).
+
+    Raises:
+        ArmorInputError: the restriction selects nothing, or the regular expression is invalid.
+    """
+    if layers is not None and not isinstance(layers, str) and not callable(layers):
+        chosen = list(layers)
+        if not chosen:
+            raise ArmorInputError("layers is an empty list: no layers to prune")
+        return chosen
+    names = decoder_linear_names(model) if isinstance(model, nn.Module) else list(model)
+    if callable(layers):
+        if not isinstance(model, nn.Module):
+            raise ArmorInputError("a layer predicate (name, module) -> bool needs the model, not a list of names")
+        chosen = [n for n in names if layers(n, model.get_submodule(n))]
+        what = "the layer predicate"
+    elif layers is None or layers.strip() in ("", "all"):
+        chosen, what = names, "layers=None"
+    elif _INDEX_SPEC.match(layers):
+        wanted: set = set()
+        for part in layers.split(","):
+            lo, _, hi = part.partition("-")
+            lo_i, hi_i = int(lo), int(hi) if hi.strip() else int(lo)
+            if hi_i < lo_i:
+                raise ArmorInputError(f"layer range {part.strip()!r} is empty (end before start)")
+            wanted.update(range(lo_i, hi_i + 1))
+        chosen, what = [n for n in names if block_index(n) in wanted], f"--layers {layers!r}"
+    else:
+        try:
+            regex = re.compile(layers)
+        except re.error as err:
+            raise ArmorInputError(f"--layers {layers!r} is neither indices like '0-1' nor a valid regular expression: "
+                                  f"{err}") from None
+        chosen, what = [n for n in names if regex.search(n)], f"--layers {layers!r}"
+    if not chosen:
+        sample = ", ".join(names[:3])
+        raise ArmorInputError(f"{what} selects none of the {len(names)} prunable linears (e.g. {sample})")
+    return chosen

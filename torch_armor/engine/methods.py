@@ -1,0 +1,188 @@
+"""The method registry: one table, keyed by config type, that every front end reads.
+
+A method is registered next to the code that runs it on one layer, with what it needs from
+calibration as functions of its config::
+
+    @register_method(SparseGPTConfig, name="sparsegpt", label="SparseGPT", needs_xtx=True)
+    def _sparsegpt(weight, stats, config, name) -> (mask, pruned) | ArmorFactors: ...
+
+:func:`method_for` finds a config's method; :func:`config_for_method` maps the names the command
+line and the reports use (``"armor"``, ``"sparsegpt"``, ``"wanda"``, ``"nowag"``,
+``"magnitude"``) to configs. This module is the one place where a method is told apart from
+another: the engine asks a :class:`Method` what it needs, never which one it is.
+
+Example::
+
+    >>> method_for(SparseGPTConfig()).label, method_for(ArmorConfig()).factorizes
+    ('SparseGPT', True)
+    >>> config_for_method("wanda", pattern="4:8")
+    WandaConfig(pattern='4:8')
+    >>> method_names()
+    ('magnitude', 'wanda', 'sparsegpt', 'nowag', 'armor')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Tuple, Union
+
+import torch
+
+from torch_armor.core import baselines
+from torch_armor.core.config import ArmorConfig
+from torch_armor.core.factorize import factorize
+from torch_armor.core.factors import ArmorFactors
+from torch_armor.core.method_config import MagnitudeConfig, NoWagConfig, SparseGPTConfig, WandaConfig
+from torch_armor.core.proxy import nowag_prune
+from torch_armor.errors import ArmorInputError
+
+__all__ = ["Method", "METHODS", "register_method", "method_for", "method_named", "config_for_method", "method_names",
+           "method_label"]
+
+#: What a method makes of one layer: ARMOR factors, or ``(keep-mask, pruned dense weight)``.
+Result = Union[ArmorFactors, Tuple[torch.Tensor, torch.Tensor]]
+Solve = Callable[[torch.Tensor, Any, Any, str], Result]
+
+
+def _never(config: Any) -> bool:
+    return False
+
+
+def _always(config: Any) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Method:
+    """One pruning method: its config type, names, the code that solves one layer, and what it needs.
+
+    Attributes:
+        config_type: the config class that selects it.
+        name: its name on the command line and in reports (``"sparsegpt"``).
+        label: its name in tables (``"SparseGPT"``).
+        solve: ``solve(weight, stats, config, name)`` for one layer (``stats``: a
+            :class:`~torch_armor.calibration.observer.LayerStatistics`, or the ``Σx²`` tensor alone).
+        needs_statistics: whether it needs calibration data at all.
+        needs_xtx: ``needs_xtx(config)``: whether it needs ``XᵀX`` (not just ``Σx²``).
+        reconstructs: ``reconstructs(config)``: whether the engine tunes each block's results
+            against the dense block's outputs afterwards.
+        factorizes: it returns :class:`~torch_armor.core.factors.ArmorFactors`: finished layers
+            go through the run store (resumable) and are shared out across ``torchrun`` ranks.
+    """
+
+    config_type: type
+    name: str
+    label: str
+    solve: Solve
+    needs_statistics: bool = True
+    needs_xtx: Callable[[Any], bool] = _never
+    reconstructs: Callable[[Any], bool] = _never
+    factorizes: bool = False
+
+
+#: The registry: config type -> :class:`Method`, in registration order.
+METHODS: Dict[type, Method] = {}
+
+
+def _as_rule(value: Union[bool, Callable[[Any], bool]]) -> Callable[[Any], bool]:
+    if callable(value):
+        return value
+    return _always if value else _never
+
+
+def register_method(config_type: type, *, name: str, label: str, needs_statistics: bool = True,
+                    needs_xtx: Union[bool, Callable[[Any], bool]] = False,
+                    reconstructs: Union[bool, Callable[[Any], bool]] = False,
+                    factorizes: bool = False) -> Callable[[Solve], Solve]:
+    """Decorator: register ``solve(weight, stats, config, name)`` as the method of ``config_type``."""
+
+    def decorate(solve: Solve) -> Solve:
+        taken = [m for m in METHODS.values() if m.name == name and m.config_type is not config_type]
+        if taken:
+            raise ArmorInputError(f"method name {name!r} is already registered for {taken[0].config_type.__name__}")
+        METHODS[config_type] = Method(config_type, name, label, solve, needs_statistics, _as_rule(needs_xtx),
+                                      _as_rule(reconstructs), factorizes)
+        return solve
+
+    return decorate
+
+
+def method_for(config: Any) -> Method:
+    """The registered method of ``config`` (by its type, or the nearest registered base class)."""
+    for kind in type(config).__mro__:
+        if kind in METHODS:
+            return METHODS[kind]
+    kinds = ", ".join(f"{m.config_type.__name__}()" for m in METHODS.values())
+    raise ArmorInputError(f"config must be a method config ({kinds}), got {type(config).__name__}")
+
+
+def method_named(name: str) -> Method:
+    """The method a name stands for (``"armor"``, ``"sparsegpt"``, …)."""
+    for method in METHODS.values():
+        if method.name == name:
+            return method
+    raise ArmorInputError(f"method must be one of {method_names()}, got {name!r}")
+
+
+def method_names() -> Tuple[str, ...]:
+    """Every registered method's name, in registration order."""
+    return tuple(m.name for m in METHODS.values())
+
+
+def method_label(name: str) -> str:
+    """A method's table label (``"armor"`` -> ``"ARMOR"``); other names (``"dense"``) as given."""
+    return next((m.label for m in METHODS.values() if m.name == name), name)
+
+
+def config_for_method(name: str, **fields: Any) -> Any:
+    """The config of the method called ``name`` with ``fields`` (e.g. ``"sparsegpt", damp=0.1``)."""
+    return method_named(name).config_type(**fields)
+
+
+def _h(stats: Any, weight: torch.Tensor) -> torch.Tensor:
+    """``Σx²`` per input channel from a LayerStatistics or the bare tensor, on the weight's device."""
+    h = stats if isinstance(stats, torch.Tensor) else stats.act_sq_norm
+    return h.to(weight.device)
+
+
+def _xtx(stats: Any) -> Optional[torch.Tensor]:
+    return None if isinstance(stats, torch.Tensor) else getattr(stats, "xtx", None)
+
+
+@register_method(MagnitudeConfig, name="magnitude", label="magnitude", needs_statistics=False)
+def _magnitude(weight: torch.Tensor, stats: Any, config: MagnitudeConfig, name: str = "") -> Result:
+    return baselines.magnitude_prune(weight, config.pattern)
+
+
+@register_method(WandaConfig, name="wanda", label="Wanda")
+def _wanda(weight: torch.Tensor, stats: Any, config: WandaConfig, name: str = "") -> Result:
+    return baselines.wanda_prune(weight, _h(stats, weight), config.pattern)
+
+
+@register_method(SparseGPTConfig, name="sparsegpt", label="SparseGPT", needs_xtx=True)
+def _sparsegpt(weight: torch.Tensor, stats: Any, config: SparseGPTConfig, name: str = "") -> Result:
+    xtx = _xtx(stats)
+    if xtx is None:
+        raise ArmorInputError(f"layer {name!r}: SparseGPT needs XᵀX statistics (calibrate with track_xtx=True)")
+    return baselines.sparsegpt_prune(weight, xtx.to(weight.device), config.pattern, block_size=config.block_size,
+                                     damp=config.damp)
+
+
+@register_method(NoWagConfig, name="nowag", label="NoWag-P")
+def _nowag(weight: torch.Tensor, stats: Any, config: NoWagConfig, name: str = "") -> Result:
+    return nowag_prune(weight, _h(stats, weight), config.pattern)
+
+
+def _armor_needs_xtx(config: ArmorConfig) -> bool:
+    """Refinement fits to ``XᵀX``; block reconstruction reports each layer's output loss with it."""
+    return config.refines or config.reconstructs
+
+
+@register_method(ArmorConfig, name="armor", label="ARMOR", needs_xtx=_armor_needs_xtx,
+                 reconstructs=lambda config: config.reconstructs, factorizes=True)
+def _armor(weight: torch.Tensor, stats: Any, config: ArmorConfig, name: str = "") -> Result:
+    xtx = _xtx(stats)  # a bare Σx² tensor: the diagonal proxy only, no refinement
+    if config.refines and xtx is None and not isinstance(stats, torch.Tensor):
+        raise ArmorInputError(f"layer {name!r}: output-space refinement needs XᵀX statistics (calibrate with "
+                              "track_xtx=True), or set ArmorConfig(refine=None)")
+    return factorize(weight, _h(stats, weight), config, xtx=xtx, name=name or None)

@@ -1,0 +1,180 @@
+"""``prune_model``: the one entry point — a model (or a checkpoint directory), calibration token
+ids and a method config to a pruned model and a :class:`~torch_armor.engine.report.PruneReport`.
+
+The config's type is the method (:mod:`torch_armor.engine.methods`); how the run is carried out
+(where to save, resume, which device, …) is one :class:`PruneOptions`. Every check and set-up of a
+run happens here, once: the output directory, the run directory, whether a checkpoint streams,
+``torchrun``'s ``WORLD_SIZE`` and process group. The command line (``torch-armor prune``) only
+builds these objects and calls this.
+
+Example (a tiny random model; pruned in place)::
+
+    >>> import torch
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> from torch_armor.core.config import ArmorConfig, BcdConfig
+    >>> cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    ...                   num_attention_heads=4, num_key_value_heads=2, vocab_size=50)
+    >>> model = LlamaForCausalLM(cfg).eval()
+    >>> calib = torch.randint(0, 50, (4, 16), generator=torch.Generator().manual_seed(0))
+    >>> report = prune_model(model, calib, ArmorConfig(optimizer=BcdConfig(iters=2)),
+    ...                      options=PruneOptions(progress=False))
+    >>> len(report.layers), type(model.model.layers[1].mlp.up_proj.weight).__name__
+    (14, 'ArmorTensor')
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torch_armor.calibration.blocks import decoder_blocks
+from torch_armor.calibration.selection import LayerSelection, select_layers
+from torch_armor.core.config import ArmorConfig
+from torch_armor.engine.batches import calibration_batches, hash_batches
+from torch_armor.engine.blocks import BLOCKS_DIR, BlockPipeline
+from torch_armor.engine.distributed import init_distributed, launched_world_size
+from torch_armor.engine.identity import identity_string
+from torch_armor.engine.methods import method_for
+from torch_armor.engine.options import RUN_DIR_NAME, PathLike, PruneOptions, check_out
+from torch_armor.engine.prune_compat import accept_legacy_call
+from torch_armor.engine.report import PruneReport
+from torch_armor.engine.runstore import RunStore
+from torch_armor.engine.sources import InMemory, ShardWriter, Streamed
+from torch_armor.errors import ArmorInputError
+from torch_armor.tensor.hf_format import attach_quantizer
+from torch_armor.tensor.serialization import save_pretrained
+
+__all__ = ["prune_model", "PruneOptions", "RUN_DIR_NAME"]
+
+logger = logging.getLogger("torch_armor")
+
+
+def _run_path(options: PruneOptions) -> Tuple[Optional[Path], bool]:
+    """The run directory and whether it is temporary (removed after a successful save)."""
+    if options.run_dir is not None:
+        return Path(options.run_dir), False
+    if options.out is not None:
+        return Path(options.out) / RUN_DIR_NAME, True
+    return None, False
+
+
+def _check_layers(model: nn.Module, names: Sequence[str], config: Any, streamed: bool) -> None:
+    """Every layer checked before any is pruned: a failed call leaves the model untouched."""
+    for name in names:
+        weight = model.get_submodule(name).weight
+        if not streamed and weight.device.type == "meta":
+            raise ArmorInputError(
+                f"layer {name!r}: the weight is on the meta device (offloaded, e.g. by accelerate's device_map or "
+                "cpu_offload); pruning needs the weights in memory: reload the model without offloading, or pass "
+                "its checkpoint directory to stream it block by block"
+            )
+        if hasattr(type(weight), "__tensor_flatten__"):
+            raise ArmorInputError(f"layer {name!r} is already pruned (its weight is of type {type(weight).__name__}); "
+                                  "prune the original dense model")
+        config.check_layer(*weight.shape, name=name)
+
+
+@accept_legacy_call
+def prune_model(
+    model_or_path: Union[nn.Module, PathLike],
+    calibration: Any,
+    config: Any = ArmorConfig(),
+    *,
+    layers: LayerSelection = None,
+    options: PruneOptions = PruneOptions(),
+) -> PruneReport:
+    """Prune every linear of the decoder blocks, block by block, with ``config``'s method.
+
+    Args:
+        model_or_path: a model (pruned in place), or a local Hugging Face checkpoint directory
+            (``config.json`` + safetensors, sharded or not): built on the meta device and streamed
+            one decoder block at a time — peak memory about one block plus the calibration hidden
+            states; needs ``options.out``.
+        calibration: ``(n_windows, seq_len)`` token ids (:func:`torch_armor.recipes.data.calibration_windows`)
+            or a list of ``(batch, seq_len)`` tensors; with padding, ``{"input_ids", "attention_mask"}``
+            or ``(ids, mask)`` (or a list of them): pad positions are left out of every statistic.
+        config: the method and its settings: :class:`~torch_armor.core.config.ArmorConfig` (default)
+            or a baseline's (:class:`~torch_armor.core.method_config.SparseGPTConfig`, ``WandaConfig``,
+            ``NoWagConfig``, ``MagnitudeConfig``).
+        layers: the linears to prune: names, a selection such as ``"0-3"`` (decoder block indices)
+            or a regular expression, or a predicate ``(name, module) -> bool``
+            (:func:`~torch_armor.calibration.selection.select_layers`); default: every decoder linear.
+        options: :class:`PruneOptions` (output, run directory, device, …).
+
+    Raises:
+        ArmorInputError: bad arguments, a layer outside the decoder blocks, a layer the settings do
+            not fit (block size, pattern) or whose weight is on the meta device — every layer is
+            checked before any is pruned —, a non-empty ``out``, a run directory of another run
+            (:class:`~torch_armor.errors.RunMismatchError`), a method other than ARMOR under
+            ``torchrun``.
+    """
+    config = ArmorConfig() if config is None else config
+    method = method_for(config)
+    if not isinstance(options, PruneOptions):
+        raise ArmorInputError(f"options must be a PruneOptions, got {type(options).__name__}")
+    world = launched_world_size()
+    if world > 1 and not method.factorizes:
+        raise ArmorInputError(f"only --method armor runs on several ranks (WORLD_SIZE={world}): {method.label} "
+                              "keeps no per-layer run store to share out; run it without torchrun")
+    batches = calibration_batches(calibration, options.batch_size)
+    streamed = not isinstance(model_or_path, nn.Module)
+    out = Path(options.out) if options.out is not None else None
+    if streamed and out is None:
+        raise ArmorInputError("prune_model on a checkpoint directory streams it block by block and needs "
+                              "PruneOptions(out=DIR) to write the pruned model")
+    run_path, temp_run = _run_path(options)
+    if out is not None:
+        inside = run_path is not None and run_path.parent.resolve() == out.resolve()
+        check_out(out, options.overwrite, allowed=(run_path.name,) if inside else ())
+    source = Streamed(model_or_path, dtype=options.dtype) if streamed else InMemory(model_or_path)
+    model = source.model
+    blocks_prefix, blocks = decoder_blocks(model)
+    names = select_layers(model, layers)
+    _check_layers(model, names, config, streamed)
+    dev = torch.device(options.device) if options.device is not None else torch.device("cpu")
+    if not streamed and options.device is None:
+        dev = next((p.device for p in model.parameters() if p.device.type != "meta"), dev)
+    topo = init_distributed(device=dev)
+    try:
+        if topo.world_size > 1 and run_path is None:
+            raise ArmorInputError(f"prune_model on {topo.world_size} ranks needs a run directory (PruneOptions(run_dir="
+                                  "...) or out=...): the ranks share finished layers through it")
+        store, identity = None, ""
+        if run_path is not None and method.factorizes:
+            calib_hash = hash_batches(batches)
+            identity = identity_string(model=source.content_hash(), calibration=calib_hash, method=method.name,
+                                       sequential=options.sequential, layers=names, hidden_dtype=options.hidden_dtype)
+            store = RunStore(run_path, config, identity, calib_hash, rank=topo.rank)
+            finished = len(store.finished(names))
+            if finished and topo.rank == 0:
+                (options.log or logger.info)(f"resuming {run_path}: {finished} of {len(names)} layers already finished")
+        writer = ShardWriter(run_path / BLOCKS_DIR) if streamed else None
+        pipeline = BlockPipeline(
+            source=source, blocks_prefix=blocks_prefix, blocks=blocks, names=names, config=config,
+            sequential=options.sequential, store=store, identity=identity, device=dev,
+            hidden_dtype=options.hidden_dtype,
+            hidden_dir=Path(options.hidden_dir) if options.hidden_dir is not None else None,
+            storage=options.storage or ("auto" if dev.type == "cuda" else "dense"),
+            progress=options.progress and topo.rank == 0, sink=writer, rank=topo.rank, world_size=topo.world_size,
+        )
+        report = pipeline.run(batches)
+        report.settings.update(sequential=options.sequential)
+        if not streamed:
+            attach_quantizer(model)  # model.save_pretrained now writes the ARMOR format
+        if topo.rank == 0 and out is not None:
+            if streamed:
+                writer.finish(source, blocks_prefix, out)
+            else:
+                save_pretrained(model, out)
+            if temp_run:
+                shutil.rmtree(run_path, ignore_errors=True)
+        return report
+    finally:
+        if topo.initialized_here:
+            dist.destroy_process_group()
