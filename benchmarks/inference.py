@@ -73,6 +73,7 @@ from torch_armor.recipes.assets import load_smollm2, sotu_text, wiki_text
 from torch_armor.recipes.data import calibration_windows, eval_windows, tokenize_text
 from torch_armor.tensor.quant import ArmorCoreConfig
 from torch_armor.sparsifier import ArmorSparsifier
+from torch_armor import ArmorConfig, BcdConfig
 from torch_armor.tensor.armor_tensor import ArmorTensor
 
 LAYER = "model.layers.0.mlp.up_proj"
@@ -160,7 +161,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def convert(model: nn.Module, calib: torch.Tensor, block_size: int, num_iters: int) -> nn.Module:
-    sparsifier = ArmorSparsifier(block_size=block_size, optimizer="bcd", num_iters=num_iters, progress=False)
+    sparsifier = ArmorSparsifier(ArmorConfig(block_size=block_size, optimizer=BcdConfig(iters=num_iters)), progress=False)
     sparsifier.prepare(model)
     with torch.no_grad():
         for row in calib:

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from layer_stats import layer_problem  # noqa: E402
 
 factorize_module = importlib.import_module("torch_armor.core.factorize")  # the module, not the function
-from torch_armor import ArmorConfig, factorize  # noqa: E402
+from torch_armor import AdamConfig, ArmorConfig, BcdConfig, factorize  # noqa: E402
 
 LAYERS = ("q_proj", "k_proj", "up_proj", "down_proj")
 PAPER = {  # relative proxy loss of the paper's recipe at block 32, from the issue
@@ -45,9 +45,9 @@ PAPER = {  # relative proxy loss of the paper's recipe at block 32, from the iss
 }
 
 
-def run(weight, h, **kw):
+def run(weight, h, block_size, optimizer, seed=0):
     start = factorize_module.clock()
-    f = factorize(weight, h, ArmorConfig(**kw))
+    f = factorize(weight, h, ArmorConfig(block_size=block_size, optimizer=optimizer, seed=seed))
     elapsed = factorize_module.clock() - start
     return f, elapsed
 
@@ -69,7 +69,7 @@ def cmd_paper(args, problems):
     print("|---|---|---|" + "---|" * len(marks) + "---|")
     for name in LAYERS:
         w, h = problems[name]
-        f, el = run(w, h, block_size=32, num_iters=iters, optimizer="adam", lr=1e-4, seed=0, log_every=100)
+        f, el = run(w, h, 32, AdamConfig(iters=iters, lr=1e-4, log_every=100), seed=0)
         cells, diffs = [], []
         for k in marks:
             ours, ref = at_iter(f, k), PAPER[name].get(k)
@@ -88,7 +88,7 @@ def cmd_sweep(args, problems):
     for name in LAYERS:
         w, h = problems[name]
         for bs in args.blocks:
-            f, el = run(w, h, block_size=bs, num_iters=args.iters, optimizer="adam", log_every=100)
+            f, el = run(w, h, bs, AdamConfig(iters=args.iters, log_every=100))
             print(f"| {name} | {bs} | {el / args.iters * 1e3:.1f} | "
                   + " | ".join(f"{at_iter(f, k):.3f}" for k in marks) + " |", flush=True)
 
@@ -118,8 +118,7 @@ def cmd_selection(args, problems):
         w, h = problems[name]
         cells = []
         for rule in rules:
-            f, _ = run(w, h, block_size=32, num_iters=100000, optimizer="bcd", selection=rule,
-                       time_budget_s=args.budget)
+            f, _ = run(w, h, 32, BcdConfig(iters=100000, selection=rule, time_budget_s=args.budget))
             traj = trajectory(f)
             t1, t3 = (time_to_reach(traj, PAPER[name][k]) for k in (1000, 3000))
             cells.append(f"{t1:.2f} / {t3:.2f} / {float(f.history.min()):.3f}")
@@ -135,10 +134,10 @@ def cmd_compare(args, problems):
             n_adam = 20000 if long_run else 3000
             adam_runs, bcd_runs = [], []
             for _ in range(args.repeats):
-                fa, ta = run(w, h, block_size=bs, num_iters=n_adam, optimizer="adam", log_every=50)
+                fa, ta = run(w, h, bs, AdamConfig(iters=n_adam, log_every=50))
                 adam_runs.append((fa, ta))
                 budget = args.bcd_fraction * ta
-                fb, tb = run(w, h, block_size=bs, num_iters=100000, optimizer="bcd", time_budget_s=budget)
+                fb, tb = run(w, h, bs, BcdConfig(iters=100000, time_budget_s=budget))
                 bcd_runs.append((fb, tb))
             marks = [1000, 3000] + ([20000] if long_run else [])
             for k in marks:

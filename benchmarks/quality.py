@@ -33,19 +33,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torch_armor.config import ArmorConfig  # noqa: E402
+from torch_armor import ArmorConfig, ReconstructConfig, RefineConfig  # noqa: E402
+from torch_armor.core.levers import OPTIMIZERS  # noqa: E402
 from torch_armor.recipes.quality import DEMO_METHODS, run_quality  # noqa: E402
 
 DEFAULT = ArmorConfig()
 #: Named ARMOR rows for the ablation (``--variants``): each is ``ArmorConfig()`` with these changes.
 VARIANTS = {
     "default": {},                                                # refine + block reconstruction, block 16
-    "proxy-only": {"block_size": 16, "refine": None, "reconstruct_steps": 0},   # issue #11's default
-    "refine": {"block_size": 16, "refine": "output", "reconstruct_steps": 0},   # + output-space refinement
-    "refine+reconstruct": {"block_size": 16, "refine": "output", "reconstruct_steps": 8},
-    "budget+refine": {"block_size": "budget", "refine": "output", "reconstruct_steps": 0},  # one model-wide budget
+    "proxy-only": {"block_size": 16, "refine": None, "reconstruct": None},   # issue #11's default
+    "refine": {"block_size": 16, "refine": RefineConfig(), "reconstruct": None},   # + output-space refinement
+    "refine+reconstruct": {"block_size": 16, "refine": RefineConfig(), "reconstruct": ReconstructConfig(steps=8)},
+    "budget+refine": {"block_size": "budget", "refine": RefineConfig(), "reconstruct": None},  # one model-wide budget
     # by hand, the opposite of what the budget's knapsack chose: attention at 8, down_proj at 32 (4.69%)
-    "mlp-heavy+refine": {"block_size": 16, "refine": "output", "reconstruct_steps": 0,
+    "mlp-heavy+refine": {"block_size": 16, "refine": RefineConfig(), "reconstruct": None,
                          "block_sizes": {"*.self_attn.*": 8, "*.mlp.down_proj": 32}},
 }
 
@@ -55,11 +56,11 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", nargs="+", choices=DEMO_METHODS, default=list(DEMO_METHODS))
     parser.add_argument("--armor-blocks", nargs="+", type=int, default=[DEFAULT.block_size],
                         help="one ARMOR row per block size (× per budget)")
-    parser.add_argument("--budgets", nargs="+", type=float, default=[DEFAULT.time_budget_s or 0],
+    parser.add_argument("--budgets", nargs="+", type=float, default=[DEFAULT.optimizer.time_budget_s or 0],
                         help="ARMOR time budgets in seconds per layer (0 = no budget)")
     parser.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=None,
                         help="named ARMOR rows (instead of the --armor-blocks × --budgets grid)")
-    parser.add_argument("--optimizer", choices=("bcd", "adam"), default=DEFAULT.optimizer)
+    parser.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default=DEFAULT.optimizer.name)
     parser.add_argument("--iters", type=int, default=None, help="ARMOR iterations per layer (default: config's)")
     parser.add_argument("--armor-seed", type=int, default=DEFAULT.seed, help="seed of ARMOR's group selection")
     parser.add_argument("--pattern", default="2:4")
@@ -81,11 +82,10 @@ def main(argv=None) -> int:
     configs = [dataclasses.replace(DEFAULT, **VARIANTS[v], seed=args.armor_seed) for v in args.variants or ()]
     for block in args.armor_blocks if not args.variants else ():
         for budget in args.budgets:
-            changes = {"block_size": block, "optimizer": args.optimizer, "pattern": args.pattern, "seed": args.armor_seed,
-                       "time_budget_s": budget if budget > 0 else None}
-            if args.iters is not None:
-                changes["num_iters"] = args.iters
-            configs.append(dataclasses.replace(DEFAULT, **changes))
+            optimizer = OPTIMIZERS[args.optimizer](**({"iters": args.iters} if args.iters is not None else {}),
+                                                   time_budget_s=budget if budget > 0 else None)
+            configs.append(dataclasses.replace(DEFAULT, block_size=block, optimizer=optimizer, pattern=args.pattern,
+                                               seed=args.armor_seed))
 
     command = "python benchmarks/quality.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     print(command)
@@ -98,7 +98,7 @@ def main(argv=None) -> int:
 
     start = time.perf_counter()
     result = run_quality(
-        "smollm2", methods=args.methods, armor_configs=configs, pattern=args.pattern,
+        "smollm2", methods=args.methods, configs=configs, pattern=args.pattern,
         sequential={m: (True, False) for m in args.one_shot},
         n_calib=args.n_calib, n_eval=args.n_eval, seq_len=args.seq_len, layers=args.layers,
         armor_eval=args.armor_eval, progress=not args.no_progress, log=log,

@@ -30,6 +30,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 import torch  # noqa: E402
 
 from torch_armor.errors import ArmorError  # noqa: E402
+from torch_armor import (AdamConfig, ArmorConfig, BcdConfig, PruneOptions, PruningSparsifier,  # noqa: E402
+                         WandaConfig, prune_model)
 
 CASES: List[Tuple[str, str, Callable[[], object], str]] = []  # (group, name, run, what the message must name)
 
@@ -52,11 +54,11 @@ def check(cond: bool, what: str) -> None:
 
 # ------------------------------------------------------------------------------------------ core
 def _factorize(w, h, name="blk.proj", **cfg):
-    from torch_armor.config import ArmorConfig
+    from torch_armor import ArmorConfig, BcdConfig
     from torch_armor.core.factorize import factorize
     from torch_armor.core.proxy import nowag_prune, proxy_loss
 
-    f = factorize(w, h, ArmorConfig(**{"block_size": 16, "num_iters": 3, **cfg}), name=name)
+    f = factorize(w, h, ArmorConfig(**{"block_size": 16, "optimizer": BcdConfig(iters=3), **cfg}), name=name)
     dense = f.dense().double()
     check(bool(torch.isfinite(dense).all()), "non-finite dense()")
     mask = f.mask.reshape(f.mask.shape[0], -1, 4).sum(-1)
@@ -92,7 +94,7 @@ def _():
 def _():
     w, h = _layer()
     h[16:32] = 0
-    _factorize(w, h, optimizer="adam")
+    _factorize(w, h, optimizer=AdamConfig(iters=3))
 
 
 @case("core", "rank-one weight with zero tiles")
@@ -129,10 +131,10 @@ def _():
 
 
 def _factorize_zero(w, h):
-    from torch_armor.config import ArmorConfig
+    from torch_armor import ArmorConfig, BcdConfig
     from torch_armor.core.factorize import factorize
 
-    return factorize(w, h, ArmorConfig(block_size=16, num_iters=3), name="blk.proj")
+    return factorize(w, h, ArmorConfig(block_size=16, optimizer=BcdConfig(iters=3)), name="blk.proj")
 
 
 @case("core", "NaN in the weight", "blk.proj")
@@ -182,23 +184,23 @@ def _():
 
 @case("config", "seed = 2**70", "seed")
 def _():
-    from torch_armor.config import ArmorConfig
+    from torch_armor import ArmorConfig, BcdConfig
 
     ArmorConfig(seed=2**70)
 
 
 @case("config", "pattern '5:4'", "pattern")
 def _():
-    from torch_armor.config import ArmorConfig
+    from torch_armor import ArmorConfig, BcdConfig
 
     ArmorConfig(pattern="5:4")
 
 
 @case("config", "negative ridge", "ridge")
 def _():
-    from torch_armor.config import ArmorConfig
+    from torch_armor import ArmorConfig, BcdConfig
 
-    ArmorConfig(ridge=-1.0)
+    ArmorConfig(optimizer=BcdConfig(ridge=-1.0))
 
 
 # ------------------------------------------------------------------------------- calibration
@@ -225,7 +227,7 @@ def _():
     from torch_armor import prune_model
 
     ids = torch.zeros(2, 8, dtype=torch.long)
-    prune_model(make_tiny_llama(), {"input_ids": ids, "attention_mask": torch.ones(2, 7)}, "wanda", progress=False)
+    prune_model(make_tiny_llama(), {"input_ids": ids, "attention_mask": torch.ones(2, 7)}, WandaConfig(), options=PruneOptions(progress=False))
 
 
 @case("calibration", "activations overflowing float32 (|x| ~ 1e20)", "0")
@@ -233,7 +235,7 @@ def _():
     from torch_armor.sparsifier import PruningSparsifier
 
     model = torch.nn.Sequential(torch.nn.Linear(16, 16))
-    sp = PruningSparsifier("wanda", progress=False)
+    sp = PruningSparsifier(WandaConfig(), progress=False)
     sp.prepare(model, [{"tensor_fqn": "0.weight"}])
     model(torch.randn(4, 16) * 1e20)
 
@@ -241,12 +243,12 @@ def _():
 @case("python api", "prune_model on an already pruned model", "already pruned")
 def _():
     from conftest import make_tiny_llama
-    from torch_armor import ArmorConfig, prune_model
+    from torch_armor import ArmorConfig, BcdConfig, prune_model
 
     model = make_tiny_llama()
     ids = torch.randint(0, 128, (2, 8))
-    prune_model(model, ids, "armor", ArmorConfig(block_size=16, num_iters=1), progress=False)
-    prune_model(model, ids, "armor", ArmorConfig(block_size=16, num_iters=1), progress=False)
+    prune_model(model, ids, ArmorConfig(block_size=16, optimizer=BcdConfig(iters=1)), options=PruneOptions(progress=False))
+    prune_model(model, ids, ArmorConfig(block_size=16, optimizer=BcdConfig(iters=1)), options=PruneOptions(progress=False))
 
 
 # ------------------------------------------------------------------------------------- files

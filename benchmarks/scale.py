@@ -14,7 +14,7 @@ Three parts (``all`` runs them in this order and prints one report):
   per iteration by ``d_out·d_in·d_b`` (both optimizers do block-diagonal products and
   ``O(d_b)``-per-entry group updates) and memory by the layer size.
 * ``ranks``: a SmolLM2-135M prune (all 210 decoder linears, real sotu statistics, short budget
-  ``ArmorConfig(block_size=16, optimizer="bcd", num_iters=3)``) through
+  ``ArmorConfig(block_size=16, optimizer=BcdConfig(iters=3))``) through
   :func:`torch_armor.engine.distributed.distributed_factorize` with 1 rank × 1 thread, 1 rank ×
   2 threads, and ``torchrun --nproc-per-node 2`` × 1 thread, from the same cached weights and
   statistics (``benchmarks/out/``), timing the factorization (all ranks started) and the whole
@@ -64,7 +64,14 @@ MODELS = {
     "Llama-2-70B": (80, [(8192, 8192), (1024, 8192), (1024, 8192), (8192, 8192),
                          (28672, 8192), (28672, 8192), (8192, 28672)]),
 }
-SMOL_CONFIG = dict(block_size=16, optimizer="bcd", num_iters=3)
+SMOL_BLOCK, SMOL_ITERS = 16, 3
+
+
+def smol_config():
+    """``ArmorConfig(block_size=16, optimizer=BcdConfig(iters=3))`` (torch_armor imported on use)."""
+    from torch_armor import ArmorConfig, BcdConfig
+
+    return ArmorConfig(block_size=SMOL_BLOCK, optimizer=BcdConfig(iters=SMOL_ITERS))
 SMOL_WINDOWS = 8
 
 
@@ -134,16 +141,17 @@ def cmd_measure(args: argparse.Namespace) -> None:
     """(fresh process) factorize one random layer; print peak memory and times as JSON."""
     torch.set_num_threads(args.threads)
     from torch_armor import ArmorConfig, factorize
+    from torch_armor.core.levers import OPTIMIZERS
 
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(args.d_out, args.d_in, generator=g)
     h = torch.rand(args.d_in, generator=g).pow(3) * 10 + 1e-2
-    cfg = ArmorConfig(block_size=args.block, optimizer=args.optimizer, num_iters=args.iters)
+    cfg = ArmorConfig(block_size=args.block, optimizer=OPTIMIZERS[args.optimizer](iters=args.iters))
     # warm up on a small layer: thread pools, allocator arenas and kernels are set up once per
     # process (~50-100 MB here), not per layer
     b = args.block
     factorize(torch.randn(2 * b, 4 * b, generator=g), torch.rand(4 * b, generator=g) + 0.1,
-              ArmorConfig(block_size=b, optimizer=args.optimizer, num_iters=2))
+              ArmorConfig(block_size=b, optimizer=OPTIMIZERS[args.optimizer](iters=2)))
     _reset_peak()
     base = _proc_status("VmRSS")
     start = time.perf_counter()
@@ -272,13 +280,12 @@ def cmd_prune_worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from safetensors import safe_open
 
-    from torch_armor import ArmorConfig
     from torch_armor.engine.distributed import distributed_factorize, init_distributed, layer_cost
     from torch_armor.engine.identity import hash_tensors
     from torch_armor.engine.runstore import RunStore
 
     topo = init_distributed()
-    cfg = ArmorConfig(**SMOL_CONFIG)
+    cfg = smol_config()
     with safe_open(args.cache, framework="pt") as fh:
         meta = fh.metadata()
         names = json.loads(meta["names"])
@@ -311,7 +318,7 @@ def run_ranks(report: Report, limit: int = 0) -> None:
     report("## SmolLM2-135M prune: 1 rank vs 2 ranks (torchrun, gloo) on this machine")
     report("")
     cache = smollm2_cache(report)
-    report(f"config: ArmorConfig({', '.join(f'{k}={v!r}' for k, v in SMOL_CONFIG.items())}), "
+    report(f"config: {smol_config()!r}, "
            f"{limit or 210} linears, "
            f"statistics: sotu {SMOL_WINDOWS} x 512 tokens; layers loaded lazily per rank from the cache")
     report("")

@@ -3,7 +3,7 @@
     python benchmarks/storage.py [--block-size 16] [--num-iters 1]
 
 Converts all 210 decoder linears of SmolLM2-135M-Instruct (fp32) with
-``ArmorSparsifier(block_size=16, optimizer="bcd", num_iters=1)`` after a tiny calibration on a
+``ArmorSparsifier(ArmorConfig(block_size=16, optimizer=BcdConfig(iters=1)))`` after a tiny calibration on a
 few random-token windows (this benchmark is about bytes, not quality: the factor values do not
 change their size), saves the model with ``torch_armor.save_pretrained`` and compares, per
 projection type, the bytes of the converted linears' tensors inside ``model.safetensors``
@@ -49,6 +49,7 @@ from torch_armor.calibration.observer import decoder_linear_names
 from torch_armor.tensor.quant import ArmorCoreConfig
 from torch_armor.tensor.serialization import WEIGHTS_NAME, load_pretrained, save_pretrained
 from torch_armor.sparsifier import ArmorSparsifier
+from torch_armor import ArmorConfig, BcdConfig
 
 TARGET_RATIO = 0.60
 
@@ -181,7 +182,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, float]:
     check = torch.randint(0, vocab, (args.check_windows, args.seq_len), generator=gen)
 
     start = time.perf_counter()
-    sparsifier = ArmorSparsifier(block_size=args.block_size, optimizer="bcd", num_iters=args.num_iters, progress=False)
+    sparsifier = ArmorSparsifier(ArmorConfig(block_size=args.block_size, optimizer=BcdConfig(iters=args.num_iters)),
+                                 progress=False)
     sparsifier.prepare(model)
     with torch.no_grad():
         for row in calib:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_armor.config import parse_pattern
+from torch_armor.core.pattern import parse_pattern
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.core.proxy import mask_from_scores
 from torch_armor.core.sparse_core import psd_pinv

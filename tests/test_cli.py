@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from torch_armor.cli import REPORT_JSON, REPORT_PNG, main
+from torch_armor import ArmorConfig, ReconstructConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -156,7 +157,7 @@ def _armor_args(model_dir, calib) -> list:
 
 
 def test_interrupted_prune_resumes_from_run_dir(tmp_path, capsys, monkeypatch, tiny_hf_dir, text_files, keep_threads):
-    import torch_armor.engine.runner as engine_runner
+    import torch_armor.engine.methods as engine_runner  # where the ARMOR method calls factorize
 
     calib, _ = text_files
     args = _armor_args(tiny_hf_dir, calib)
@@ -250,7 +251,7 @@ def test_python_dash_m_help():
 
 
 def test_block_size_default_is_the_config_default():
-    from torch_armor import ArmorConfig
+    from torch_armor import ArmorConfig, ReconstructConfig
     from torch_armor.cli import _armor_config, build_parser
 
     parser = build_parser()
@@ -261,10 +262,10 @@ def test_block_size_default_is_the_config_default():
     auto = parser.parse_args(["prune", "smollm2", "--out", "x", "--block-size", "auto", "--max-overhead", "0.1"])
     assert _armor_config(auto) == ArmorConfig(block_size="auto", max_overhead=0.1)
     adam = parser.parse_args(["prune", "smollm2", "--out", "x", "--optimizer", "adam"])
-    assert _armor_config(adam).iterations == 1000
+    assert _armor_config(adam).optimizer.iterations == 1000
     issue12 = parser.parse_args(["prune", "smollm2", "--out", "x", "--block-size", "budget", "--refine", "none",
                                  "--reconstruct-steps", "5"])
-    assert _armor_config(issue12) == ArmorConfig(block_size="budget", refine=None, reconstruct_steps=5)
+    assert _armor_config(issue12) == ArmorConfig(block_size="budget", refine=None, reconstruct=ReconstructConfig(steps=5))
 
 
 def test_prune_prints_stored_and_dense_sizes(tmp_path, capsys, tiny_hf_dir, text_files):

@@ -108,7 +108,7 @@ def test_huge_seed_is_an_argument_error(tiny_dir, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["prune", *_args(tiny_dir), "--out", str(tmp_path / "o"), "--seed", str(2**70)])
     assert exc.value.code == 2 and "seed must be in [0, 2**63 - 1]" in capsys.readouterr().err
-    from torch_armor.config import ArmorConfig
+    from torch_armor import ArmorConfig
     from torch_armor.recipes.data import calibration_windows
 
     with pytest.raises(ValueError, match="seed must be an integer in"):

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -21,10 +22,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests._helpers import check_mask
-from torch_armor.config import ArmorConfig
+from torch_armor import (AdamConfig, ArmorConfig, ArmorSparsifier, BcdConfig, PruningSparsifier, ReconstructConfig,
+                         RefineConfig, config_for_method)
 from torch_armor.core.factorize import factorize
+from torch_armor.core.levers import OPTIMIZERS
 from torch_armor.core.proxy import nowag_prune, proxy_loss
-from torch_armor.errors import ArmorError
+from torch_armor.errors import ArmorDeprecationWarning, ArmorError
 
 FAST = settings(max_examples=30, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -57,7 +60,8 @@ def layers(draw):
     if draw(st.booleans()):
         h[: draw(st.integers(1, d_in))] = 0  # channels never active (maybe all of them: an error)
     h = h * 10.0 ** draw(st.integers(-20, 20))
-    config = dict(block_size=d_b, num_iters=draw(st.integers(0, 3)), optimizer=draw(st.sampled_from(["bcd", "adam"])),
+    iters = draw(st.integers(0, 3))
+    config = dict(block_size=d_b, optimizer=OPTIMIZERS[draw(st.sampled_from(["bcd", "adam"]))](iters=iters),
                   pattern=draw(st.sampled_from(["2:4", "1:4", "unstructured:0.5"])), dtype=draw(
                       st.sampled_from([torch.float32, torch.float64])))
     return w.to(dtype), h.to(dtype), config
@@ -105,27 +109,51 @@ def test_factorize_bad_inputs_name_the_layer(kind):
     elif kind == "empty":
         w = torch.empty(0, 8)
     with pytest.raises(DOCUMENTED, match="layer 'bad.proj'"):
-        factorize(w, h, ArmorConfig(block_size=4, num_iters=1), name="bad.proj")
+        factorize(w, h, ArmorConfig(block_size=4, optimizer=BcdConfig(iters=1)), name="bad.proj")
 
 
 # --------------------------------------------------------------------------- ArmorConfig
 
-_FIELDS = ["block_size", "max_overhead", "pattern", "optimizer", "num_iters", "time_budget_s", "tol", "cg_steps",
-           "group_updates", "ridge", "lr", "selection", "seed", "log_every", "dtype"]
+_FIELDS = ["block_size", "max_overhead", "pattern", "seed", "dtype", "optimizer", "refine", "reconstruct"]
+_LEVERS = {BcdConfig: ["iters", "cg_steps", "group_updates", "ridge", "selection", "time_budget_s", "tol", "log_every"],
+           AdamConfig: ["iters", "lr", "selection", "time_budget_s", "tol", "log_every"],
+           RefineConfig: ["rounds", "cg_steps", "damp"], ReconstructConfig: ["steps", "lr"]}
 _VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
                     st.text(max_size=8), st.sampled_from(["auto", "2:4", "bcd", "adam", "4:8", "unstructured:0.3",
-                                                          torch.float16, torch.float32, "mixed"]))
+                                                          torch.float16, torch.float32, "mixed", BcdConfig(),
+                                                          AdamConfig(), RefineConfig(), ReconstructConfig()]))
 
 
 @FAST
 @given(st.dictionaries(st.sampled_from(_FIELDS), _VALUES, max_size=3))
 def test_armor_config_valid_or_names_the_field(kwargs):
+    legacy = any(isinstance(kwargs.get(k), str) for k in ("optimizer", "refine"))  # the deprecated spelling
     try:
-        cfg = ArmorConfig(**kwargs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore" if legacy else "error", ArmorDeprecationWarning)
+            cfg = ArmorConfig(**kwargs)
     except DOCUMENTED as err:
         assert any(field in str(err) for field in kwargs) or "pattern" in str(err), err
         return
-    assert cfg == ArmorConfig(**kwargs)  # frozen, reproducible
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ArmorDeprecationWarning)
+        assert cfg == ArmorConfig(**kwargs)  # frozen, reproducible
+
+
+@FAST
+@given(st.sampled_from(sorted(_LEVERS, key=lambda k: k.__name__)), st.data())
+def test_lever_config_valid_or_names_the_field(kind, data):
+    kwargs = data.draw(st.dictionaries(st.sampled_from(_LEVERS[kind]), _VALUES, max_size=3))
+    try:
+        cfg = kind(**kwargs)
+    except DOCUMENTED as err:
+        assert any(f"{kind.__name__}.{field}" in str(err) for field in kwargs), err
+        return
+    assert cfg == kind(**kwargs) and ArmorConfig(**{_lever_of(kind): cfg}) is not None
+
+
+def _lever_of(kind: type) -> str:
+    return {BcdConfig: "optimizer", AdamConfig: "optimizer", RefineConfig: "refine", ReconstructConfig: "reconstruct"}[kind]
 
 
 # --------------------------------------------------------------------------- sparsifier
@@ -141,8 +169,8 @@ def test_sparsifier_correct_or_clear(seed, method, inputs):
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g))
-    sp = (ArmorSparsifier(block_size=4, num_iters=2, progress=False) if method == "armor"
-          else PruningSparsifier(method, progress=False))
+    sp = (ArmorSparsifier(ArmorConfig(block_size=4, optimizer=BcdConfig(iters=2)), progress=False) if method == "armor"
+          else PruningSparsifier(config_for_method(method), progress=False))
     sp.prepare(model, [{"tensor_fqn": "0.weight"}, {"tensor_fqn": "2.weight"}])
     x = torch.randn(2, 5, 16, generator=g)
     if inputs == "zeros":
@@ -213,7 +241,7 @@ def saved(tmp_path_factory):
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 8))
-    sp = ArmorSparsifier(block_size=4, num_iters=1, progress=False)
+    sp = ArmorSparsifier(ArmorConfig(block_size=4, optimizer=BcdConfig(iters=1)), progress=False)
     sp.prepare(model, [{"tensor_fqn": "0.weight"}])
     model(torch.randn(4, 16))
     sp.step()

@@ -17,7 +17,7 @@ from torchao.quantization import Int8WeightOnlyConfig, quantize_
 from transformers import AutoModelForCausalLM
 
 from conftest import make_tiny_llama
-from torch_armor import ArmorConfig, ArmorCoreConfig, ArmorTensor, load_pretrained, prune_model, save_pretrained
+from torch_armor import (ArmorConfig, ArmorCoreConfig, ArmorTensor, BcdConfig, load_pretrained, prune_model, PruneOptions, save_pretrained)
 from torch_armor.tensor.flatten import flatten_armor_state
 
 VOCAB = 128
@@ -27,7 +27,7 @@ IDS = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(5
 def pruned_llama(kind: str = "fp32", tie: bool = False):
     model = make_tiny_llama(tie=tie)
     windows = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
-    prune_model(model, windows, "armor", ArmorConfig(block_size=16, num_iters=2), progress=False)
+    prune_model(model, windows, ArmorConfig(block_size=16, optimizer=BcdConfig(iters=2)), options=PruneOptions(progress=False))
     if kind == "bf16":
         model = model.to(torch.bfloat16)
     elif kind == "int8":
@@ -141,8 +141,7 @@ def test_streamed_prune_directory_loads_with_from_pretrained(dtype, tmp_path, on
     dense = make_tiny_llama()
     dense.save_pretrained(tmp_path / "dense")
     windows = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
-    prune_model(str(tmp_path / "dense"), windows, "armor", ArmorConfig(block_size=16, num_iters=2),
-                out=tmp_path / "out", progress=False, dtype=dtype)
+    prune_model(str(tmp_path / "dense"), windows, ArmorConfig(block_size=16, optimizer=BcdConfig(iters=2)), options=PruneOptions(out=tmp_path / "out", progress=False, dtype=dtype))
     files = sorted(os.listdir(tmp_path / "out"))
     assert "model.safetensors.index.json" in files and "armor_config.json" in files  # one shard per block
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")

@@ -76,6 +76,19 @@ def test_file_sha256_is_hashlib_over_the_bytes(tmp_path, size):
     assert file_sha256(str(path), chunk_size=7) == hashlib.sha256(data).hexdigest()
 
 
-def test_fsync_dir_tolerates_what_cannot_be_opened(tmp_path):
-    fsync_dir(tmp_path)
-    fsync_dir(tmp_path / "missing")  # no error: nothing to sync
+def test_fsync_dir_syncs_the_directory_and_tolerates_what_cannot_be_opened(tmp_path, monkeypatch):
+    synced = []  # a spy: the real os.fsync runs, we record which inode it was given
+    real_fsync = os.fsync
+
+    def spy(fd):
+        synced.append(os.fstat(fd).st_ino)
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    fds = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    assert fsync_dir(tmp_path) is None
+    assert synced == [os.stat(tmp_path).st_ino]  # the directory itself, once
+    assert fsync_dir(tmp_path / "missing") is None  # no error: nothing to sync
+    assert synced == [os.stat(tmp_path).st_ino]  # and nothing synced
+    if fds is not None:
+        assert len(os.listdir("/proc/self/fd")) == fds  # the descriptor was closed

@@ -14,16 +14,19 @@ import pytest
 import torch
 from torch import nn
 
-import torch_armor.engine.runner as runner_module
+import torch_armor.engine.methods as runner_module  # where the ARMOR method calls factorize
 import torch_armor.sparsifier as sparsifier_module
 from torch_armor.core import baselines
-from torch_armor.config import ArmorConfig
+from torch_armor import (AdamConfig, ArmorConfig, BcdConfig, MagnitudeConfig, SparseGPTConfig, WandaConfig,
+                         config_for_method)
+from torch_armor.errors import ArmorDeprecationWarning
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.core.proxy import nowag_prune
 from torch_armor.sparsifier import ArmorSparsifier, PruningSparsifier
 from torch_armor.tensor.armor_tensor import ArmorTensor
 
-FAST = dict(block_size=16, optimizer="bcd", num_iters=2, progress=False)
+FAST_CONFIG = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=2))
+FAST = dict(progress=False)
 LAYERS = ["0.weight", "2.weight", "4.weight", "6.weight"]
 PROJ = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
@@ -52,8 +55,13 @@ def calib_batches(seed: int = 1, dtype: torch.dtype = torch.float32) -> list[tor
     return [torch.randn(4, 8, 32, generator=g).to(dtype), torch.randn(24, 32, generator=g).to(dtype)]
 
 
-def prepared(model: nn.Module, calibrate: bool = True, **kwargs) -> ArmorSparsifier:
-    sp = ArmorSparsifier(**{**FAST, **kwargs})
+def per_sweep(cfg: ArmorConfig) -> int:
+    """The sparse-core group updates per sweep a config's layer gets (derived from its block size)."""
+    return cfg.optimizer.group_updates_per_sweep(cfg.block_size)
+
+
+def prepared(model: nn.Module, calibrate: bool = True, config: ArmorConfig = FAST_CONFIG, **kwargs) -> ArmorSparsifier:
+    sp = ArmorSparsifier(config, **{**FAST, **kwargs})
     sp.prepare(model, [{"tensor_fqn": f} for f in LAYERS])
     if calibrate:
         with torch.no_grad():
@@ -88,7 +96,7 @@ def armor_parts(w: ArmorTensor) -> list[torch.Tensor]:
 def test_default_layers_skip_head_and_tied(tiny_llama_factory, tie):
     model = tiny_llama_factory(tie=tie)
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tie
-    sp = ArmorSparsifier(**FAST)
+    sp = ArmorSparsifier(FAST_CONFIG, **FAST)
     sp.prepare(model)
     expected = [f"model.layers.{i}.{p}.weight" for i in range(2) for p in PROJ]
     assert [g["tensor_fqn"] for g in sp.groups] == expected
@@ -113,7 +121,7 @@ def test_linear_subclass_included():
         pass
 
     model = nn.Sequential(MyLinear(32, 32), nn.ReLU(), nn.Linear(32, 16))
-    sp = ArmorSparsifier(**FAST)
+    sp = ArmorSparsifier(FAST_CONFIG, **FAST)
     sp.prepare(model)
     assert [g["tensor_fqn"] for g in sp.groups] == ["0.weight", "2.weight"]
     model(torch.randn(20, 32))
@@ -123,7 +131,7 @@ def test_linear_subclass_included():
 
 def test_prepare_config_errors():
     model = make_mlp()
-    sp = ArmorSparsifier(**FAST)
+    sp = ArmorSparsifier(FAST_CONFIG, **FAST)
     with pytest.raises(ValueError, match="no module 'nope'"):
         sp.prepare(model, [{"tensor_fqn": "nope.weight"}])
     with pytest.raises(ValueError, match="'1.weight'.*nn.Linear"):
@@ -139,7 +147,7 @@ def test_prepare_config_errors():
 
 def test_prepare_twice_replaces_hooks():
     model = make_mlp()
-    sp = ArmorSparsifier(**FAST)
+    sp = ArmorSparsifier(FAST_CONFIG, **FAST)
     sp.prepare(model, [{"tensor_fqn": "0.weight"}, {"tensor_fqn": "2.weight"}])
     sp.prepare(model, [{"tensor_fqn": "2.weight"}])
     assert no_hooks(model[0]) and len(model[2]._forward_pre_hooks) == 1
@@ -147,10 +155,12 @@ def test_prepare_twice_replaces_hooks():
 
 # --- configuration -----------------------------------------------------------------------------
 def test_kwargs_override_config():
-    cfg = ArmorConfig(block_size=16, optimizer="bcd", num_iters=50)
-    sp = ArmorSparsifier(cfg, num_iters=3)
-    assert sp.armor_config.num_iters == 3 and sp.armor_config.block_size == 16
-    assert cfg.num_iters == 50  # the given config is not mutated
+    """The deprecated keyword overrides of ArmorSparsifier(...) (one release): each warns."""
+    cfg = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=50))
+    with pytest.warns(ArmorDeprecationWarning, match="put the settings in the config"):
+        sp = ArmorSparsifier(cfg, num_iters=3)
+    assert sp.armor_config.optimizer.iters == 3 and sp.armor_config.block_size == 16
+    assert cfg.optimizer.iters == 50  # the given config is not mutated
     with pytest.raises(ValueError, match="unknown ArmorConfig fields \\['num_iter'\\]"):
         ArmorSparsifier(cfg, num_iter=3)
     with pytest.raises(ValueError, match="unknown ArmorConfig fields"):
@@ -158,19 +168,22 @@ def test_kwargs_override_config():
     with pytest.raises(ValueError, match="storage"):
         ArmorSparsifier(storage="sparse")
     # derived fields follow the overrides, not the defaults of ArmorConfig()
-    want = ArmorConfig(block_size=16, optimizer="adam")
-    sp = ArmorSparsifier(block_size=16, optimizer="adam")
-    assert (sp.armor_config.group_updates_per_sweep, sp.armor_config.iterations) == (want.group_updates_per_sweep, want.iterations)
-    sp = ArmorSparsifier(ArmorConfig(block_size=128, optimizer="bcd"), block_size=16, optimizer="adam")
-    assert (sp.armor_config.group_updates_per_sweep, sp.armor_config.iterations) == (want.group_updates_per_sweep, want.iterations)
-    sp = ArmorSparsifier(ArmorConfig(block_size=128, group_updates=5), block_size=16)  # explicit values stay
-    assert sp.armor_config.group_updates_per_sweep == 5
+    want = ArmorConfig(block_size=16, optimizer=AdamConfig())
+    with pytest.warns(ArmorDeprecationWarning):
+        sp = ArmorSparsifier(block_size=16, optimizer="adam")
+    assert (per_sweep(sp.armor_config), sp.armor_config.optimizer.iterations) == (per_sweep(want), want.optimizer.iterations)
+    with pytest.warns(ArmorDeprecationWarning):
+        sp = ArmorSparsifier(ArmorConfig(block_size=128, optimizer=BcdConfig()), block_size=16, optimizer="adam")
+    assert (per_sweep(sp.armor_config), sp.armor_config.optimizer.iterations) == (per_sweep(want), want.optimizer.iterations)
+    with pytest.warns(ArmorDeprecationWarning):
+        sp = ArmorSparsifier(ArmorConfig(block_size=128, optimizer=BcdConfig(group_updates=5)), block_size=16)
+    assert per_sweep(sp.armor_config) == 5  # explicit values stay
 
 
 def test_per_layer_block_size_override():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(48, 32), nn.ReLU(), nn.Linear(32, 64))
-    sp = ArmorSparsifier(block_size=32, optimizer="bcd", num_iters=2, progress=False)
+    sp = ArmorSparsifier(ArmorConfig(block_size=32, optimizer=BcdConfig(iters=2)), progress=False)
     with pytest.raises(ValueError) as err:
         sp.prepare(model, [{"tensor_fqn": "0.weight"}, {"tensor_fqn": "2.weight"}])
     msg = str(err.value)
@@ -178,8 +191,8 @@ def test_per_layer_block_size_override():
     assert no_hooks(model[2])
     sp.prepare(model, [{"tensor_fqn": "0.weight", "block_size": 16}, {"tensor_fqn": "2.weight"}])
     assert sp.config_for("0.weight").block_size == 16
-    assert sp.config_for("0.weight").group_updates_per_sweep == ArmorConfig(block_size=16).group_updates_per_sweep
-    assert sp.config_for("2.weight").group_updates_per_sweep == ArmorConfig(block_size=32).group_updates_per_sweep
+    assert per_sweep(sp.config_for("0.weight")) == per_sweep(ArmorConfig(block_size=16))
+    assert per_sweep(sp.config_for("2.weight")) == per_sweep(ArmorConfig(block_size=32))
     model(torch.randn(40, 48))
     sp.convert(model)
     assert model[0].weight.block_size == 16 and model[2].weight.block_size == 32
@@ -210,7 +223,7 @@ def test_step_without_calibration_names_layer():
         sp.step()
     assert not sp.factors
     with pytest.raises(ValueError, match="nothing prepared"):
-        ArmorSparsifier(**FAST).step()
+        ArmorSparsifier(FAST_CONFIG, **FAST).step()
 
 
 # --- step / convert / squash -------------------------------------------------------------------
@@ -236,7 +249,7 @@ def test_convert_in_place_outputs_and_errors(caplog):
     with pytest.raises(ValueError, match="already converted"):
         sp.convert(model)
     with pytest.raises(ValueError, match="already converted.*'0'.*reload"):
-        ArmorSparsifier(**FAST).prepare(model)
+        ArmorSparsifier(FAST_CONFIG, **FAST).prepare(model)
     with pytest.raises(ValueError, match="already converted"):
         sp.prepare(model, [{"tensor_fqn": "0.weight"}])
     with pytest.raises(ValueError, match="did not prepare"):
@@ -290,7 +303,7 @@ def test_state_dict_weights_only_roundtrip_bit_identical(tmp_path, monkeypatch):
         raise AssertionError("factorize must not run when every layer was loaded")
 
     monkeypatch.setattr(runner_module, "factorize", boom)
-    fresh = ArmorSparsifier(**FAST)
+    fresh = ArmorSparsifier(FAST_CONFIG, **FAST)
     fresh.prepare(dense, [{"tensor_fqn": f} for f in LAYERS])
     fresh.load_state_dict(torch.load(tmp_path / "sp.pt", weights_only=True))
     assert torch.equal(fresh.statistics("2.weight").act_sq_norm, sp.statistics("2.weight").act_sq_norm)
@@ -358,23 +371,23 @@ def test_load_state_dict_errors(caplog):
     sp = prepared(make_mlp())
     sp.step()
     state = sp.state_dict()
-    other_settings = prepared(make_mlp(), num_iters=3)
+    other_settings = prepared(make_mlp(), config=ArmorConfig(block_size=16, optimizer=BcdConfig(iters=3)))
     with caplog.at_level(logging.WARNING, logger="torch_armor"):
         other_settings.load_state_dict(state)
     assert "0.weight: loaded result was computed with different settings {'num_iters': 2}" in caplog.text
     with pytest.raises(ValueError, match="prepare"):
-        ArmorSparsifier(**FAST).load_state_dict(state)
-    other = PruningSparsifier("wanda", progress=False)
+        ArmorSparsifier(FAST_CONFIG, **FAST).load_state_dict(state)
+    other = PruningSparsifier(WandaConfig(), progress=False)
     other.prepare(make_mlp(), [{"tensor_fqn": f} for f in LAYERS])
     with pytest.raises(ValueError, match="ArmorSparsifier"):
         other.load_state_dict(state)
-    partial = ArmorSparsifier(**FAST)
+    partial = ArmorSparsifier(FAST_CONFIG, **FAST)
     partial.prepare(make_mlp(), [{"tensor_fqn": "0.weight"}])
     with pytest.raises(ValueError, match="unexpected \\['2.weight'"):
         partial.load_state_dict(state)
     partial.load_state_dict(state, strict=False)
     assert list(partial.factors) == ["0.weight"]
-    wrong = ArmorSparsifier(**FAST)
+    wrong = ArmorSparsifier(FAST_CONFIG, **FAST)
     wrong.prepare(nn.Sequential(nn.Linear(32, 32)), [{"tensor_fqn": "0.weight"}])
     with pytest.raises(ValueError, match="'0.weight'.*different model"):
         wrong.load_state_dict(state, strict=False)
@@ -403,10 +416,10 @@ def test_state_from_other_weights_is_refused(tmp_path):
     same.load_state_dict(state)
     assert list(same.factors) == LAYERS
     assert torch.equal(same.statistics("4.weight").act_sq_norm, sp.statistics("4.weight").act_sq_norm)
-    pruning = PruningSparsifier("magnitude", progress=False)
+    pruning = PruningSparsifier(MagnitudeConfig(), progress=False)
     pruning.prepare(make_mlp(), [{"tensor_fqn": "4.weight"}])
     pruning_state = pruning.state_dict()
-    pruning = PruningSparsifier("magnitude", progress=False)
+    pruning = PruningSparsifier(MagnitudeConfig(), progress=False)
     pruning.prepare(changed, [{"tensor_fqn": "4.weight"}])
     with pytest.raises(ValueError, match="'4.weight'.*other weights"):
         pruning.load_state_dict(pruning_state)
@@ -444,7 +457,7 @@ def test_pruning_matches_direct_functions(method, tmp_path):
     model = make_mlp()
     dense = copy.deepcopy(model)
     kwargs = {"block_size": 16} if method == "sparsegpt" else {}
-    sp = PruningSparsifier(method, progress=False, **kwargs)
+    sp = PruningSparsifier(config_for_method(method, **kwargs), progress=False)
     config = [{"tensor_fqn": "0.weight"}, {"tensor_fqn": "2.weight", "pattern": "4:8"}, {"tensor_fqn": "4.weight"}]
     sp.prepare(model, config)
     batches = calib_batches()
@@ -487,7 +500,7 @@ def test_pruning_matches_direct_functions(method, tmp_path):
 def test_sparsegpt_uses_collected_xtx_exactly():
     model = make_mlp()
     dense = copy.deepcopy(model)
-    sp = PruningSparsifier("sparsegpt", progress=False, block_size=16, damp=0.05)
+    sp = PruningSparsifier(SparseGPTConfig(block_size=16, damp=0.05), progress=False)
     sp.prepare(model, [{"tensor_fqn": "0.weight"}, {"tensor_fqn": "2.weight"}])
     batches = calib_batches()
     with torch.no_grad():
@@ -506,6 +519,7 @@ def test_sparsegpt_uses_collected_xtx_exactly():
 
 
 def test_pruning_options_and_resume(tmp_path):
+    # the deprecated string form checks its options (and fails before it warns)
     with pytest.raises(ValueError, match="method must be one of"):
         PruningSparsifier("random")
     with pytest.raises(ValueError, match="unknown options \\['damp'\\]"):
@@ -516,26 +530,26 @@ def test_pruning_options_and_resume(tmp_path):
         PruningSparsifier("wanda", pattern="4:2")
     # magnitude needs no calibration
     model = make_mlp()
-    sp = PruningSparsifier("magnitude", progress=False)
+    sp = PruningSparsifier(MagnitudeConfig(), progress=False)
     sp.prepare(model, [{"tensor_fqn": "0.weight"}])
     assert no_hooks(model[0])
     sp.convert(model)
     assert float((model[0].weight == 0).float().mean()) == 0.5
     # wanda without calibration names the layer
-    sp = PruningSparsifier("wanda", progress=False)
+    sp = PruningSparsifier(WandaConfig(), progress=False)
     sp.prepare(make_mlp(), [{"tensor_fqn": "2.weight"}])
     with pytest.raises(ValueError, match="'2.weight' saw no calibration"):
         sp.step()
     # save / load through weights_only
     model, dense = make_mlp(), make_mlp()
-    sp = PruningSparsifier("sparsegpt", progress=False, block_size=16)
+    sp = PruningSparsifier(SparseGPTConfig(block_size=16), progress=False)
     sp.prepare(model, [{"tensor_fqn": f} for f in LAYERS])
     model(calib_batches()[1])
     state = sp.state_dict()
     assert_plain(state)
     torch.save(state, tmp_path / "p.pt")
     sp.convert(model)
-    again = PruningSparsifier("sparsegpt", progress=False, block_size=16)
+    again = PruningSparsifier(SparseGPTConfig(block_size=16), progress=False)
     again.prepare(dense, [{"tensor_fqn": f} for f in LAYERS])
     again.load_state_dict(torch.load(tmp_path / "p.pt", weights_only=True))
     again.convert(dense)
@@ -549,11 +563,11 @@ def test_docstring_examples_run():
 
 def test_auto_block_size_is_resolved_per_layer():
     model = nn.Sequential(nn.Linear(48, 32), nn.ReLU(), nn.Linear(32, 64))
-    sp = ArmorSparsifier(block_size="auto", max_overhead=0.5, optimizer="bcd", num_iters=1, progress=False)
+    sp = ArmorSparsifier(ArmorConfig(block_size="auto", max_overhead=0.5, optimizer=BcdConfig(iters=1)), progress=False)
     sp.prepare(model, [{"tensor_fqn": "0.weight"}, {"tensor_fqn": "2.weight", "max_overhead": 0.2}])
     first, second = sp.config_for("0.weight"), sp.config_for("2.weight")
     assert first.block_size == 8 and second.block_size == 4  # largest within 50% / 20% overhead
-    assert first.group_updates_per_sweep == 4 and sp.armor_config.block_size == "auto"
+    assert per_sweep(first) == 4 and sp.armor_config.block_size == "auto"
     model(torch.randn(20, 48))
     sp.convert(model)
     assert model[0].weight.block_size == 8 and model[2].weight.block_size == 4

@@ -9,7 +9,7 @@ an import may point to the same floor or a lower one, never up:
     2  calibration                        (hooks, statistics)
     3  tensor                             (ArmorTensor, storages; the save/load format)
     4  engine                             (method registry, runner, pipeline, sources, run store, prune_model)
-    5  sparsifier, calibrated_sparsifier, hf, cli, recipes, __main__   (front ends)
+    5  sparsifier, calibrated_sparsifier, sparsifier_state, hf, cli, recipes, __main__   (front ends)
     6  torch_armor (the package's __init__: the public names)
 
 Violations (each printed on one line; exit status 1 if there is any):
@@ -23,6 +23,9 @@ Violations (each printed on one line; exit status 1 if there is any):
 * ``unplaced``: a module that the floors table does not place;
 * ``size``: a module longer than ``--max-lines`` (500) lines;
 * ``local-import``: a function-local import without a comment on its line saying why it is local.
+
+Modules listed in ``PENDING_REWRITE`` (being rewritten on another branch) are exempt from the
+``size`` and ``local-import`` rules, never from the import rules.
 
 Usage::
 
@@ -56,6 +59,7 @@ FLOORS: Tuple[Tuple[str, int], ...] = (
     ("torch_armor.engine", 4),
     ("torch_armor.sparsifier", 5),
     ("torch_armor.calibrated_sparsifier", 5),
+    ("torch_armor.sparsifier_state", 5),
     ("torch_armor.hf", 5),
     ("torch_armor.cli", 5),
     ("torch_armor.recipes", 5),
@@ -71,9 +75,13 @@ ALIASES = {
     "torch_armor.recipes.prune": "torch_armor.engine.prune",
 }
 
-#: Modules allowed above the size limit, each with the reason (to be emptied).
-SIZE_EXEMPT: Dict[str, str] = {
-    "torch_armor/tensor/armor_tensor.py": "issue #21 splits ArmorTensor into one class per storage format",
+#: Modules being rewritten elsewhere (issue #21: one class per storage format, a storage policy),
+#: exempt from the ``size`` and ``local-import`` rules until that lands; the import rules (upward,
+#: cycle, private, alias) hold for them as for every module. Empty this when #21 is merged.
+PENDING_REWRITE: Dict[str, str] = {
+    path: "issue #21 rewrites the tensor storages"
+    for path in ("torch_armor/tensor/armor_tensor.py", "torch_armor/tensor/packing.py",
+                 "torch_armor/tensor/interop.py", "torch_armor/tensor/quant.py", "torch_armor/tensor/finetune.py")
 }
 
 
@@ -258,12 +266,12 @@ def check(package_dir: Path, max_lines: int = 500) -> List[str]:
         if floor is None:
             problems.append(f"unplaced: {where}: module {name} is on no floor; add it to FLOORS in tools/check_layers.py")
             continue
-        limit_reason = SIZE_EXEMPT.get(where)
-        if mod.lines > max_lines and limit_reason is None:
+        pending = where in PENDING_REWRITE
+        if mod.lines > max_lines and not pending:
             problems.append(f"size: {where}: {mod.lines} lines (limit {max_lines}); split the module")
         for imp in mod.imports:
             target = imp.target
-            if imp.local and not imp.commented:
+            if imp.local and not imp.commented and not pending:
                 problems.append(f"local-import: {where}:{imp.line}: function-local import of {target} without a "
                                 "comment saying why it is not at the top")
             if imp.third_party:

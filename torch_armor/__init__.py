@@ -5,13 +5,16 @@ outputs of the already-pruned blocks before it)::
 
     >>> import torch
     >>> from transformers import LlamaConfig, LlamaForCausalLM
-    >>> from torch_armor import ArmorConfig, prune_model
+    >>> from torch_armor import ArmorConfig, BcdConfig, PruneOptions, prune_model
     >>> llama = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
     ...                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=50))
-    >>> report = prune_model(llama, torch.randint(0, 50, (4, 16)), "armor", ArmorConfig(num_iters=2),
-    ...                      progress=False)
+    >>> report = prune_model(llama, torch.randint(0, 50, (4, 16)), ArmorConfig(optimizer=BcdConfig(iters=2)),
+    ...                      options=PruneOptions(progress=False))
     >>> len(report.layers), round(report.overhead, 3)
     (14, 0.889)
+
+The config's type is the method: ``SparseGPTConfig()``, ``WandaConfig()``, ``NoWagConfig()`` and
+``MagnitudeConfig()`` run the baselines through the same call.
 
 The ``torch.ao.pruning`` protocol works on any model, with your own forward passes::
 
@@ -19,7 +22,7 @@ The ``torch.ao.pruning`` protocol works on any model, with your own forward pass
     >>> from torch import nn
     >>> from torch_armor import ArmorSparsifier
     >>> model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
-    >>> sparsifier = ArmorSparsifier(block_size=16, num_iters=5, progress=False)
+    >>> sparsifier = ArmorSparsifier(ArmorConfig(block_size=16, optimizer=BcdConfig(iters=5)), progress=False)
     >>> sparsifier.prepare(model, [{"tensor_fqn": "0.weight"}])
     >>> _ = model(torch.randn(256, 64))      # calibrate
     >>> model = sparsifier.convert(model)     # factorize and swap in ArmorTensor weights
@@ -27,6 +30,7 @@ The ``torch.ao.pruning`` protocol works on any model, with your own forward pass
     'ArmorTensor'
 """
 
+import importlib as _importlib
 import logging as _logging
 
 
@@ -40,8 +44,7 @@ def _import_torchao_quietly() -> None:
         lg.setLevel(_logging.ERROR)
     try:
         import torchao  # noqa: F401
-        import torchao.quantization  # noqa: F401
-        import importlib
+        import torchao.quantization  # noqa: F401  (here, inside the quiet window: see above)
 
         import transformers.quantizers.auto  # noqa: F401
 
@@ -49,7 +52,7 @@ def _import_torchao_quietly() -> None:
         # warn once per process, so take that once here, quietly
         for extra in ("torchao.prototype.mx_formats", "torchao.quantization.quantize_.common"):
             try:
-                importlib.import_module(extra)
+                _importlib.import_module(extra)
             except Exception:  # noqa: BLE001 - optional parts of torchao
                 pass
     finally:
@@ -59,13 +62,16 @@ def _import_torchao_quietly() -> None:
 
 _import_torchao_quietly()
 
-from torch_armor.config import ArmorConfig  # noqa: E402
+from torch_armor.core.config import AdamConfig, ArmorConfig, BcdConfig, ReconstructConfig, RefineConfig  # noqa: E402
 from torch_armor.core.factorize import factorize  # noqa: E402
 from torch_armor.core.factors import ArmorFactors  # noqa: E402
+from torch_armor.core.method_config import (BaselineConfig, MagnitudeConfig, NoWagConfig,  # noqa: E402
+                                            SparseGPTConfig, WandaConfig)
+from torch_armor.engine.methods import config_for_method, register_method  # noqa: E402
+from torch_armor.engine.options import PruneOptions  # noqa: E402
+from torch_armor.engine.prune import prune_model  # noqa: E402
 from torch_armor.engine.report import PruneReport  # noqa: E402
-from torch_armor.engine.runner import BaselineConfig  # noqa: E402
-from torch_armor.engine.runstore import RunMismatchError  # noqa: E402
-from torch_armor.recipes.prune import prune_model  # noqa: E402
+from torch_armor.errors import RunMismatchError  # noqa: E402
 from torch_armor.sparsifier import ArmorSparsifier, PruningSparsifier  # noqa: E402
 from torch_armor.tensor.armor_tensor import ArmorTensor  # noqa: E402
 from torch_armor.tensor.quant import ArmorCoreConfig  # noqa: E402  (registers the torchao handler)
@@ -76,21 +82,32 @@ from torch_armor.tensor.finetune import enable_finetuning, model_size  # noqa: E
 # What a user needs; the math and the plumbing stay importable from their subpackages
 # (torch_armor.core, .calibration, .tensor, .engine, .recipes).
 __all__ = [
+    "AdamConfig",
     "ArmorConfig",
     "ArmorCoreConfig",
     "ArmorFactors",
     "ArmorSparsifier",
     "ArmorTensor",
     "attach_quantizer",
+    "BaselineConfig",  # deprecated: the method's own config (SparseGPTConfig, …)
+    "BcdConfig",
+    "config_for_method",
     "enable_finetuning",
-    "BaselineConfig",
-    "PruneReport",
-    "PruningSparsifier",
-    "RunMismatchError",
     "factorize",
     "load_pretrained",
+    "MagnitudeConfig",
     "model_size",
+    "NoWagConfig",
     "prune_model",
+    "PruneOptions",
+    "PruneReport",
+    "PruningSparsifier",
+    "ReconstructConfig",
+    "RefineConfig",
+    "register_method",
+    "RunMismatchError",
     "save_pretrained",
+    "SparseGPTConfig",
+    "WandaConfig",
 ]
 __version__ = "0.1.0"

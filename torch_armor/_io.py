@@ -25,6 +25,8 @@ import os
 from pathlib import Path
 from typing import BinaryIO, Callable, Union
 
+from torch_armor.errors import ArmorInputError
+
 __all__ = ["TMP_MARK", "atomic_write", "fsync_dir", "file_sha256", "temp_path"]
 
 #: Marks the temporary files of :func:`atomic_write`: ``.<name>.tmp-<pid>``.
@@ -74,7 +76,7 @@ def atomic_write(path: PathLike, data_or_writer: Union[bytes, bytearray, memoryv
     elif callable(data_or_writer):
         write = data_or_writer
     else:
-        raise ValueError(
+        raise ArmorInputError(
             f"atomic_write needs bytes or a callable writing to the file handle, got {type(data_or_writer).__name__}"
         )
     path = Path(path)

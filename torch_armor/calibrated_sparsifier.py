@@ -1,12 +1,11 @@
 """The shell shared by the ``torch.ao``-style sparsifiers (:mod:`torch_armor.sparsifier`).
 
 :class:`CalibratedSparsifier` attaches statistics hooks in ``prepare``, solves each layer with
-the one per-layer runner (:func:`~torch_armor.engine.runner.solve_layer`, method
-``self.method``) in ``step``, writes results with
-:meth:`~torch_armor.engine.runner.LayerSolution.apply` in ``convert``, and saves / restores
-statistics and finished layers. A subclass only sets ``method``, passes its base config (an
-:class:`~torch_armor.config.ArmorConfig` or a :class:`~torch_armor.engine.runner.BaselineConfig`)
-and the fields a layer may override, and names its config in ``_config_dict``.
+the one per-layer runner (:func:`~torch_armor.engine.runner.solve_layer`: the base config's
+method) in ``step``, writes results with :meth:`~torch_armor.engine.runner.LayerSolution.apply`
+in ``convert``, and saves / restores statistics and finished layers. A subclass passes its base
+method config (an :class:`~torch_armor.core.config.ArmorConfig` or a baseline's); a layer may
+override the config's fields in ``prepare``.
 """
 
 from __future__ import annotations
@@ -22,85 +21,49 @@ from torch.ao.pruning import BaseSparsifier
 from tqdm.auto import tqdm
 
 from torch_armor.calibration.observer import ActSqNormObserver, LayerStatistics, decoder_linear_names, set_token_mask
-from torch_armor.core.factors import ArmorFactors
+from torch_armor.core.method_config import config_to_dict
 from torch_armor.engine.identity import hash_tensors
-from torch_armor.engine.runner import METHODS, LayerSolution, layer_config, solve_layer
+from torch_armor.engine.methods import Method, method_for
+from torch_armor.engine.runner import LayerSolution, solve_layer
+from torch_armor.errors import ArmorInputError
+from torch_armor.sparsifier_state import (MODULE_KEYS, STATE_DICT_VERSION, plain, solution_from_state,
+                                          solution_state)
+from torch_armor.tensor.armor_tensor import ArmorTensor
 
 __all__ = ["CalibratedSparsifier", "plain", "STATE_DICT_VERSION"]
 
 logger = logging.getLogger("torch_armor")
 
-#: 2: weight hashes (``"weight_hashes"``), factors as ``to_tensors()`` + ``"factor_metadata"``.
-STATE_DICT_VERSION = 2
-_MODULE_KEYS = ("module", "module_fqn", "tensor_name")  # filled in by BaseSparsifier.prepare
-
-
-def plain(value: Any) -> Any:
-    """``value`` with dtypes/devices as strings, tensors on CPU: safe for ``weights_only`` loads."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, (torch.dtype, torch.device)):
-        return str(value)
-    if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
-
-
-def _solution_state(sol: LayerSolution) -> Dict[str, Any]:
-    """One finished layer as tensors and numbers: ARMOR factors, or the pruned weight and mask."""
-    if sol.factors is not None:
-        return {"factors": sol.factors.to_tensors(), "factor_metadata": sol.factors.metadata(),
-                "seconds": float(sol.seconds)}
-    return {"pruned": sol.pruned.detach().cpu(), "mask": sol.mask.detach().cpu(), "seconds": float(sol.seconds)}
-
-
-def _solution_from_state(fqn: str, method: str, entry: Dict[str, Any], shape: tuple) -> Optional[LayerSolution]:
-    """The inverse of :func:`_solution_state`, checked against the layer's ``shape``."""
-    seconds = float(entry.get("seconds") or 0.0)
-    if "factors" in entry:
-        try:
-            factors = ArmorFactors.from_tensors(entry["factors"], **entry.get("factor_metadata", {}))
-        except ValueError as err:
-            raise ValueError(f"layer {fqn!r}: saved factors: {err}") from None
-        sol = LayerSolution(fqn, method, factors=factors, seconds=seconds)
-    elif "pruned" in entry:
-        sol = LayerSolution(fqn, method, pruned=entry["pruned"], mask=entry.get("mask"), seconds=seconds)
-    else:
-        return None
-    saved = tuple((sol.factors.core if sol.factors is not None else sol.pruned).shape)
-    if saved != shape:
-        raise ValueError(f"layer {fqn!r}: the saved result is for a {saved} weight, the layer is {shape}; "
-                         "the state comes from a different model")
-    return sol
-
-
 class CalibratedSparsifier(BaseSparsifier):
     """Shared shell: forward pre-hooks accumulate ``Σx²`` (and ``XᵀX`` if needed) per layer;
-    every layer is solved by :func:`~torch_armor.engine.runner.solve_layer`."""
+    every layer is solved by :func:`~torch_armor.engine.runner.solve_layer`.
 
-    method: str = ""
+    Args:
+        base_config: the method config of every layer (its type is the method).
+        progress: a progress bar in :meth:`step`.
+        extra_keys: per-layer keys accepted besides the config's fields (passed to the config).
+    """
 
-    def __init__(self, base_config: Any, options: Sequence[str], progress: bool = True) -> None:
+    def __init__(self, base_config: Any, progress: bool = True, extra_keys: Sequence[str] = ()) -> None:
+        self.method: Method = method_for(base_config)
         self._base_config = base_config
-        self._options = tuple(options)
-        super().__init__(defaults={k: getattr(base_config, k) for k in self._options})
+        fields = tuple(f.name for f in dataclasses.fields(base_config))
+        self._options = fields + tuple(k for k in extra_keys if k not in fields)
+        super().__init__(defaults={k: getattr(base_config, k) for k in fields})
         self.progress = bool(progress)
         self._observers: Dict[str, ActSqNormObserver] = {}
         self._layer_configs: Dict[str, Any] = {}
+        self._group_configs: Dict[str, Any] = {}  # per-layer overrides applied, not yet resolved for the shape
         self._weight_hashes: Dict[str, str] = {}
         self._converted = False
 
     @property
     def track_xtx(self) -> bool:
-        return METHODS[self.method].needs_xtx(self._base_config)
+        return self.method.needs_xtx(self._base_config)
 
     @property
     def needs_statistics(self) -> bool:
-        return METHODS[self.method].needs_statistics
+        return self.method.needs_statistics
 
     @staticmethod
     def set_attention_mask(mask: Optional[torch.Tensor]) -> None:
@@ -124,25 +87,23 @@ class CalibratedSparsifier(BaseSparsifier):
                 ``nn.Linear`` weight; an unknown per-layer option; a layer whose shape the
                 pattern (or block size) cannot serve — the message names the layer and the fix.
         """
-        from torch_armor.tensor.armor_tensor import ArmorTensor
-
         if not isinstance(model, nn.Module):
-            raise ValueError(f"prepare(model, ...) expects an nn.Module, got {type(model).__name__}")
+            raise ArmorInputError(f"prepare(model, ...) expects an nn.Module, got {type(model).__name__}")
         converted = [n for n, m in model.named_modules()
                      if isinstance(m, nn.Linear) and isinstance(m.weight, ArmorTensor)]
         if converted:
-            raise ValueError(
+            raise ArmorInputError(
                 f"this model was already converted (layer {converted[0]!r} holds an ArmorTensor "
                 "weight); prepare() needs the dense model: reload it"
             )
         if config is None:
             config = [{"tensor_fqn": f"{name}.weight"} for name in decoder_linear_names(model)]
             if not config:
-                raise ValueError("no layers to prune: the model has no nn.Linear besides the output head")
+                raise ArmorInputError("no layers to prune: the model has no nn.Linear besides the output head")
         config = self._validate_config(config)
         # a second prepare() starts over: drop the hooks and results of the first
         self._remove_hooks()
-        self._observers, self._layer_configs, self._weight_hashes = {}, {}, {}
+        self._observers, self._layer_configs, self._group_configs, self._weight_hashes = {}, {}, {}, {}
         self._converted = False
         self.groups = []
         self.state = defaultdict(dict)
@@ -150,26 +111,26 @@ class CalibratedSparsifier(BaseSparsifier):
 
     def _validate_config(self, config: Any) -> List[Dict[str, Any]]:
         if not isinstance(config, (list, tuple)) or not config:
-            raise ValueError(
+            raise ArmorInputError(
                 "config must be None or a non-empty list like [{'tensor_fqn': 'layers.0.fc.weight'}, ...]"
             )
-        allowed = {"tensor_fqn", *_MODULE_KEYS, *self._options}
+        allowed = {"tensor_fqn", *MODULE_KEYS, *self._options}
         seen = set()
         out = []
         for entry in config:
             if not isinstance(entry, dict) or not isinstance(entry.get("tensor_fqn"), str):
-                raise ValueError(
+                raise ArmorInputError(
                     f"every config entry must be a dict with a 'tensor_fqn' string such as "
                     f"{{'tensor_fqn': 'layers.0.fc.weight'}}, got {entry!r}"
                 )
             fqn = entry["tensor_fqn"]
             unknown = set(entry) - allowed
             if unknown:
-                raise ValueError(
+                raise ArmorInputError(
                     f"layer {fqn!r}: unknown per-layer options {sorted(unknown)}; valid: {sorted(self._options)}"
                 )
             if fqn in seen:
-                raise ValueError(f"layer {fqn!r} appears twice in the config; list each layer once")
+                raise ArmorInputError(f"layer {fqn!r} appears twice in the config; list each layer once")
             seen.add(fqn)
             out.append(dict(entry))
         return out
@@ -178,12 +139,12 @@ class CalibratedSparsifier(BaseSparsifier):
         for group in self.groups:  # check everything before attaching anything
             module, fqn = group["module"], group["tensor_fqn"]
             if module is None:
-                raise ValueError(
+                raise ArmorInputError(
                     f"layer {fqn!r}: the model has no module {group['module_fqn']!r}; tensor_fqn is "
                     "'<module name>.weight' with the name from model.named_modules()"
                 )
             if not isinstance(module, nn.Linear) or group["tensor_name"] != "weight":
-                raise ValueError(
+                raise ArmorInputError(
                     f"layer {fqn!r}: only the 'weight' of an nn.Linear can be pruned, got "
                     f"{group['tensor_name']!r} of a {type(module).__name__}"
                 )
@@ -201,19 +162,22 @@ class CalibratedSparsifier(BaseSparsifier):
             raise
 
     def _resolve_config(self, group: Dict[str, Any]) -> Any:
-        """One layer's settings: per-layer overrides applied, resolved for its shape by
-        :func:`~torch_armor.engine.runner.layer_config` (ARMOR: :meth:`ArmorConfig.for_layer`)."""
+        """One layer's settings: per-layer overrides applied, resolved for its shape by the
+        config's ``for_layer`` (ARMOR: :meth:`ArmorConfig.for_layer` resolves ``"auto"``)."""
         fqn = group["tensor_fqn"]
-        overrides = {k: group[k] for k in self._options if k in group and group[k] != getattr(self._base_config, k)}
+        defaults = self.defaults
+        overrides = {k: group[k] for k in self._options
+                     if k in group and (k not in defaults or group[k] != defaults[k])}
         try:
             cfg = dataclasses.replace(self._base_config, **overrides)
         except ValueError as err:
-            raise ValueError(f"layer {fqn!r}: invalid per-layer setting: {err}") from None
+            raise ArmorInputError(f"layer {fqn!r}: invalid per-layer setting: {err}") from None
+        self._group_configs[fqn] = cfg
         try:
-            return layer_config(self.method, cfg, tuple(group["module"].weight.shape), fqn)
+            return cfg.for_layer(*group["module"].weight.shape, name=fqn)
         except ValueError as err:
             key = "block_size" if "block_size" in str(err) else "pattern"
-            raise ValueError(
+            raise ArmorInputError(
                 f"{err}. Override it for this layer: "
                 f"prepare(model, [{{'tensor_fqn': '{fqn}', '{key}': <one that fits>}}, ...])"
             ) from None
@@ -244,9 +208,10 @@ class CalibratedSparsifier(BaseSparsifier):
 
         Example::
 
+            >>> from torch_armor.core.method_config import WandaConfig
             >>> from torch_armor.sparsifier import PruningSparsifier
             >>> lin = nn.Sequential(nn.Linear(8, 4))
-            >>> sp = PruningSparsifier("wanda", progress=False)
+            >>> sp = PruningSparsifier(WandaConfig(), progress=False)
             >>> sp.prepare(lin, [{"tensor_fqn": "0.weight"}])
             >>> _ = lin(torch.ones(2, 3, 8))
             >>> sp.statistics("0.weight").num_tokens
@@ -276,12 +241,12 @@ class CalibratedSparsifier(BaseSparsifier):
     def _require_statistics(self, fqn: str) -> LayerStatistics:
         stats = self.statistics(fqn)
         if stats.num_tokens == 0:
-            raise ValueError(
+            raise ArmorInputError(
                 f"layer {fqn!r} saw no calibration data: run forward passes on calibration inputs "
                 "(model(batch)) between prepare() and step(), or load_state_dict() a saved state"
             )
         if self.track_xtx and stats.xtx is None:
-            raise ValueError(f"layer {fqn!r} has no XᵀX statistics (needed by SparseGPT): calibrate again")
+            raise ArmorInputError(f"layer {fqn!r} has no XᵀX statistics (needed by SparseGPT): calibrate again")
         return stats
 
     # -- step --------------------------------------------------------------------------------
@@ -295,7 +260,7 @@ class CalibratedSparsifier(BaseSparsifier):
         if not self.enable_mask_update:
             return
         if not self.groups:
-            raise ValueError("nothing prepared: call prepare(model), then calibrate, before step()")
+            raise ArmorInputError("nothing prepared: call prepare(model), then calibrate, before step()")
         pending = [g for g in self.groups if not self._done(g["tensor_fqn"])]
         if self.needs_statistics:
             for group in pending:  # fail fast, before hours of work, if any layer has no data
@@ -310,9 +275,9 @@ class CalibratedSparsifier(BaseSparsifier):
         """Solve one layer with :func:`~torch_armor.engine.runner.solve_layer` (called by :meth:`step`)."""
         fqn = kwargs["tensor_fqn"]
         stats = self._require_statistics(fqn) if self.needs_statistics else None
-        sol = solve_layer(self.method, getattr(module, tensor_name), stats, self.config_for(fqn), fqn)
+        sol = solve_layer(getattr(module, tensor_name), stats, self.config_for(fqn), fqn)
         self.state[fqn]["solution"] = sol
-        label = METHODS[self.method].label
+        label = self.method.label
         result = f"relative proxy loss {sol.factors.relative_loss:.4f}" if sol.factors is not None else f"{label} pruned"
         logger.info("%s: %s (%.1fs)", fqn, result, sol.seconds)
 
@@ -337,7 +302,7 @@ class CalibratedSparsifier(BaseSparsifier):
             self.step()
         unsolved = [fqn for fqn in self._fqns() if not self._done(fqn)]
         if unsolved:
-            raise ValueError(
+            raise ArmorInputError(
                 f"layer {unsolved[0]!r} is not solved and step() did nothing (enable_mask_update is False); "
                 "set sparsifier.enable_mask_update = True"
             )
@@ -348,30 +313,28 @@ class CalibratedSparsifier(BaseSparsifier):
         if module is None:
             module = model
         if module is None or not self.groups:
-            raise ValueError("nothing prepared: call prepare(model) and calibrate before convert()")
+            raise ArmorInputError("nothing prepared: call prepare(model) and calibrate before convert()")
         if module is not model:
             ids = {id(m) for m in module.modules()}
             if any(id(g["module"]) not in ids for g in self.groups):
-                raise ValueError("convert(model) got a model that this sparsifier did not prepare")
+                raise ArmorInputError("convert(model) got a model that this sparsifier did not prepare")
         return module
 
     def _convert(self, module: Optional[nn.Module], inplace: bool, storage: str) -> nn.Module:
         """Write every solution into its layer with :meth:`LayerSolution.apply`, in place."""
-        from torch_armor.tensor.armor_tensor import ArmorTensor
-
         if not inplace:
-            raise ValueError(
+            raise ArmorInputError(
                 f"{type(self).__name__}.convert works in place; copy.deepcopy the model before prepare() to keep it"
             )
         model = self._model_for(module)
         if self._converted:
-            raise ValueError(
+            raise ArmorInputError(
                 "this model was already converted by this sparsifier; to convert another model, "
                 "prepare() its dense weights first"
             )
         for group in self.groups:
             if isinstance(group["module"].weight, ArmorTensor):
-                raise ValueError(f"layer {group['tensor_fqn']!r} was already converted (it holds an ArmorTensor)")
+                raise ArmorInputError(f"layer {group['tensor_fqn']!r} was already converted (it holds an ArmorTensor)")
         self._solve_pending()
         for group in self.groups:
             self.state[group["tensor_fqn"]]["solution"].apply(group["module"], storage)
@@ -387,7 +350,7 @@ class CalibratedSparsifier(BaseSparsifier):
         ``requires_grad``.
         """
         if args or kwargs:
-            raise ValueError("squash_mask() takes no arguments (sparse_params are not kept)")
+            raise ArmorInputError("squash_mask() takes no arguments (sparse_params are not kept)")
         self._model_for(None)
         self._solve_pending()
         for group in self.groups:
@@ -398,17 +361,20 @@ class CalibratedSparsifier(BaseSparsifier):
         self._finish()
 
     # -- save / resume -----------------------------------------------------------------------
-    def _config_dict(self) -> Dict[str, Any]:
-        raise NotImplementedError
+    def _group_state(self, fqn: str) -> Dict[str, Any]:
+        """A layer's settings as saved: its config (per-layer overrides applied) in the flat form."""
+        return {"tensor_fqn": fqn, **plain(config_to_dict(self._group_configs[fqn]))}
 
     def _identity(self) -> Dict[str, Any]:
-        return {"sparsifier": type(self).__name__, "method": self.method, "config": self._config_dict()}
+        return {"sparsifier": type(self).__name__, "method": self.method.name,
+                "config": config_to_dict(self._base_config)}
 
     def state_dict(self) -> Dict[str, Any]:
         """Statistics, finished layers and weight hashes, as tensors, strings and numbers only.
 
         ``torch.save`` it and read it back with ``torch.load(path, weights_only=True)``.
-        Layout: ``{"version", "sparsifier", "method", "config", "groups", "weight_hashes":
+        Layout: ``{"version", "sparsifier", "method", "config", "groups" (each layer's settings in the
+        flat form of ``config_to_dict``), "weight_hashes":
         {tensor_fqn: sha256 of the dense weight at prepare()}, "state": {tensor_fqn:
         {"act_sq_norm", "num_tokens", ["xtx"], [result...]}}}``; an ARMOR result is
         ``"factors"`` (:meth:`ArmorFactors.to_tensors`) and ``"factor_metadata"``, a baseline's
@@ -424,9 +390,9 @@ class CalibratedSparsifier(BaseSparsifier):
                 if stats.xtx is not None:
                     entry["xtx"] = stats.xtx.detach().cpu()
             if self._done(fqn):
-                entry.update(_solution_state(self.state[fqn]["solution"]))
+                entry.update(solution_state(self.state[fqn]["solution"]))
             state[fqn] = entry
-        groups = [plain({k: v for k, v in g.items() if k not in _MODULE_KEYS}) for g in self.groups]
+        groups = [self._group_state(g["tensor_fqn"]) for g in self.groups]
         return {"version": STATE_DICT_VERSION, **self._identity(), "groups": groups,
                 "weight_hashes": dict(self._weight_hashes), "state": state}
 
@@ -447,25 +413,25 @@ class CalibratedSparsifier(BaseSparsifier):
                 is named); shapes or layers that do not match.
         """
         if not self.groups:
-            raise ValueError("call prepare(model) on the dense model before load_state_dict() so layers can be matched")
+            raise ArmorInputError("call prepare(model) on the dense model before load_state_dict() so layers can be matched")
         if self._converted:
-            raise ValueError("this sparsifier already converted its model; prepare() a dense model, then load")
+            raise ArmorInputError("this sparsifier already converted its model; prepare() a dense model, then load")
         if not isinstance(state_dict, dict) or "state" not in state_dict:
-            raise ValueError("not a sparsifier state: expected the dict returned by state_dict()")
+            raise ArmorInputError("not a sparsifier state: expected the dict returned by state_dict()")
         mine_id, theirs_id = self._identity(), {k: state_dict.get(k) for k in ("sparsifier", "method")}
         if {k: mine_id[k] for k in theirs_id} != theirs_id:
-            raise ValueError(
+            raise ArmorInputError(
                 f"this state comes from {theirs_id['sparsifier']}(method={theirs_id['method']!r}); "
                 f"load it into the same kind of sparsifier, not {mine_id['sparsifier']}(method={mine_id['method']!r})"
             )
         if state_dict.get("version") != STATE_DICT_VERSION or not isinstance(state_dict.get("weight_hashes"), dict):
-            raise ValueError(
+            raise ArmorInputError(
                 f"this sparsifier state is version {state_dict.get('version')!r} (without weight hashes); this "
                 f"torch_armor reads version {STATE_DICT_VERSION}: recompute it (prepare, calibrate, step, state_dict())"
             )
         mine, theirs = set(self._fqns()), set(state_dict["state"])
         if strict and mine != theirs:
-            raise ValueError(
+            raise ArmorInputError(
                 f"the saved layers differ from the prepared ones: missing {sorted(mine - theirs)[:5]}, "
                 f"unexpected {sorted(theirs - mine)[:5]}; prepare with the same config or pass strict=False"
             )
@@ -478,20 +444,20 @@ class CalibratedSparsifier(BaseSparsifier):
             if "act_sq_norm" in entry:
                 h = entry["act_sq_norm"]
                 if tuple(h.shape) != (module.in_features,):
-                    raise ValueError(
+                    raise ArmorInputError(
                         f"layer {fqn!r}: saved statistics have shape {tuple(h.shape)} but the layer has "
                         f"d_in={module.in_features}; the state comes from a different model"
                     )
                 xtx = entry.get("xtx")
                 if self.track_xtx and xtx is None:
-                    raise ValueError(f"layer {fqn!r}: the saved state has no XᵀX (needed by {self.method!r} with these "
+                    raise ArmorInputError(f"layer {fqn!r}: the saved state has no XᵀX (needed by {self.method.name!r} with these "
                                      "settings): recalibrate and save the state again")
                 stats = LayerStatistics(h.float(), int(entry["num_tokens"]), xtx.float() if self.track_xtx else None)
-            sol = _solution_from_state(fqn, self.method, entry, tuple(module.weight.shape))
+            sol = solution_from_state(fqn, self.method.name, entry, tuple(module.weight.shape))
             loaded[fqn] = (stats, sol)
         for fqn in loaded:
             if state_dict["weight_hashes"].get(fqn) != self._weight_hashes[fqn]:
-                raise ValueError(
+                raise ArmorInputError(
                     f"layer {fqn!r}: the state comes from other weights (its sha256 differs from the prepared "
                     "weight's); prepare() the model the state was saved from, then load it"
                 )
@@ -505,7 +471,7 @@ class CalibratedSparsifier(BaseSparsifier):
                     self._observers[fqn].reset()  # the loaded statistics replace what was seen
             if sol is not None:
                 self.state[fqn]["solution"] = sol
-                now = plain({k: v for k, v in group.items() if k not in _MODULE_KEYS})
+                now = self._group_state(fqn)
                 diff = sorted(k for k in now if k in saved_groups.get(fqn, {}) and saved_groups[fqn][k] != now[k])
                 if diff:
                     logger.warning("%s: loaded result was computed with different settings %s; kept as is",

@@ -24,21 +24,34 @@ Errors: a bad argument, model, file or a failed write prints one line
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
 import shlex
-import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
+
+import torch
+
+from torch_armor.core.config import ArmorConfig
+from torch_armor.core.levers import OPTIMIZERS, ReconstructConfig, RefineConfig
+from torch_armor.engine.distributed import launched_rank
+from torch_armor.engine.methods import method_named, method_names
+from torch_armor.engine.options import RUN_DIR_NAME, PruneOptions, check_device
+from torch_armor.engine.prune import prune_model
+from torch_armor.errors import CLEAR_ERRORS, ArmorError, debug_enabled
+from torch_armor.progress import is_interactive, quiet_third_party_progress
+from torch_armor.recipes.data import calibration_windows, eval_windows
+from torch_armor.recipes.evaluate import perplexity
+from torch_armor.recipes.models import load_model, parse_dtype, pruning_source
+from torch_armor.recipes.quality import DEMO_METHODS, run_quality
+from torch_armor.tensor.finetune import checkpoint_size
 
 __all__ = ["main", "build_parser"]
 
 REPORT_JSON = "prune_report.json"
 REPORT_PNG = "prune_report.png"
-_METHODS = ("armor", "nowag", "wanda", "sparsegpt", "magnitude")
-_DEMO_METHODS = ("dense", "magnitude", "wanda", "sparsegpt", "nowag", "armor")
 
 
 def _block_size(text: str):
@@ -107,8 +120,6 @@ def _add_model(p: argparse.ArgumentParser, help_text: str) -> None:
 
 def _add_armor(p: argparse.ArgumentParser) -> None:
     """The ARMOR options; their defaults are ArmorConfig's (documented there, in one place)."""
-    from torch_armor.config import ArmorConfig
-
     default = ArmorConfig()
     g = p.add_argument_group("ARMOR")
     g.add_argument("--block-size", type=_block_size, default=default.block_size,
@@ -117,15 +128,18 @@ def _add_armor(p: argparse.ArgumentParser) -> None:
                         f"spent where it lowers the loss most (default {default.block_size})")
     g.add_argument("--max-overhead", type=_positive_float, default=default.max_overhead,
                    help="wrapper-overhead budget of --block-size auto/budget, a fraction (default 0.05 = 5%%)")
-    g.add_argument("--refine", choices=("output", "none"), default=default.refine or "none",
+    refine = "output" if default.refine is not None else "none"
+    g.add_argument("--refine", choices=("output", "none"), default=refine,
                    help=f"after each layer's optimizer, refine A, core values and B under the output-space "
-                        f"loss tr((W-Ŵ) XᵀX (W-Ŵ)ᵀ) (default {default.refine or 'none'})")
-    g.add_argument("--reconstruct-steps", type=int, default=default.reconstruct_steps,
-                   help=f"Adam steps of block reconstruction per decoder block (default {default.reconstruct_steps}: off)")
-    g.add_argument("--optimizer", choices=("bcd", "adam"), default=default.optimizer,
-                   help=f"per-layer optimizer (default {default.optimizer})")
+                        f"loss tr((W-Ŵ) XᵀX (W-Ŵ)ᵀ) (default {refine})")
+    steps = default.reconstruct.steps if default.reconstruct is not None else 0
+    g.add_argument("--reconstruct-steps", type=int, default=steps,
+                   help=f"Adam steps of block reconstruction per decoder block (default {steps}; 0: off)")
+    g.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default=default.optimizer.name,
+                   help=f"per-layer optimizer (default {default.optimizer.name})")
     g.add_argument("--iters", type=int, default=None,
-                   help=f"iterations per layer (default: {default.iterations} bcd sweeps; 1000 adam steps)")
+                   help="iterations per layer (default: "
+                        + "; ".join(f"{kind().iters} {name}" for name, kind in OPTIMIZERS.items()) + ")")
     g.add_argument("--time-budget", type=_positive_float, default=None,
                    help="also stop each layer after this many wall seconds (default: no limit)")
     g.add_argument("--seed", type=_seed, default=0, help="seed of calibration windows and group selection")
@@ -147,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(p, "'smollm2' (embedded SmolLM2-135M), a local Hugging Face directory, or a hub id")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
-    p.add_argument("--method", choices=_METHODS, default="armor", help="pruning method (default armor)")
+    p.add_argument("--method", choices=method_names(), default="armor", help="pruning method (default armor)")
     p.add_argument("--pattern", default="2:4", help="'2:4' (default), 'N:M' or 'unstructured:F'")
     p.add_argument("--calib", default="sotu",
                    help="calibration text: sotu (default), wiki, a file/dir/glob, or a datasets name")
@@ -184,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="quality table of every method on SmolLM2-135M",
                        description="SmolLM2-135M, sotu calibration, Wikipedia evaluation: prune with every "
                                    "method from one set of statistics and print the quality table.")
-    d.add_argument("--methods", nargs="+", choices=_DEMO_METHODS, default=list(_DEMO_METHODS),
+    d.add_argument("--methods", nargs="+", choices=DEMO_METHODS, default=list(DEMO_METHODS),
                    help="rows to run (default: all)")
     d.add_argument("--pattern", default="2:4", help="sparsity pattern (default 2:4)")
     d.add_argument("--calib", default="sotu", help="calibration text (default sotu)")
@@ -204,141 +218,63 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    """A phase message on stderr (rank 0 only under ``torchrun``)."""
+    if launched_rank() == 0:
+        print(message, file=sys.stderr, flush=True)
 
 
 def _setup(args: argparse.Namespace) -> None:
-    import torch
-
-    from torch_armor.progress import is_interactive, quiet_third_party_progress
-
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.no_progress or not is_interactive():
         quiet_third_party_progress()
 
 
-def _check_device(device: Optional[str]) -> None:
-    """Refuse a ``--device`` this torch cannot run on, before anything is loaded."""
-    if device is None:
-        return
-    import torch
-
-    from torch_armor.errors import ArmorInputError
-
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError) as err:
-        raise ArmorInputError(f"--device {device!r} is not a device ({err}); use cpu, cuda or cuda:N") from None
-    if dev.type == "meta":
-        raise ArmorInputError("--device meta holds no values, so nothing can be calibrated or evaluated; "
-                              "use cpu or cuda")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ArmorInputError(f"--device {device}: this torch build ({torch.__version__}) sees no CUDA GPU; "
-                                  "use --device cpu, or install a CUDA build of torch")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ArmorInputError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) visible")
-    elif dev.type != "cpu":
-        module = getattr(torch, dev.type, None)
-        available = getattr(module, "is_available", None)
-        if available is None or not available():
-            raise ArmorInputError(f"--device {device}: the {dev.type} backend is not available in this torch; "
-                                  "use --device cpu")
-
-
-def _armor_config(args: argparse.Namespace):
+def _armor_config(args: argparse.Namespace) -> ArmorConfig:
     """The ArmorConfig of the ARMOR options; an option not given keeps ArmorConfig's default."""
-    from torch_armor.config import ArmorConfig
-
+    kind = OPTIMIZERS[args.optimizer]
+    optimizer = kind(**({"iters": args.iters} if args.iters is not None else {}), time_budget_s=args.time_budget)
     return ArmorConfig(block_size=args.block_size, max_overhead=args.max_overhead, pattern=args.pattern,
-                       optimizer=args.optimizer, num_iters=args.iters, time_budget_s=args.time_budget,
-                       seed=args.seed, refine=None if args.refine == "none" else args.refine,
-                       reconstruct_steps=args.reconstruct_steps)
+                       seed=args.seed, optimizer=optimizer, refine=RefineConfig() if args.refine == "output" else None,
+                       reconstruct=ReconstructConfig(steps=args.reconstruct_steps) if args.reconstruct_steps else None)
 
 
-RUN_DIR_NAME = "armor_run"
-
-
-def _check_out(out: Path, overwrite: bool, allowed: Sequence[str] = ()) -> None:
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} exists and is not a directory")
-    leftovers = [p for p in out.iterdir() if p.name not in allowed] if out.is_dir() else []
-    if leftovers and not overwrite:
-        raise ValueError(f"--out {out} is not empty; pass --overwrite to write into it")
-    from torch_armor.tensor.serialization import _PICKLE_SUFFIXES
-
-    pickles = sorted(p.name for p in leftovers if p.is_file() and p.suffix.lower() in _PICKLE_SUFFIXES)
-    if pickles:
-        raise ValueError(f"--out {out} holds pickle weights {pickles} that a torch_armor checkpoint cannot sit "
-                         "beside (the loader refuses the directory); remove them or choose another --out")
+def _method_config(args: argparse.Namespace) -> Any:
+    """The config of ``--method`` from the options that apply to it."""
+    kind = method_named(args.method).config_type
+    if issubclass(kind, ArmorConfig):
+        return _armor_config(args)
+    given = {"pattern": args.pattern, "block_size": args.sparsegpt_block_size, "damp": args.damp}
+    return kind(**{f.name: given[f.name] for f in dataclasses.fields(kind) if f.name in given})
 
 
 def _cmd_prune(args: argparse.Namespace) -> int:
-    from torch_armor.engine.distributed import init_distributed
-
-    out = Path(args.out)
-    run_dir = Path(args.run_dir) if args.run_dir else out / RUN_DIR_NAME
-    if args.method != "armor" and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
-        raise ValueError(f"only --method armor runs on several ranks; run {args.method} without torchrun")
-    _check_out(out, args.overwrite, allowed=(RUN_DIR_NAME,) if not args.run_dir else ())
-    from torch_armor.recipes.models import check_model_source
-
-    if check_model_source(args.model, args.gguf_file) == "armor":
-        raise ValueError(f"MODEL {args.model!r} is already pruned by torch_armor (it has armor_config.json); "
-                         "prune the original dense checkpoint instead")
-    topo = init_distributed(device=args.device)
-    try:
-        return _prune(args, out, run_dir, topo)
-    finally:
-        if topo.initialized_here:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
-
-
-def _prune(args: argparse.Namespace, out: Path, run_dir: Path, topo) -> int:
     _setup(args)
     start = time.perf_counter()
-    from torch_armor.engine.runner import BaselineConfig
-    from torch_armor.recipes.data import calibration_windows
-    from torch_armor.recipes.models import load_model, load_tokenizer, parse_dtype
-    from torch_armor.recipes.prune import is_streamable_checkpoint, prune_model
-
-    armor = args.method == "armor"
-    rank = topo.rank
-    streamed = args.gguf_file is None and is_streamable_checkpoint(args.model)
-    if rank == 0:
-        _log(f"{'streaming' if streamed else 'loading'} {args.model} …")
-    if streamed:
-        model, tokenizer = args.model, load_tokenizer(args.model)
-    else:
-        model, tokenizer = load_model(args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device)
-    if rank == 0:
-        _log(f"calibrating on {args.n_calib}×{args.seq_len} tokens of {args.calib}, "
-             f"{'sequentially' if not args.one_shot else 'one-shot'}, one decoder block at a time")
+    out = Path(args.out)
+    model, tokenizer = pruning_source(args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device,
+                                      log=_log)
+    _log(f"calibrating on {args.n_calib}×{args.seq_len} tokens of {args.calib}, "
+         f"{'sequentially' if not args.one_shot else 'one-shot'}, one decoder block at a time")
     windows = calibration_windows(args.calib, tokenizer, n_windows=args.n_calib, seq_len=args.seq_len, seed=args.seed)
-    config = _armor_config(args) if armor else BaselineConfig(
-        pattern=args.pattern, block_size=args.sparsegpt_block_size, damp=args.damp)
-    report = prune_model(
-        model, windows, args.method, config, sequential=not args.one_shot, run_dir=run_dir, device=args.device,
-        progress=not args.no_progress, out=out, layers=args.layers, batch_size=args.batch_size,
-        storage=args.storage, dtype=parse_dtype(args.dtype) if streamed else None, log=_log if rank == 0 else None,
-    )
-    if rank != 0:
+    options = PruneOptions(
+        out=out, overwrite=args.overwrite,
+        run_dir=args.run_dir or (out / RUN_DIR_NAME if args.keep_run_dir else None),  # given: kept after success
+        device=args.device, dtype=parse_dtype(args.dtype), storage=args.storage, sequential=not args.one_shot,
+        batch_size=args.batch_size, progress=not args.no_progress, log=_log)
+    report = prune_model(model, windows, _method_config(args), layers=args.layers, options=options)
+    if report.rank != 0:
         return 0
     tokenizer.save_pretrained(str(out))
     meta = {
         "command": "torch-armor " + shlex.join(args.argv),
         "model": args.model,
-        "ranks": topo.world_size,
+        "ranks": report.world_size,
         "calibration": {"source": args.calib, "n_windows": args.n_calib, "seq_len": args.seq_len,
                         "seed": args.seed, "sequential": not args.one_shot},
     }
     report.save_json(out / REPORT_JSON, **meta)
     report.save_plot(out / REPORT_PNG, title=None)
-    if not args.run_dir and not args.keep_run_dir:
-        shutil.rmtree(run_dir, ignore_errors=True)
     total = time.perf_counter() - start
     print(f"pruned {len(report.layers)} linears of {args.model} with {args.method} {report.pattern}: "
           f"mean relative proxy loss {report.mean_relative_proxy_loss:.4f} (NoWag-P = 1)"
@@ -346,8 +282,6 @@ def _prune(args: argparse.Namespace, out: Path, run_dir: Path, topo) -> int:
              if report.mean_relative_output_loss is not None else "")
           + (f", wrapper overhead {100 * report.overhead:.2f}%" if report.overhead else "")
           + f", pruning {report.seconds:.1f} s, total {total:.1f} s")
-    from torch_armor.tensor.finetune import checkpoint_size
-
     size = checkpoint_size(out)
     print(f"size: {size.parameters:,} stored parameters, {size.parameter_bytes / 2**20:.1f} MiB of weights "
           f"(dense model: {size.dense_parameters:,} parameters, {size.dense_parameter_bytes / 2**20:.1f} MiB)")
@@ -357,10 +291,6 @@ def _prune(args: argparse.Namespace, out: Path, run_dir: Path, topo) -> int:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     _setup(args)
-    from torch_armor.recipes.data import eval_windows
-    from torch_armor.recipes.evaluate import perplexity
-    from torch_armor.recipes.models import load_model
-
     model, tokenizer = load_model(args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device)
     windows = eval_windows(args.data, tokenizer, n_windows=args.n_eval, seq_len=args.seq_len)
     t = time.perf_counter()
@@ -376,10 +306,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     _setup(args)
-    from torch_armor.recipes.quality import run_quality
-
     result = run_quality(
-        "smollm2", methods=args.methods, armor_configs=[_armor_config(args)], pattern=args.pattern,
+        "smollm2", methods=args.methods, configs=[_armor_config(args)], pattern=args.pattern,
         calib=args.calib, n_calib=args.n_calib, eval_data=args.data, n_eval=args.n_eval, seq_len=args.seq_len,
         layers=args.layers, batch_size=args.batch_size, seed=args.seed, armor_eval=args.armor_eval,
         sequential=not args.one_shot, progress=not args.no_progress, log=_log,
@@ -406,18 +334,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         >>> main(["prune", "smollm2", "--out", "runs/x", "--layers", "0-1"])   # doctest: +SKIP
         0
     """
-    from torch_armor.errors import CLEAR_ERRORS, debug_enabled
-
     parser = build_parser()
     argv = list(argv) if argv is not None else sys.argv[1:]
     args = parser.parse_args(argv)
     args.argv = argv
     commands = {"prune": _cmd_prune, "eval": _cmd_eval, "demo": _cmd_demo}
     if args.debug or debug_enabled():
-        _check_device(getattr(args, "device", None))
+        check_device(getattr(args, "device", None), "--device")
         return commands[args.command](args)
     try:
-        _check_device(getattr(args, "device", None))
+        check_device(getattr(args, "device", None), "--device")
         return commands[args.command](args)
     except CLEAR_ERRORS as err:
         print(f"torch-armor {args.command}: error: {_one_line(err)}", file=sys.stderr)
@@ -434,8 +360,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _one_line(err: BaseException) -> str:
     """The error's message on one line; an OSError names its file."""
-    from torch_armor.errors import ArmorError
-
     if isinstance(err, OSError) and not isinstance(err, ArmorError) and err.strerror:
         text = f"{err.strerror}: {err.filename}" if err.filename else err.strerror
         text += "; free space or fix permissions, then rerun the same command (finished layers are kept)"

@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -84,21 +85,19 @@ def quiet_third_party_progress() -> None:
     """Turn off the progress bars of transformers (``Loading weights``) and huggingface_hub."""
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
     try:
-        from transformers.utils import logging as hf_logging
+        from transformers.utils import logging as hf_logging  # floor 0 stays free of transformers at import
 
         hf_logging.disable_progress_bar()
     except Exception:  # noqa: BLE001 - transformers is optional here
         pass
     try:
-        from huggingface_hub.utils import disable_progress_bars
+        from huggingface_hub.utils import disable_progress_bars  # optional here, like transformers
 
         disable_progress_bars()
     except Exception:  # noqa: BLE001
         pass
     try:  # transformers' GGUF reader draws a plain tqdm.auto bar of its own (no switch for it)
-        import functools
-
-        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils  # optional: needs the gguf package
 
         gguf_utils.tqdm = functools.partial(_tqdm, disable=True)
     except Exception:  # noqa: BLE001

@@ -1,8 +1,10 @@
 """``torch.ao.pruning``-style sparsifiers: statistics hooks → per-layer solve → weight swap.
 
 :class:`ArmorSparsifier` factorizes every prepared linear with ARMOR;
-:class:`PruningSparsifier` runs a baseline (magnitude, Wanda, NoWag-P, SparseGPT) through the
-same ``prepare → calibrate → step → convert`` shell, so every method sees the same data. Both
+:class:`PruningSparsifier` runs a baseline (:class:`~torch_armor.core.method_config.MagnitudeConfig`,
+``WandaConfig``, ``NoWagConfig``, ``SparseGPTConfig``) through the same ``prepare → calibrate →
+step → convert`` shell, so every method sees the same data. Both take the same configs as
+:func:`~torch_armor.prune_model`. Both
 are thin: each layer is solved by the one per-layer runner,
 :func:`~torch_armor.engine.runner.solve_layer`, and written back with
 :meth:`~torch_armor.engine.runner.LayerSolution.apply`.
@@ -13,7 +15,7 @@ The protocol:
    (default: every ``nn.Linear`` except the output head and weights tied to an embedding) and
    records a sha256 of each prepared dense weight.
 2. Calibrate: run forward passes yourself. Each hook adds ``Σ x_j²`` per input channel (and
-   ``XᵀX`` for SparseGPT) in float32, whatever the input dtype or shape; activations are never
+   ``XᵀX`` where the method needs it: SparseGPT, ARMOR's refinement) in float32, whatever the input dtype or shape; activations are never
    stored. Padded batches: call ``sparsifier.set_attention_mask(mask)`` before each forward
    (``(batch, seq_len)``, 0 = pad; give the model the same mask) and pad positions are left out of
    every statistic; ``set_attention_mask(None)`` counts every position again.
@@ -31,54 +33,60 @@ recalibrating or recomputing; a state from other weights is refused.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable, Dict, Optional
 
 from torch import nn
 
-from torch_armor.calibration.hooks import STATE_DICT_VERSION, CalibratedSparsifier, plain
-from torch_armor.config import ArmorConfig
+from torch_armor.calibrated_sparsifier import CalibratedSparsifier
+from torch_armor.core.config import ArmorConfig
+from torch_armor.core.config_compat import LEGACY_KEYWORDS
 from torch_armor.core.factors import ArmorFactors
-from torch_armor.engine.runner import METHODS, BaselineConfig
+from torch_armor.engine.methods import METHODS, method_for, method_named
+from torch_armor.errors import ArmorInputError, deprecated
+from torch_armor.sparsifier_state import STATE_DICT_VERSION
+from torch_armor.tensor.armor_tensor import STORAGES
+from torch_armor.tensor.hf_format import attach_quantizer
 
 __all__ = ["ArmorSparsifier", "PruningSparsifier", "STATE_DICT_VERSION"]
 
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(ArmorConfig))
-_BASELINES = tuple(name for name in METHODS if name != "armor")
 
 
 class ArmorSparsifier(CalibratedSparsifier):
     """ARMOR sparsifier following the ``torch.ao.pruning`` protocol.
 
     Args:
-        config: an :class:`ArmorConfig`; its fields can also be given as keyword arguments,
-            which override it (``ArmorSparsifier(cfg, num_iters=3)``). Unknown keywords raise.
+        config: an :class:`~torch_armor.core.config.ArmorConfig` (default ``ArmorConfig()``).
         storage: how converted weights store the core (``"auto"``, ``"compact"``,
             ``"dense"``, ``"semi_structured"``; see :class:`~torch_armor.tensor.armor_tensor.ArmorTensor`).
         progress: show a tqdm progress bar in :meth:`step`.
         on_layer_done: called as ``on_layer_done(tensor_fqn, factors)`` after each layer is
             factorized in :meth:`step` (the factors are already stored), e.g. to checkpoint
             ``sparsifier.state_dict()``.
+        **overrides: deprecated: ``ArmorConfig`` fields (also the flat ones of earlier releases,
+            ``num_iters=``…) applied to ``config``; write them into the config.
 
     Per-layer overrides in ``prepare(model, [{"tensor_fqn": ..., "block_size": 16}, ...])`` may
     set any :class:`ArmorConfig` field. Derived defaults follow: a layer overriding
     ``block_size`` gets that block size's default ``group_updates`` unless that is set too.
     Each layer's config is resolved with :meth:`ArmorConfig.for_layer` (``block_size="auto"``
-    picks a block size per layer) and checked against its shape in ``prepare``.
+    picks a block size per layer) and checked against its shape in ``prepare``. Block
+    reconstruction needs decoder blocks: the sparsifier, which sees layers, skips it.
 
     Example::
 
         >>> import torch
         >>> from torch import nn
+        >>> from torch_armor.core.config import BcdConfig
         >>> model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32), nn.Linear(32, 10))
-        >>> sparsifier = ArmorSparsifier(block_size=16, optimizer="bcd", num_iters=5, progress=False)
+        >>> sparsifier = ArmorSparsifier(ArmorConfig(block_size=16, optimizer=BcdConfig(iters=5)), progress=False)
         >>> sparsifier.prepare(model, [{"tensor_fqn": "0.weight"}, {"tensor_fqn": "2.weight"}])
         >>> _ = model(torch.randn(128, 32))          # calibrate
         >>> model = sparsifier.convert(model)         # step() + swap the weights
         >>> type(model[0].weight).__name__, sparsifier.factors["0.weight"].relative_loss < 1
         ('ArmorTensor', True)
     """
-
-    method = "armor"
 
     def __init__(
         self,
@@ -89,21 +97,17 @@ class ArmorSparsifier(CalibratedSparsifier):
         on_layer_done: Optional[Callable[[str, ArmorFactors], None]] = None,
         **overrides: Any,
     ) -> None:
-        from torch_armor.tensor.armor_tensor import STORAGES
-
-        unknown = set(overrides) - set(_CONFIG_FIELDS)
-        if unknown:
-            raise ValueError(
-                f"ArmorSparsifier: unknown ArmorConfig fields {sorted(unknown)}; valid: {list(_CONFIG_FIELDS)}"
-            )
         if config is not None and not isinstance(config, ArmorConfig):
-            raise ValueError(f"config must be an ArmorConfig or None, got {type(config).__name__}")
+            raise ArmorInputError(f"config must be an ArmorConfig or None, got {type(config).__name__}")
         if storage not in STORAGES + ("auto",):
-            raise ValueError(f"storage must be one of {STORAGES + ('auto',)}, got {storage!r}")
+            raise ArmorInputError(f"storage must be one of {STORAGES + ('auto',)}, got {storage!r}")
         if on_layer_done is not None and not callable(on_layer_done):
-            raise ValueError("on_layer_done must be a callable (tensor_fqn, factors) -> None")
-        self.armor_config = dataclasses.replace(config or ArmorConfig(), **overrides)
-        super().__init__(self.armor_config, _CONFIG_FIELDS, progress=progress)
+            raise ArmorInputError("on_layer_done must be a callable (tensor_fqn, factors) -> None")
+        config = config or ArmorConfig()
+        if overrides:
+            config = _with_overrides(config, overrides)
+        self.armor_config = config
+        super().__init__(config, progress=progress, extra_keys=tuple(sorted(LEGACY_KEYWORDS)))
         self.storage = storage
         self.on_layer_done = on_layer_done
 
@@ -124,39 +128,50 @@ class ArmorSparsifier(CalibratedSparsifier):
         model. Unlike ``BaseSparsifier.convert`` no copy is made (``inplace=False`` raises).
 
         Raises:
-            ValueError: the model was already converted, or ``module`` was not prepared.
+            ArmorInputError: the model was already converted, or ``module`` was not prepared.
         """
         model = self._convert(module, inplace, storage or self.storage)
-        from torch_armor.hf import attach_quantizer
-
         return attach_quantizer(model)  # model.save_pretrained writes the ARMOR format
 
-    def _config_dict(self) -> Dict[str, Any]:
-        from torch_armor.engine.runstore import config_to_dict
 
-        return config_to_dict(self.armor_config)
+def _with_overrides(config: ArmorConfig, overrides: Dict[str, Any]) -> ArmorConfig:
+    """``config`` with the deprecated keyword overrides of ``ArmorSparsifier(...)`` applied (one warning)."""
+    unknown = set(overrides) - set(_CONFIG_FIELDS) - LEGACY_KEYWORDS
+    if unknown:
+        raise ArmorInputError(f"ArmorSparsifier: unknown ArmorConfig fields {sorted(unknown)}; valid: "
+                              f"{list(_CONFIG_FIELDS)}")
+    with warnings.catch_warnings():  # one warning, for the sparsifier call, not one per flat keyword
+        warnings.simplefilter("ignore", DeprecationWarning)
+        new = dataclasses.replace(config, **overrides)
+    given = ", ".join(f"{k}={v!r}" for k, v in overrides.items())
+    deprecated(f"ArmorSparsifier(..., {given}) is deprecated: put the settings in the config, "
+               f"ArmorSparsifier({new!r})", stacklevel=4)
+    return new
 
 
 class PruningSparsifier(CalibratedSparsifier):
-    """Baseline pruning (``magnitude``, ``wanda``, ``nowag``, ``sparsegpt``) in the same shell.
+    """Baseline pruning in the same shell: the config's type is the method
+    (:class:`~torch_armor.core.method_config.MagnitudeConfig`, ``WandaConfig``, ``NoWagConfig``,
+    ``SparseGPTConfig``).
 
     ``convert`` (like ``squash_mask``) writes the pruned weight — dense, with exact zeros —
     into each prepared layer, in place. Wanda and NoWag-P use ``Σx²``; SparseGPT also
     accumulates ``XᵀX`` per layer (``d_in²`` floats each); magnitude needs no calibration.
 
     Args:
-        method: ``"magnitude"``, ``"wanda"``, ``"nowag"`` or ``"sparsegpt"``.
-        pattern: ``"N:M"`` or ``"unstructured:F"`` (per-layer override: ``"pattern"``).
+        config: the baseline's config; its fields may be overridden per layer in ``prepare``
+            (e.g. ``"pattern"``).
         progress: show a progress bar in :meth:`step`.
-        **method_kwargs: the :class:`~torch_armor.engine.runner.BaselineConfig` fields the
-            method reads (SparseGPT: ``block_size``, ``damp``); also overridable per layer.
+        pattern, **options: deprecated, with a method name as ``config``
+            (``PruningSparsifier("sparsegpt", pattern="2:4", damp=0.1)``): the config's fields.
 
     Example::
 
         >>> import torch
         >>> from torch import nn
+        >>> from torch_armor.core.method_config import WandaConfig
         >>> model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
-        >>> sparsifier = PruningSparsifier("wanda", pattern="2:4", progress=False)
+        >>> sparsifier = PruningSparsifier(WandaConfig(pattern="2:4"), progress=False)
         >>> sparsifier.prepare(model, [{"tensor_fqn": "0.weight"}])
         >>> _ = model(torch.randn(64, 16))
         >>> model = sparsifier.convert(model)
@@ -164,28 +179,43 @@ class PruningSparsifier(CalibratedSparsifier):
         0.5
     """
 
-    def __init__(self, method: str, pattern: str = "2:4", *, progress: bool = True, **method_kwargs: Any) -> None:
-        if method not in _BASELINES:
-            raise ValueError(f"method must be one of {_BASELINES}, got {method!r}")
-        if "compute_dtype" in method_kwargs:
-            raise ValueError(
-                "PruningSparsifier: compute_dtype is not an option: layers are solved by "
-                "torch_armor.engine.runner.solve_layer, whose BaselineConfig has pattern, block_size and damp; "
-                "for a float64 SparseGPT call torch_armor.core.baselines.sparsegpt_prune(..., compute_dtype=...)"
-            )
-        options = METHODS[method].options
-        unknown = set(method_kwargs) - set(options)
-        if unknown:
-            raise ValueError(
-                f"PruningSparsifier({method!r}): unknown options {sorted(unknown)}; valid: {list(options) or 'none'}"
-            )
-        self.method = method
-        self.baseline_config = BaselineConfig(pattern=pattern, **method_kwargs)
-        super().__init__(self.baseline_config, ("pattern", *options), progress=progress)
+    def __init__(self, config: Any, pattern: Optional[str] = None, *, progress: bool = True,
+                 **options: Any) -> None:
+        if isinstance(config, str):
+            config = _baseline_from_name(config, pattern, options)
+        elif pattern is not None or options:
+            raise ArmorInputError("PruningSparsifier(config): give the settings in the config, e.g. "
+                                  "PruningSparsifier(SparseGPTConfig(pattern='2:4', damp=0.1))")
+        if method_for(config).factorizes:
+            raise ArmorInputError(f"PruningSparsifier runs the baselines; for {type(config).__name__} use "
+                                  "ArmorSparsifier")
+        self.baseline_config = config
+        super().__init__(config, progress=progress)
 
     def convert(self, module: Optional[nn.Module] = None, *, inplace: bool = True) -> nn.Module:
         """Write every pruned weight into its layer, in place (runs :meth:`step` if needed); returns the model."""
         return self._convert(module, inplace, "dense")
 
-    def _config_dict(self) -> Dict[str, Any]:
-        return plain(dataclasses.asdict(self.baseline_config))
+
+def _baseline_from_name(name: str, pattern: Optional[str], options: Dict[str, Any]) -> Any:
+    """The config of the deprecated ``PruningSparsifier("wanda", pattern=..., **options)`` (one warning)."""
+    method = method_named(name)
+    if method.factorizes:
+        baselines = tuple(m.name for m in METHODS.values() if not m.factorizes)
+        raise ArmorInputError(f"method must be one of {baselines}, got {name!r}")
+    if "compute_dtype" in options:
+        raise ArmorInputError(
+            "PruningSparsifier: compute_dtype is not an option: layers are solved by "
+            "torch_armor.engine.runner.solve_layer, whose SparseGPTConfig has pattern, block_size and damp; "
+            "for a float64 SparseGPT call torch_armor.core.baselines.sparsegpt_prune(..., compute_dtype=...)"
+        )
+    valid = [f.name for f in dataclasses.fields(method.config_type) if f.name != "pattern"]
+    unknown = set(options) - set(valid)
+    if unknown:
+        raise ArmorInputError(f"PruningSparsifier({name!r}): unknown options {sorted(unknown)}; "
+                              f"valid: {valid or 'none'}")
+    config = method.config_type(pattern=pattern or "2:4", **options)
+    deprecated(f"PruningSparsifier({name!r}, ...) is deprecated: the config's type is the method, "
+               f"write PruningSparsifier({config!r})", stacklevel=4)
+    return config
+

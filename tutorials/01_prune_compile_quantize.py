@@ -44,6 +44,7 @@ from torch_armor.tensor.quant import ArmorCoreConfig
 from torch_armor.tensor.serialization import load_pretrained, save_pretrained
 from torch_armor.sparsifier import ArmorSparsifier
 from torch_armor.tensor.armor_tensor import ArmorTensor
+from torch_armor import ArmorConfig, BcdConfig
 
 
 def build_model(seed: int = 0) -> LlamaForCausalLM:
@@ -83,7 +84,7 @@ def main(argv: Optional[Sequence[str]] = None, output_dir: Optional[str] = None)
     with torch.no_grad():
         dense_logits = model(eval_ids).logits
 
-    sparsifier = ArmorSparsifier(block_size=16, optimizer="bcd", num_iters=5, progress=False)
+    sparsifier = ArmorSparsifier(ArmorConfig(block_size=16, optimizer=BcdConfig(iters=5)), progress=False)
     sparsifier.prepare(model)  # hooks on the 14 decoder linears
     with torch.no_grad():
         for _ in range(4):  # calibration: 4 batches of 8 random 64-token windows

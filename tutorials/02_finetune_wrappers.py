@@ -35,7 +35,7 @@ from torch.func import functional_call
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import torch_armor
-from torch_armor import ArmorConfig, ArmorTensor, enable_finetuning, model_size, prune_model
+from torch_armor import ArmorConfig, ArmorTensor, BcdConfig, enable_finetuning, model_size, prune_model, PruneOptions
 from torch_armor.tensor.finetune import trainable_parts
 from torch_armor.tensor.packing import unpack_nm
 
@@ -101,7 +101,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     calibration = torch.randint(0, vocab, (8, 32), generator=gen)
-    prune_model(model, calibration, "armor", ArmorConfig(block_size=16, num_iters=5), progress=False)
+    prune_model(model, calibration, ArmorConfig(block_size=16, optimizer=BcdConfig(iters=5)), options=PruneOptions(progress=False))
     converted = [n for n, m in model.named_modules() if isinstance(getattr(m, "weight", None), ArmorTensor)]
     results["converted_layers"] = len(converted)
     size = model_size(model)

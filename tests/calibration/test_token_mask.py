@@ -9,6 +9,7 @@ import torch
 from torch_armor.calibration.blocks import block_statistics, capture_block_inputs, decoder_blocks
 from torch_armor.calibration.observer import (ActSqNormObserver, collect_statistics, decoder_linear_names,
                                               set_token_mask, token_mask)
+from torch_armor import (ArmorConfig, BcdConfig, MagnitudeConfig, prune_model, PruneOptions, PruningSparsifier, SparseGPTConfig, WandaConfig)
 
 
 def _padded(model, lengths, width, seed=0):
@@ -85,21 +86,21 @@ def test_prune_model_padding_changes_nothing(tiny_llama_factory):
     """The same real tokens with or without junk padding (masked) give the same pruned model:
     Wanda (a function of the statistics alone) bit for bit in its masks, ARMOR to 0.5% in every
     layer's loss (summation order differs; counting the pads instead moves them by up to ~10%)."""
-    from torch_armor import ArmorConfig, prune_model
+    from torch_armor import ArmorConfig, BcdConfig, prune_model
 
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(2))
     junk = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(3))
     padded = {"input_ids": torch.cat([ids, junk], 1),
               "attention_mask": torch.cat([torch.ones(2, 12), torch.zeros(2, 6)], 1).long()}
     plain_model, padded_model = tiny_llama_factory(), tiny_llama_factory()
-    prune_model(plain_model, ids, "wanda", progress=False, batch_size=2)
-    prune_model(padded_model, padded, "wanda", progress=False, batch_size=2)
+    prune_model(plain_model, ids, WandaConfig(), options=PruneOptions(progress=False, batch_size=2))
+    prune_model(padded_model, padded, WandaConfig(), options=PruneOptions(progress=False, batch_size=2))
     for name in decoder_linear_names(plain_model):
         wa, wb = (m.get_submodule(name).weight for m in (plain_model, padded_model))
         assert torch.equal(wa != 0, wb != 0), name
-    cfg = ArmorConfig(block_size=16, num_iters=2, refine=None, reconstruct_steps=0)  # the proxy loss alone
-    a = prune_model(tiny_llama_factory(), ids, "armor", cfg, progress=False, batch_size=2)
-    b = prune_model(tiny_llama_factory(), padded, "armor", cfg, progress=False, batch_size=2)
+    cfg = ArmorConfig(block_size=16, refine=None, optimizer=BcdConfig(iters=2), reconstruct=None)  # the proxy loss alone
+    a = prune_model(tiny_llama_factory(), ids, cfg, options=PruneOptions(progress=False, batch_size=2))
+    b = prune_model(tiny_llama_factory(), padded, cfg, options=PruneOptions(progress=False, batch_size=2))
     for la, lb in zip(a.layers, b.layers):
         assert la.name == lb.name
         assert la.relative_proxy_loss == pytest.approx(lb.relative_proxy_loss, rel=5e-3)
@@ -110,16 +111,16 @@ def test_prune_model_rejects_bad_masks(tiny_llama):
 
     ids = torch.zeros(2, 8, dtype=torch.long)
     with pytest.raises(ValueError, match="attention_mask must have the token ids' shape"):
-        prune_model(tiny_llama, {"input_ids": ids, "attention_mask": torch.ones(2, 7)}, "magnitude", progress=False)
+        prune_model(tiny_llama, {"input_ids": ids, "attention_mask": torch.ones(2, 7)}, MagnitudeConfig(), options=PruneOptions(progress=False))
     with pytest.raises(ValueError, match="no token"):
-        prune_model(tiny_llama, (ids, torch.tensor([[1] * 8, [0] * 8])), "wanda", progress=False)
+        prune_model(tiny_llama, (ids, torch.tensor([[1] * 8, [0] * 8])), WandaConfig(), options=PruneOptions(progress=False))
 
 
 def test_sparsifier_set_attention_mask(tiny_llama, tiny_llama_factory):
     from torch_armor.sparsifier import PruningSparsifier
 
     names = [n for n in decoder_linear_names(tiny_llama) if ".0." in n]
-    sp = PruningSparsifier("sparsegpt", progress=False)
+    sp = PruningSparsifier(SparseGPTConfig(), progress=False)
     sp.prepare(tiny_llama, [{"tensor_fqn": f"{n}.weight"} for n in names])
     ids, mask = _padded(tiny_llama, [3, 7], 7, seed=4)
     sp.set_attention_mask(mask)

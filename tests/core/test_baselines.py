@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torch_armor.core.baselines import magnitude_prune, sparsegpt_prune, wanda_prune
-from torch_armor.config import parse_pattern
+from torch_armor.core.pattern import parse_pattern
 
 NM_PATTERNS = ["1:2", "2:4", "1:4", "3:4", "4:8", "2:8"]
 UNSTRUCTURED = ["unstructured:0.5", "unstructured:0.3", "unstructured:0.75"]

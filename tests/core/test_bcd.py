@@ -2,7 +2,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from torch_armor import ArmorConfig, factorize
+from torch_armor import ArmorConfig, BcdConfig, factorize
 from torch_armor.core.bcd import refine_core_cg, update_a, update_b
 from torch_armor.core.factorize import reconstruct_normalized
 
@@ -95,7 +95,7 @@ def test_each_exact_substep_never_increases_loss(p, q, mult, nm, ridge, cg, seed
 @pytest.mark.parametrize("pattern", ["2:4", "4:8", "unstructured:0.5"])
 def test_bcd_history_is_monotone_and_beats_adam_per_iteration(pattern):
     w, h = random_layer(32, 64, seed=9, dtype=torch.float32)
-    f = factorize(w, h, ArmorConfig(block_size=16, pattern=pattern, optimizer="bcd", num_iters=15))
+    f = factorize(w, h, ArmorConfig(block_size=16, pattern=pattern, optimizer=BcdConfig(iters=15)))
     assert check_mask(f.mask, pattern)
     diffs = f.history[1:] - f.history[:-1]
     assert (diffs <= 1e-5).all()
@@ -104,8 +104,8 @@ def test_bcd_history_is_monotone_and_beats_adam_per_iteration(pattern):
 
 def test_bcd_time_budget_and_tolerance_stop_early():
     w, h = random_layer(64, 64, seed=1, dtype=torch.float32)
-    f = factorize(w, h, ArmorConfig(block_size=16, optimizer="bcd", num_iters=10_000, time_budget_s=0.5))
+    f = factorize(w, h, ArmorConfig(block_size=16, optimizer=BcdConfig(iters=10_000, time_budget_s=0.5)))
     assert f.history_time_s[-1] < 5.0 and f.history_iters[-1] < 10_000
-    g = factorize(w, h, ArmorConfig(block_size=16, optimizer="bcd", num_iters=10_000, tol=1e-3))
+    g = factorize(w, h, ArmorConfig(block_size=16, optimizer=BcdConfig(iters=10_000, tol=1e-3)))
     last = g.history[-2:]
     assert (last[0] - last[1]) / last[0] < 1e-3 and g.history_iters[-1] < 10_000

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from torch_armor import ArmorConfig, ArmorFactors, factorize
+from torch_armor import ArmorConfig, ArmorFactors, BcdConfig, factorize
 
 from _helpers import random_layer
 
@@ -18,7 +18,7 @@ def factors(request):
         x = torch.randn(200, 48, generator=torch.Generator().manual_seed(5))
         xtx = x.T @ x
         h = xtx.diagonal().clone()
-    return factorize(w, h, ArmorConfig(block_size=16, num_iters=3), xtx=xtx)
+    return factorize(w, h, ArmorConfig(block_size=16, optimizer=BcdConfig(iters=3)), xtx=xtx)
 
 
 def test_round_trip_is_bit_identical(factors):

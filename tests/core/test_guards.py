@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from tests._helpers import check_mask
-from torch_armor.config import ArmorConfig
+from torch_armor import ArmorConfig, BcdConfig
+from torch_armor.core.levers import OPTIMIZERS
 from torch_armor.core import factorize as factorize_mod
 from torch_armor.core.factorize import factorize
 from torch_armor.core.proxy import nowag_prune, proxy_loss
@@ -35,8 +36,7 @@ def test_zero_statistics_block(dtype, optimizer):
     w = torch.randn(64, 64, generator=g, dtype=dtype)
     h = torch.rand(64, generator=g, dtype=dtype) + 0.1
     h[:16] = 0
-    f = factorize(w, h, ArmorConfig(block_size=16, num_iters=4, optimizer=optimizer,
-                                    dtype=dtype), name="layers.0.q_proj")
+    f = factorize(w, h, ArmorConfig(block_size=16, dtype=dtype, optimizer=OPTIMIZERS[optimizer](iters=4)), name="layers.0.q_proj")
     _check_against_nowag(w, h, f)
 
 
@@ -47,7 +47,7 @@ def test_rank_deficient_weight_blocks():
     w[:16] = 0
     w[:, 32:48] = 0
     h = torch.rand(64, generator=g) + 0.1
-    f = factorize(w, h, ArmorConfig(block_size=16, num_iters=4))
+    f = factorize(w, h, ArmorConfig(block_size=16, optimizer=BcdConfig(iters=4)))
     _check_against_nowag(w, h, f)
 
 
@@ -58,7 +58,7 @@ def test_extreme_weight_magnitudes_fp32(scale):
     g = torch.Generator().manual_seed(2)
     w = torch.randn(64, 64, generator=g)
     h = torch.rand(64, generator=g) + 0.1
-    config = ArmorConfig(block_size=16, num_iters=3)
+    config = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=3))
     ref = factorize(w, h, config)
     f = factorize(w * scale, h, config)
     assert torch.isfinite(f.dense()).all()
@@ -70,7 +70,7 @@ def test_weight_entries_near_1e19():
     g = torch.Generator().manual_seed(4)
     w = torch.randn(64, 64, generator=g) * 1e19
     h = torch.rand(64, generator=g) + 0.1
-    f = factorize(w, h, ArmorConfig(block_size=16, num_iters=3))
+    f = factorize(w, h, ArmorConfig(block_size=16, optimizer=BcdConfig(iters=3)))
     assert 0 < f.relative_loss <= 1
     _check_against_nowag(w, h, f)
 
@@ -79,7 +79,7 @@ def test_huge_statistics():
     g = torch.Generator().manual_seed(3)
     w = torch.randn(32, 32, generator=g)
     h = (torch.rand(32, generator=g) + 0.1) * 1e37
-    f = factorize(w, h, ArmorConfig(block_size=8, num_iters=3))
+    f = factorize(w, h, ArmorConfig(block_size=8, optimizer=BcdConfig(iters=3)))
     _check_against_nowag(w, h / 1e37, f)
     assert f.nowag_loss == pytest.approx(float(proxy_loss(w.double(), nowag_prune(w, h / 1e37)[1].double(),
                                                               h.double() / 1e37)) * 1e37, rel=1e-4)
@@ -91,7 +91,7 @@ def test_meta_and_converted_weights_are_refused_with_the_layer_name():
         factorize(torch.empty(32, 32, device="meta"), h, ArmorConfig(block_size=8), name="mlp.up")
     from torch_armor.tensor.armor_tensor import ArmorTensor
 
-    f = factorize(torch.randn(32, 32), h, ArmorConfig(block_size=8, num_iters=1))
+    f = factorize(torch.randn(32, 32), h, ArmorConfig(block_size=8, optimizer=BcdConfig(iters=1)))
     converted = ArmorTensor.from_factors(f)
     with pytest.raises(ValueError, match=r"layer 'mlp.up'.*ArmorTensor.*already converted"):
         factorize(converted, h, ArmorConfig(block_size=8), name="mlp.up")
@@ -110,7 +110,7 @@ def test_non_finite_optimizer_output_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(factorize_mod, "_run_bcd", broken)
     w, h = torch.randn(32, 32), torch.rand(32) + 0.1
     with pytest.raises(ArmorNumericalError, match=r"layer 'x.proj'.*non-finite A"):
-        factorize(w, h, ArmorConfig(block_size=8, num_iters=2), name="x.proj")
+        factorize(w, h, ArmorConfig(block_size=8, optimizer=BcdConfig(iters=2)), name="x.proj")
 
 
 def test_inconsistent_loss_is_a_clear_error(monkeypatch):
@@ -124,4 +124,4 @@ def test_inconsistent_loss_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(factorize_mod, "_run_bcd", broken)
     w, h = torch.randn(32, 32), torch.rand(32) + 0.1
     with pytest.raises(ArmorNumericalError, match=r"layer 'x.proj'.*loss check failed"):
-        factorize(w, h, ArmorConfig(block_size=8, num_iters=2), name="x.proj")
+        factorize(w, h, ArmorConfig(block_size=8, optimizer=BcdConfig(iters=2)), name="x.proj")

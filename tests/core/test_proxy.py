@@ -5,9 +5,11 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from torch_armor.core.proxy import nowag_prune, proxy_loss, relative_proxy_loss
-from torch_armor.core.proxy import auto_block_size, normalize_weight, validate_layer
+from torch_armor.core.pattern import auto_block_size
+from torch_armor.core.proxy import normalize_weight, validate_layer
 
 from _helpers import check_mask, random_layer
+from torch_armor import ArmorConfig, BcdConfig
 
 
 def test_normalize_roundtrip_and_norms():
@@ -173,14 +175,14 @@ def test_for_layer_resolves_block_sizes_of_a_model_and_checks_shapes():
     armor_layer_configs): fixed sizes kept, "auto" within the overhead budget, a bad shape named."""
     from torch import nn
 
-    from torch_armor import ArmorConfig
+    from torch_armor import ArmorConfig, BcdConfig
 
     model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 48), nn.Linear(30, 8))
 
     def configs(names, cfg):
         return {n: cfg.for_layer(*model.get_submodule(n).weight.shape, name=n) for n in names}
 
-    cfgs = configs(["0", "1"], ArmorConfig(block_size=16, optimizer="bcd"))
+    cfgs = configs(["0", "1"], ArmorConfig(block_size=16, optimizer=BcdConfig()))
     assert [c.block_size for c in cfgs.values()] == [16, 16]
     auto = configs(["0", "1"], ArmorConfig(block_size="auto", max_overhead=0.5))
     for name, cfg in auto.items():

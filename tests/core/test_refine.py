@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from torch_armor import ArmorConfig, factorize
+from torch_armor import ArmorConfig, BcdConfig, factorize
 from torch_armor.core import refine
 from torch_armor.core.refine import damped_xtx, output_loss, refine_output
 
@@ -112,7 +112,7 @@ def test_refine_output_improves_factorize_and_reports_the_loss(seed):
     w = torch.randn(16, 32, generator=g)
     x = torch.randn(128, 32, generator=g) @ (torch.eye(32) + 0.5 * torch.randn(32, 32, generator=g))
     xtx = x.T @ x
-    f = factorize(w, xtx.diagonal().clone(), ArmorConfig(block_size=8, num_iters=3, refine=None))
+    f = factorize(w, xtx.diagonal().clone(), ArmorConfig(block_size=8, refine=None, optimizer=BcdConfig(iters=3)))
     r = refine_output(w, xtx, f, rounds=2, cg_steps=5, damp=0.01)
     hd = damped_xtx(xtx, 0.01)
     assert float(output_loss(w, r.dense(), hd)) <= float(output_loss(w, f.dense(), hd)) * (1 + 1e-6)
@@ -130,9 +130,9 @@ def test_factorize_refines_only_with_xtx_and_config():
     g = torch.Generator().manual_seed(5)
     w, x = torch.randn(16, 32, generator=g), torch.randn(64, 32, generator=g)
     xtx = x.T @ x
-    cfg = ArmorConfig(block_size=8, num_iters=2)
+    cfg = ArmorConfig(block_size=8, optimizer=BcdConfig(iters=2))
     assert not factorize(w, xtx.diagonal().clone(), cfg).refined
     assert factorize(w, xtx.diagonal().clone(), cfg, xtx=xtx).refined
-    assert not factorize(w, xtx.diagonal().clone(), ArmorConfig(block_size=8, num_iters=2, refine=None), xtx=xtx).refined
+    assert not factorize(w, xtx.diagonal().clone(), ArmorConfig(block_size=8, refine=None, optimizer=BcdConfig(iters=2)), xtx=xtx).refined
     with pytest.raises(ValueError, match="refine must be one of"):
-        ArmorConfig(refine="input")
+        ArmorConfig(refine="input")  # the deprecated string form: refused before it warns

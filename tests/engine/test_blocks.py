@@ -18,11 +18,10 @@ import torch
 from conftest import make_tiny_llama
 from torch_armor.calibration.blocks import block_statistics, capture_block_inputs, decoder_blocks
 from torch_armor.calibration.observer import collect_statistics, decoder_linear_names
-from torch_armor.config import ArmorConfig
+from torch_armor import ArmorConfig, BcdConfig, NoWagConfig, PruneOptions, SparseGPTConfig, WandaConfig, prune_model
 from torch_armor.core.proxy import nowag_prune
-from torch_armor.engine.runner import BaselineConfig
-from torch_armor.engine.runstore import RunMismatchError
-from torch_armor.recipes.prune import prune_model
+from torch_armor.engine.options import RUN_DIR_NAME
+from torch_armor.errors import RunMismatchError
 
 ROOT = Path(__file__).resolve().parents[2]
 CALIB = torch.randint(0, 128, (6, 24), generator=torch.Generator().manual_seed(1))
@@ -55,7 +54,7 @@ def _reference_nowag(model, sequential: bool) -> dict:
 def test_statistics_match_whole_model_passes(sequential):
     reference = _reference_nowag(make_tiny_llama(), sequential)
     model = make_tiny_llama()
-    report = prune_model(model, CALIB, "nowag", sequential=sequential, progress=False)
+    report = prune_model(model, CALIB, NoWagConfig(), options=PruneOptions(sequential=sequential, progress=False))
     got = _weights(model)
     assert [layer.name for layer in report.layers] == list(reference)
     for name, w in reference.items():
@@ -64,8 +63,8 @@ def test_statistics_match_whole_model_passes(sequential):
 
 def test_sequential_changes_later_blocks_only():
     one_shot, seq = make_tiny_llama(), make_tiny_llama()
-    prune_model(one_shot, CALIB, "wanda", sequential=False, progress=False)
-    prune_model(seq, CALIB, "wanda", sequential=True, progress=False)
+    prune_model(one_shot, CALIB, WandaConfig(), options=PruneOptions(sequential=False, progress=False))
+    prune_model(seq, CALIB, WandaConfig(), options=PruneOptions(sequential=True, progress=False))
     a, b = _weights(one_shot), _weights(seq)
     assert all(torch.equal(a[n], b[n]) for n in a if n.startswith("model.layers.0."))  # same inputs
     assert any(not torch.equal(a[n], b[n]) for n in a if n.startswith("model.layers.1."))
@@ -87,33 +86,33 @@ def test_shared_inputs_are_observed_once():
 
 def test_sparsegpt_gets_xtx_and_armor_is_at_most_nowag():
     model = make_tiny_llama()
-    report = prune_model(model, CALIB, "sparsegpt", BaselineConfig(block_size=32), progress=False)
+    report = prune_model(model, CALIB, SparseGPTConfig(block_size=32), options=PruneOptions(progress=False))
     assert len(report.layers) == 14
     model = make_tiny_llama()
-    report = prune_model(model, CALIB, "armor", ArmorConfig(block_size=16, num_iters=2), progress=False)
+    report = prune_model(model, CALIB, ArmorConfig(block_size=16, optimizer=BcdConfig(iters=2)), options=PruneOptions(progress=False))
     assert all(layer.relative_proxy_loss <= 1.0 + 1e-6 for layer in report.layers)
     assert report.overhead > 0
 
 
 def test_changed_weights_or_calibration_are_refused(tmp_path):
-    cfg = ArmorConfig(block_size=16, num_iters=1)
-    prune_model(make_tiny_llama(), CALIB, "armor", cfg, run_dir=tmp_path / "run", progress=False)
+    cfg = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=1))
+    prune_model(make_tiny_llama(), CALIB, cfg, options=PruneOptions(run_dir=tmp_path / "run", progress=False))
     changed = make_tiny_llama()
     with torch.no_grad():
         changed.model.embed_tokens.weight[0, 0] += 1.0  # not even a pruned layer
     with pytest.raises(RunMismatchError, match="model_id"):
-        prune_model(changed, CALIB, "armor", cfg, run_dir=tmp_path / "run", progress=False)
+        prune_model(changed, CALIB, cfg, options=PruneOptions(run_dir=tmp_path / "run", progress=False))
     with pytest.raises(RunMismatchError):
-        prune_model(make_tiny_llama(), CALIB[:, :20], "armor", cfg, run_dir=tmp_path / "run", progress=False)
+        prune_model(make_tiny_llama(), CALIB[:, :20], cfg, options=PruneOptions(run_dir=tmp_path / "run", progress=False))
     # the same weights and data resume (nothing to compute) and give the same model
     again = make_tiny_llama()
-    prune_model(again, CALIB, "armor", cfg, run_dir=tmp_path / "run", progress=False)
+    prune_model(again, CALIB, cfg, options=PruneOptions(run_dir=tmp_path / "run", progress=False))
 
 
 def test_layers_outside_blocks_are_refused():
     model = make_tiny_llama()
     with pytest.raises(ValueError, match="lm_head.*decoder block"):
-        prune_model(model, CALIB, "wanda", layers=["lm_head"], progress=False)
+        prune_model(model, CALIB, WandaConfig(), layers=["lm_head"], options=PruneOptions(progress=False))
 
 
 _SCRIPT = textwrap.dedent("""
@@ -122,10 +121,9 @@ _SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from conftest import make_tiny_llama
     import torch_armor.engine.blocks as blocks
-    import torch_armor.engine.runner as engine_runner
+    import torch_armor.engine.methods as engine_runner  # where the ARMOR method calls factorize
     import torch_armor.engine.runstore as runstore
-    from torch_armor.config import ArmorConfig
-    from torch_armor.recipes.prune import prune_model
+    from torch_armor import ArmorConfig, BcdConfig, PruneOptions, prune_model
 
     torch.set_num_threads(1)
     kind, count = (os.environ.get("KILL_AT") or "none:0").split(":")
@@ -151,8 +149,8 @@ _SCRIPT = textwrap.dedent("""
 
     runstore.RunStore.save, blocks.BlockPipeline._save_hidden, engine_runner.factorize = save, hidden, fact
     calib = torch.randint(0, 128, (6, 24), generator=torch.Generator().manual_seed(1))
-    prune_model(make_tiny_llama(), calib, "armor", ArmorConfig(block_size=16, num_iters=3),
-                run_dir=sys.argv[1], out=sys.argv[2], progress=False)
+    prune_model(make_tiny_llama(), calib, ArmorConfig(block_size=16, optimizer=BcdConfig(iters=3)),
+                options=PruneOptions(run_dir=sys.argv[1], out=sys.argv[2], progress=False))
     print("factorized", calls["factorize"])
 """)
 
@@ -193,13 +191,13 @@ def test_streamed_checkpoint_equals_in_memory(tmp_path, method):
     ckpt = tmp_path / "ckpt"
     make_tiny_llama().save_pretrained(str(ckpt), max_shard_size="100KB")  # several shards
     assert len(list(ckpt.glob("*.safetensors"))) > 2
-    cfg = ArmorConfig(block_size=16, num_iters=2) if method == "armor" else BaselineConfig(block_size=32)
-    streamed = prune_model(ckpt, CALIB, method, cfg, out=tmp_path / "streamed", progress=False)
+    cfg = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=2)) if method == "armor" else SparseGPTConfig(block_size=32)
+    streamed = prune_model(ckpt, CALIB, cfg, options=PruneOptions(out=tmp_path / "streamed", progress=False))
     in_memory = make_tiny_llama()
-    reference = prune_model(in_memory, CALIB, method, cfg, out=tmp_path / "memory", progress=False)
+    reference = prune_model(in_memory, CALIB, cfg, options=PruneOptions(out=tmp_path / "memory", progress=False))
     assert [(r.name, r.relative_proxy_loss) for r in streamed.layers] == \
         [(r.name, r.relative_proxy_loss) for r in reference.layers]
-    assert not (tmp_path / "streamed" / ".armor_run").exists()  # the temporary run directory is gone
+    assert not (tmp_path / "streamed" / RUN_DIR_NAME).exists()  # the temporary run directory is gone
     loaded = load_pretrained(tmp_path / "streamed")
     x = torch.randint(0, 128, (2, 16))
     with torch.no_grad():
@@ -209,20 +207,20 @@ def test_streamed_checkpoint_equals_in_memory(tmp_path, method):
 def test_streaming_needs_out(tmp_path):
     make_tiny_llama().save_pretrained(str(tmp_path))
     with pytest.raises(ValueError, match="out=DIR"):
-        prune_model(tmp_path, CALIB, "wanda", progress=False)
+        prune_model(tmp_path, CALIB, WandaConfig(), options=PruneOptions(progress=False))
 
 
 @pytest.mark.parametrize("sequential", [True, False])
 def test_hidden_states_on_disk_and_in_bf16(tmp_path, sequential):
     in_memory = make_tiny_llama()
-    prune_model(in_memory, CALIB, "wanda", sequential=sequential, progress=False)
+    prune_model(in_memory, CALIB, WandaConfig(), options=PruneOptions(sequential=sequential, progress=False))
     on_disk = make_tiny_llama()
-    prune_model(on_disk, CALIB, "wanda", sequential=sequential, hidden_dir=tmp_path / "h", progress=False)
+    prune_model(on_disk, CALIB, WandaConfig(), options=PruneOptions(sequential=sequential, hidden_dir=tmp_path / "h", progress=False))
     assert sorted(p.name for p in (tmp_path / "h").iterdir()) == [f"batch-{j:06d}.safetensors" for j in range(2)]
     a, b = _weights(in_memory), _weights(on_disk)
     assert all(torch.equal(a[n], b[n]) for n in a)
     half = make_tiny_llama()
-    prune_model(half, CALIB, "wanda", sequential=sequential, hidden_dtype=torch.bfloat16, progress=False)
+    prune_model(half, CALIB, WandaConfig(), options=PruneOptions(sequential=sequential, hidden_dtype=torch.bfloat16, progress=False))
     c = _weights(half)
     block1 = [n for n in a if n.startswith("model.layers.1.")]
     assert any(not torch.equal(a[n], c[n]) for n in block1)  # bf16 hidden states change the statistics
@@ -231,9 +229,9 @@ def test_hidden_states_on_disk_and_in_bf16(tmp_path, sequential):
 def test_changed_checkpoint_at_the_same_path_is_refused(tmp_path):
     ckpt, run = tmp_path / "ckpt", tmp_path / "run"
     make_tiny_llama(seed=0).save_pretrained(str(ckpt))
-    cfg = ArmorConfig(block_size=16, num_iters=1)
-    prune_model(ckpt, CALIB, "armor", cfg, run_dir=run, out=tmp_path / "a", progress=False)
+    cfg = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=1))
+    prune_model(ckpt, CALIB, cfg, options=PruneOptions(run_dir=run, out=tmp_path / "a", progress=False))
     make_tiny_llama(seed=1).save_pretrained(str(ckpt))  # replaced in place: same path, same shapes
     with pytest.raises(RunMismatchError, match="model_id"):
-        prune_model(ckpt, CALIB, "armor", cfg, run_dir=run, out=tmp_path / "b", progress=False)
+        prune_model(ckpt, CALIB, cfg, options=PruneOptions(run_dir=run, out=tmp_path / "b", progress=False))
     assert not (tmp_path / "b").exists() or not any((tmp_path / "b").glob("*.safetensors"))

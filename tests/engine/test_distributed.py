@@ -162,8 +162,9 @@ broken = dict(layers)
 broken[bad] = (torch.full_like(layers[bad][0], float("nan")), layers[bad][1])
 try:
     distributed_factorize(broken, CFG, RunStore(failing, CFG, "synthetic", digest), progress=False)
-except Exception as err:
-    say(f"rank {{rank}} failing raised {{type(err).__name__}}: {{err}}".replace("\\n", " "))
+except Exception as err:  # named by its builtin kind: torch_armor's errors subclass ValueError, RuntimeError
+    kind = next(c.__name__ for c in type(err).__mro__ if c.__module__ == "builtins")
+    say(f"rank {{rank}} failing raised {{kind}}: {{err}}".replace("\\n", " "))
 dist.destroy_process_group()
 """
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torch_armor import ArmorConfig
+from torch_armor import ArmorConfig, BcdConfig
 from torch_armor.engine.layers import factorize_layers
 from torch_armor.engine.runstore import MANIFEST_NAME, RunMismatchError, RunStore
 
@@ -59,7 +59,7 @@ def test_resume_skips_finished_layers_and_matches_an_uninterrupted_run(tmp_path,
 
 def test_return_factors_false_keeps_nothing_in_memory(tmp_path):
     layers = make_layers(2)
-    store = RunStore(tmp_path, ArmorConfig(block_size=16, num_iters=1), "m", stats_hash(layers))
+    store = RunStore(tmp_path, ArmorConfig(block_size=16, optimizer=BcdConfig(iters=1)), "m", stats_hash(layers))
     out = factorize_layers(layers, store.config, store, progress=False, return_factors=False)
     assert out == {} and len(store.finished()) == 2
 
@@ -121,7 +121,7 @@ def test_kill_and_resume_gives_the_uninterrupted_result(tmp_path, one_thread):
 
 def test_auto_block_size_resolves_per_layer_and_resumes(tmp_path):
     layers = make_layers(2)
-    cfg = ArmorConfig(block_size="auto", max_overhead=0.5, num_iters=2)
+    cfg = ArmorConfig(block_size="auto", max_overhead=0.5, optimizer=BcdConfig(iters=2))
     first = factorize_layers(layers, cfg, RunStore(tmp_path, cfg, "m", stats_hash(layers)), progress=False)
     store = RunStore(tmp_path, cfg, "m", stats_hash(layers))
     for name, (w, _) in layers.items():

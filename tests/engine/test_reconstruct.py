@@ -7,14 +7,14 @@ import torch
 from torch import nn
 
 from conftest import make_tiny_llama
-from torch_armor import ArmorConfig, prune_model
+from torch_armor import ArmorConfig, BcdConfig, prune_model, PruneOptions, ReconstructConfig, RefineConfig
 from torch_armor.calibration.blocks import block_statistics, capture_block_inputs, run_block
 from torch_armor.engine.reconstruct import reconstruct_block
 from torch_armor.engine.runner import solve_layer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CALIB = torch.randint(0, 128, (16, 64), generator=torch.Generator().manual_seed(3))
-CFG = ArmorConfig(block_size=8, num_iters=2, refine_rounds=1)
+CFG = ArmorConfig(block_size=8, optimizer=BcdConfig(iters=2), refine=RefineConfig(rounds=1))
 
 
 def _block_problem():
@@ -23,7 +23,7 @@ def _block_problem():
     inputs = capture_block_inputs(model, block, list(CALIB.split(4)))
     layers = {n: m for n, m in block.named_modules() if isinstance(m, nn.Linear)}
     stats = block_statistics(block, layers, inputs, device=torch.device("cpu"), track_xtx=True)
-    factors = {n: solve_layer("armor", m.weight, stats[n], CFG, n).factors for n, m in layers.items()}
+    factors = {n: solve_layer(m.weight, stats[n], CFG, n).factors for n, m in layers.items()}
     targets = [run_block(block, inp, torch.device("cpu")) for inp in inputs]
     return block, layers, inputs, targets, factors
 
@@ -64,15 +64,15 @@ def test_no_step_that_helps_returns_the_input_factors():
 
 
 def test_prune_model_reconstructs_each_block_and_resumes_exactly(tmp_path):
-    cfg = ArmorConfig(block_size=8, num_iters=2, refine_rounds=1, reconstruct_steps=6)
+    cfg = ArmorConfig(block_size=8, optimizer=BcdConfig(iters=2), refine=RefineConfig(rounds=1), reconstruct=ReconstructConfig(steps=6))
     full = make_tiny_llama()
-    report = prune_model(full, CALIB[:8], "armor", cfg, run_dir=tmp_path / "run", progress=False, batch_size=2)
+    report = prune_model(full, CALIB[:8], cfg, options=PruneOptions(run_dir=tmp_path / "run", progress=False, batch_size=2))
     assert sorted(report.block_errors) == [0, 1]
     assert all(after <= before for before, after in report.block_errors.values())
     # the hidden states are gone: every block is recomputed from the store, none reconstructed twice
     (tmp_path / "run" / "hidden.safetensors").unlink()
     again = make_tiny_llama()
-    report2 = prune_model(again, CALIB[:8], "armor", cfg, run_dir=tmp_path / "run", progress=False, batch_size=2)
+    report2 = prune_model(again, CALIB[:8], cfg, options=PruneOptions(run_dir=tmp_path / "run", progress=False, batch_size=2))
     assert report2.block_errors == report.block_errors
     for (n, p), (_, q) in zip(full.named_parameters(), again.named_parameters()):
         a = p.dense_weight() if hasattr(p, "dense_weight") else p

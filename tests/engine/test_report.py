@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from torch_armor import ArmorConfig
+from torch_armor import ArmorConfig, BcdConfig, PruneOptions
 from torch_armor.calibration.observer import decoder_linear_names
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.engine.report import wrapper_overhead
-from torch_armor.recipes.prune import prune_model
+from torch_armor import prune_model
 
 
 def test_prune_report_json_and_plot(tiny_llama, tmp_path):
@@ -21,8 +21,7 @@ def test_prune_report_json_and_plot(tiny_llama, tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        report = prune_model(tiny_llama, calib, "armor", ArmorConfig(block_size=16, optimizer="bcd", num_iters=1),
-                             layers=names[:3], progress=False)
+        report = prune_model(tiny_llama, calib, ArmorConfig(block_size=16, optimizer=BcdConfig(iters=1)), layers=names[:3], options=PruneOptions(progress=False))
     finally:
         torch.set_num_threads(threads)
     report.save_json(tmp_path / "r.json", model="tiny")

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from torch_armor import ArmorConfig, factorize
+from torch_armor import ArmorConfig, BcdConfig, factorize
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.calibration.observer import LayerStatistics
 from torch_armor.engine.layers import factorize_layers
@@ -16,7 +16,7 @@ from torch_armor.engine.identity import hash_statistics, hash_tensors
 from torch_armor.engine.runstore import MANIFEST_NAME, RunMismatchError, RunStore
 
 SHAPES = [(128, 256), (256, 128), (128, 128), (64, 256), (256, 64), (128, 192)]
-CFG = ArmorConfig(block_size=16, optimizer="bcd", num_iters=20)
+CFG = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=20))
 # wall-clock seconds per logged point differ between runs; everything else must be identical
 COMPARED = ("a_blocks", "core", "b_blocks", "mask", "history", "history_iters")
 
@@ -99,7 +99,7 @@ def test_save_load_roundtrip_is_exact_and_atomic(tmp_path):
 def test_layer_names_map_to_files_inside_the_run(tmp_path):
     store = RunStore(tmp_path, CFG, "m", "h")
     w, h = make_layers(1)["model.layers.0.proj"]
-    f = factorize(w, h, ArmorConfig(block_size=16, num_iters=1))
+    f = factorize(w, h, ArmorConfig(block_size=16, optimizer=BcdConfig(iters=1)))
     for name in ("../escape", "a/b", ".hidden", "x" * 400):
         path = store.save(name, f)
         assert path.parent == tmp_path / "layers" and not path.name.startswith(".")
@@ -120,14 +120,14 @@ def test_other_config_is_refused_naming_the_fields(tmp_path):
     layers = make_layers(1)
     store = RunStore(tmp_path, CFG, "synthetic", stats_hash(layers))
     factorize_layers(layers, CFG, store, progress=False)
-    other = ArmorConfig(block_size=32, optimizer="bcd", num_iters=20, seed=1)
+    other = ArmorConfig(block_size=32, seed=1, optimizer=BcdConfig(iters=20))
     with pytest.raises(RunMismatchError) as info:
         RunStore(tmp_path, other, "synthetic", stats_hash(layers))
     message = str(info.value)
     assert "block_size: run has 16, now 32" in message and "seed: run has 0, now 1" in message
     assert "num_iters" not in message and "new run directory" in message
     # the device may change between resumes
-    RunStore(tmp_path, ArmorConfig(block_size=16, optimizer="bcd", num_iters=20, device="cpu"), "synthetic",
+    RunStore(tmp_path, ArmorConfig(block_size=16, device="cpu", optimizer=BcdConfig(iters=20)), "synthetic",
              stats_hash(layers))
 
 
@@ -208,13 +208,13 @@ def test_layer_file_without_manifest_entry_is_recomputed(tmp_path):
 def test_layer_files_are_byte_identical_across_saves(tmp_path):
     """Issue #14: the same layer saved twice gives the same bytes (safetensors' own writer orders
     the metadata by a randomly seeded hash map); the file still reads back exactly."""
-    from torch_armor import ArmorConfig, factorize
+    from torch_armor import ArmorConfig, BcdConfig, factorize
     from torch_armor.engine.identity import hash_statistics
     from torch_armor.engine.runstore import RunStore
 
     g = torch.Generator().manual_seed(0)
     w, h = torch.randn(16, 32, generator=g), torch.rand(32, generator=g) + 0.1
-    cfg = ArmorConfig(block_size=16, num_iters=2)
+    cfg = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=2))
     f = factorize(w, h, cfg)
     blobs = []
     for i in range(3):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import torch_armor  # noqa: F401  (registers the ARMOR quantizer)
-from torch_armor import ArmorConfig, ArmorTensor, prune_model
+from torch_armor import ArmorConfig, ArmorTensor, BcdConfig, prune_model, PruneOptions
 
 VOCAB = 96
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -51,7 +51,7 @@ def test_prune_save_from_pretrained_generate(arch, tmp_path, one_thread):
             if p.dim() == 2:
                 p.normal_(0.0, 0.3)
     windows = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
-    report = prune_model(model, windows, "armor", ArmorConfig(block_size=16, num_iters=2), progress=False)
+    report = prune_model(model, windows, ArmorConfig(block_size=16, optimizer=BcdConfig(iters=2)), options=PruneOptions(progress=False))
     converted = [n for n, m in model.named_modules() if isinstance(getattr(m, "weight", None), ArmorTensor)]
     assert len(converted) == len(report.layers) and len(converted) >= 2 * 4  # every decoder linear
     model.save_pretrained(tmp_path)
@@ -73,4 +73,4 @@ def test_conv1d_models_get_one_clear_message():
 
     model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=50, n_positions=32)).eval()
     with pytest.raises(ValueError, match="Conv1D layers are not supported"):
-        prune_model(model, torch.randint(0, 50, (2, 8)), "armor", ArmorConfig(num_iters=1), progress=False)
+        prune_model(model, torch.randint(0, 50, (2, 8)), ArmorConfig(optimizer=BcdConfig(iters=1)), options=PruneOptions(progress=False))

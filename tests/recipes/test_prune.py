@@ -12,16 +12,16 @@ import torch
 from torch import nn
 
 from conftest import make_tiny_llama
-from torch_armor import ArmorConfig
+from torch_armor import ArmorConfig, BcdConfig, PruneOptions, WandaConfig, config_for_method, prune_model
 from torch_armor.calibration.observer import collect_statistics, decoder_linear_names
-from torch_armor.core.proxy import auto_block_size, relative_proxy_loss
+from torch_armor.core.pattern import auto_block_size
+from torch_armor.core.proxy import relative_proxy_loss
+from torch_armor.engine.methods import method_names
 from torch_armor.engine.report import PruneReport, wrapper_overhead
-from torch_armor.engine.runner import METHODS
-from torch_armor.engine.runstore import RunMismatchError
-from torch_armor.recipes.prune import prune_model
+from torch_armor.errors import RunMismatchError
 from torch_armor.tensor.armor_tensor import ArmorTensor
 
-FAST_ARMOR = ArmorConfig(block_size=16, optimizer="bcd", num_iters=1)
+FAST_ARMOR = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=1))
 CALIB = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
 
 
@@ -73,12 +73,13 @@ def _magnitude_keep(w):
     return torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, idx, True).reshape(w.shape)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", method_names())
 def test_prune_model_every_method_gives_pattern_and_report(tiny_llama, method):
     model = tiny_llama
     names = decoder_linear_names(model)
     dense = {n: model.get_submodule(n).weight.detach().clone() for n in names}
-    report = prune_model(model, CALIB, method, FAST_ARMOR if method == "armor" else None, progress=False)
+    config = FAST_ARMOR if method == "armor" else config_for_method(method)
+    report = prune_model(model, CALIB, config, options=PruneOptions(progress=False))
     assert isinstance(report, PruneReport) and report.method == method and report.pattern == "2:4"
     assert [layer.name for layer in report.layers] == names
     stats = _sequential_reference_stats(model, names)
@@ -121,30 +122,27 @@ def test_prune_model_every_method_gives_pattern_and_report(tiny_llama, method):
 
 
 def test_armor_beats_nowag_in_proxy_loss(tiny_llama):
-    report = prune_model(tiny_llama, CALIB, "armor", ArmorConfig(block_size=16, optimizer="bcd", num_iters=3),
-                         progress=False)
+    report = prune_model(tiny_llama, CALIB, ArmorConfig(block_size=16, optimizer=BcdConfig(iters=3)), options=PruneOptions(progress=False))
     assert report.mean_relative_proxy_loss < 1.0
 
 
 def test_prune_model_block_size_auto_and_errors(tiny_llama_factory):
     model = tiny_llama_factory()
-    report = prune_model(model, CALIB, "armor", ArmorConfig(block_size="auto", max_overhead=0.3, num_iters=1),
-                         progress=False)
+    report = prune_model(model, CALIB, ArmorConfig(block_size="auto", max_overhead=0.3, optimizer=BcdConfig(iters=1)), options=PruneOptions(progress=False))
     assert len(report.layers) == 14
     for layer in report.layers:
         assert layer.block_size == auto_block_size(*layer.shape, 0.3, 4)
     model = tiny_llama_factory()
     before = _snapshot(model)
     with pytest.raises(ValueError, match="does not divide"):
-        prune_model(model, CALIB, "armor", ArmorConfig(block_size=24, num_iters=1), progress=False)
+        prune_model(model, CALIB, ArmorConfig(block_size=24, optimizer=BcdConfig(iters=1)), options=PruneOptions(progress=False))
     with pytest.raises(ValueError, match="no block size fits"):
-        prune_model(model, CALIB, "armor", ArmorConfig(block_size="auto", max_overhead=0.01, num_iters=1),
-                    progress=False)
+        prune_model(model, CALIB, ArmorConfig(block_size="auto", max_overhead=0.01, optimizer=BcdConfig(iters=1)), options=PruneOptions(progress=False))
     with pytest.raises(ValueError, match="method must be one of"):
-        prune_model(model, CALIB, "dense", progress=False)
+        prune_model(model, CALIB, "dense", progress=False)  # the deprecated string form, refused before it warns
     for bad in (CALIB.float(), CALIB[:0], CALIB[0], [], [CALIB.float()], None):
         with pytest.raises(ValueError, match="calibration must be"):
-            prune_model(model, bad, "wanda", progress=False)
+            prune_model(model, bad, WandaConfig(), options=PruneOptions(progress=False))
     # nothing was touched by the failed calls
     assert _unchanged(model, before)
 
@@ -156,7 +154,7 @@ def test_a_layer_that_does_not_fit_fails_before_any_is_pruned(tiny_llama):
     mlp.down_proj = nn.Linear(80, 64, bias=False)
     before = _snapshot(tiny_llama)
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.gate_proj.*does not divide"):
-        prune_model(tiny_llama, CALIB, "armor", ArmorConfig(block_size=32, num_iters=1), progress=False)
+        prune_model(tiny_llama, CALIB, ArmorConfig(block_size=32, optimizer=BcdConfig(iters=1)), options=PruneOptions(progress=False))
     assert _unchanged(tiny_llama, before)
 
 
@@ -164,36 +162,34 @@ def test_prune_model_refuses_offloaded_weights_naming_the_layer(tiny_llama):
     accelerate = pytest.importorskip("accelerate")
     accelerate.cpu_offload(tiny_llama, execution_device="cpu")
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj.*meta device.*reload the model"):
-        prune_model(tiny_llama, CALIB, "armor", progress=False)
+        prune_model(tiny_llama, CALIB, ArmorConfig(), options=PruneOptions(progress=False))
 
 
 def test_finished_factors_convert_without_factorizing(monkeypatch, tmp_path, tiny_llama_factory):
     """The successor of prune(..., factors=given): layers already in the run directory are
     converted from their stored factors, not factorized again; other settings are refused."""
-    import torch_armor.engine.runner as runner
+    import torch_armor.engine.methods as methods
 
     names = ["model.layers.0.mlp.up_proj"]
-    cfg = ArmorConfig(block_size=16, optimizer="bcd", num_iters=2)
+    cfg = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=2))
     first = tiny_llama_factory()
-    fresh = prune_model(first, CALIB, "armor", cfg, layers=names, run_dir=tmp_path / "run", progress=False)
-    monkeypatch.setattr(runner, "factorize", lambda *a, **k: pytest.fail("factorized again"))
+    fresh = prune_model(first, CALIB, cfg, layers=names, options=PruneOptions(run_dir=tmp_path / "run", progress=False))
+    monkeypatch.setattr(methods, "factorize", lambda *a, **k: pytest.fail("factorized again"))
     model = tiny_llama_factory()
-    report = prune_model(model, CALIB, "armor", cfg, layers=names, run_dir=tmp_path / "run", progress=False)
+    report = prune_model(model, CALIB, cfg, layers=names, options=PruneOptions(run_dir=tmp_path / "run", progress=False))
     assert report.layers[0].relative_proxy_loss == fresh.layers[0].relative_proxy_loss
     weight = model.get_submodule(names[0]).weight
     assert isinstance(weight, ArmorTensor)
     torch.testing.assert_close(weight.dense_weight(), first.get_submodule(names[0]).weight.dense_weight(),
                                rtol=0, atol=0)
     with pytest.raises(RunMismatchError, match="block_size"):
-        prune_model(tiny_llama_factory(), CALIB, "armor", ArmorConfig(block_size=32, num_iters=2), layers=names,
-                    run_dir=tmp_path / "run", progress=False)
+        prune_model(tiny_llama_factory(), CALIB, ArmorConfig(block_size=32, optimizer=BcdConfig(iters=2)), layers=names, options=PruneOptions(run_dir=tmp_path / "run", progress=False))
 
 
 def test_block_size_budget_spends_one_model_wide_overhead(tiny_llama_factory):
     from torch_armor.engine.allocate import layer_kind
 
-    report = prune_model(tiny_llama_factory(), CALIB, "armor",
-                         ArmorConfig(block_size="budget", max_overhead=0.25, num_iters=2), progress=False)
+    report = prune_model(tiny_llama_factory(), CALIB, ArmorConfig(block_size="budget", max_overhead=0.25, optimizer=BcdConfig(iters=2)), options=PruneOptions(progress=False))
     sizes = {layer.name: layer.block_size for layer in report.layers}
     extra = sum(layer.block_size * sum(layer.shape) for layer in report.layers)
     total = sum(layer.shape[0] * layer.shape[1] for layer in report.layers)
@@ -205,5 +201,4 @@ def test_block_size_budget_spends_one_model_wide_overhead(tiny_llama_factory):
     assert all(len(v) == 1 for v in by_kind.values())  # one measured curve per kind
     assert len({s for v in by_kind.values() for s in v}) > 1  # the budget is spent unevenly
     with pytest.raises(ValueError, match="below the smallest wrapper overhead"):
-        prune_model(tiny_llama_factory(), CALIB, "armor", ArmorConfig(block_size="budget", max_overhead=0.1,
-                                                                      num_iters=1), progress=False)
+        prune_model(tiny_llama_factory(), CALIB, ArmorConfig(block_size="budget", max_overhead=0.1, optimizer=BcdConfig(iters=1)), options=PruneOptions(progress=False))

@@ -9,14 +9,14 @@ import math
 import pytest
 import torch
 
-from torch_armor import ArmorConfig
+from torch_armor import ArmorConfig, BcdConfig, NoWagConfig, PruneOptions
 from torch_armor.calibration.observer import decoder_linear_names
 from torch_armor.recipes.data import calibration_windows
 from torch_armor.recipes.evaluate import perplexity
-from torch_armor.recipes.prune import prune_model
+from torch_armor import prune_model
 from torch_armor.recipes.quality import DEMO_METHODS, QualityRow, quality_table, run_quality
 
-FAST_ARMOR = ArmorConfig(block_size=16, optimizer="bcd", num_iters=1)
+FAST_ARMOR = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=1))
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny tensors, no thread sync
@@ -52,7 +52,7 @@ def test_default_armor_config_is_load_independent_and_bounded():
     w, h = torch.randn(64, 96, generator=g), torch.rand(96, generator=g) + 0.1
     first, second = factorize(w, h, cfg), factorize(w, h, cfg)
     assert torch.equal(first.core, second.core) and torch.equal(first.a_blocks, second.a_blocks)
-    assert int(first.history_iters[-1]) == cfg.iterations < 200
+    assert int(first.history_iters[-1]) == cfg.optimizer.iterations < 200
     assert first.relative_loss < 1.0
 
 
@@ -72,8 +72,8 @@ def test_run_quality_on_tiny_llama(tiny_llama):
     with torch.no_grad():
         before = tiny_llama(x).logits
     lines = []
-    configs = [FAST_ARMOR, ArmorConfig(block_size=32, optimizer="bcd", num_iters=2)]
-    result = run_quality(tiny_llama, tokenizer=object(), armor_configs=configs, calib=calib_ids, n_calib=4,
+    configs = [FAST_ARMOR, ArmorConfig(block_size=32, optimizer=BcdConfig(iters=2))]
+    result = run_quality(tiny_llama, tokenizer=object(), configs=configs, calib=calib_ids, n_calib=4,
                          eval_data=eval_ids, n_eval=3, seq_len=32, progress=False, log=lines.append)
     assert [r.method for r in result.rows] == ["dense", "magnitude", "wanda", "sparsegpt", "nowag", "armor", "armor"]
     assert result.rows[0].ppl == pytest.approx(dense_ppl, rel=1e-9)
@@ -101,7 +101,7 @@ def test_run_quality_on_tiny_llama(tiny_llama):
     with torch.no_grad():
         assert torch.equal(tiny_llama(x).logits, before)
     # ARMOR through the ArmorTensor weights: the same perplexity as materialized
-    tensor = run_quality(tiny_llama, tokenizer=object(), methods=["armor"], armor_configs=configs[:1], calib=calib_ids,
+    tensor = run_quality(tiny_llama, tokenizer=object(), methods=["armor"], configs=configs[:1], calib=calib_ids,
                          n_calib=4, eval_data=eval_ids, n_eval=3, seq_len=32, armor_eval="tensor", progress=False)
     assert tensor.rows[0].ppl == pytest.approx(result.rows[-2].ppl, rel=1e-5)
     with pytest.raises(ValueError, match="armor_eval"):
@@ -113,7 +113,7 @@ def test_run_quality_on_tiny_llama(tiny_llama):
 def test_run_quality_sequential_and_one_shot_rows(tiny_llama_factory):
     calib_ids, eval_ids = _token_streams()
     model = tiny_llama_factory()
-    result = run_quality(model, tokenizer=object(), methods=["dense", "nowag", "armor"], armor_configs=[FAST_ARMOR],
+    result = run_quality(model, tokenizer=object(), methods=["dense", "nowag", "armor"], configs=[FAST_ARMOR],
                          sequential={"nowag": (True, False)}, calib=calib_ids, n_calib=4, eval_data=eval_ids,
                          n_eval=3, seq_len=32, progress=False)
     assert [r.name for r in result.rows] == ["dense", "NoWag-P sequential", "NoWag-P one-shot", "ARMOR"]
@@ -127,6 +127,6 @@ def test_run_quality_sequential_and_one_shot_rows(tiny_llama_factory):
     # the one-shot row is prune_model(sequential=False) on the same windows
     reference = tiny_llama_factory()
     calib = calibration_windows(calib_ids, object(), n_windows=4, seq_len=32, seed=0)
-    prune_model(reference, calib, "nowag", sequential=False, batch_size=4, progress=False)
+    prune_model(reference, calib, NoWagConfig(), options=PruneOptions(sequential=False, batch_size=4, progress=False))
     assert result.rows[2].ppl == pytest.approx(perplexity(reference, eval_ids[:96].reshape(3, 32), progress=False),
                                                rel=1e-9)

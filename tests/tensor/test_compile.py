@@ -9,13 +9,14 @@ from torch_armor.sparsifier import ArmorSparsifier
 from torch_armor.tensor.armor_tensor import ArmorTensor
 
 from conftest import make_tiny_llama
+from torch_armor import ArmorConfig, BcdConfig
 
 
 @pytest.fixture(scope="module")
 def converted_llama():
     """Tiny LlamaForCausalLM (hidden 64, intermediate 128, 2 layers, 4 heads, 2 kv heads, vocab 128), converted."""
     model = make_tiny_llama()
-    sparsifier = ArmorSparsifier(block_size=16, optimizer="bcd", num_iters=5, progress=False)
+    sparsifier = ArmorSparsifier(ArmorConfig(block_size=16, optimizer=BcdConfig(iters=5)), progress=False)
     sparsifier.prepare(model)
     with torch.no_grad():
         model(torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0)))

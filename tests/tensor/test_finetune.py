@@ -8,7 +8,7 @@ from torch import nn
 
 from _helpers import block_diag_dense, random_pattern_factors
 from conftest import make_tiny_llama
-from torch_armor import ArmorConfig, enable_finetuning, model_size, prune_model
+from torch_armor import ArmorConfig, BcdConfig, enable_finetuning, model_size, prune_model, PruneOptions
 from torch_armor.tensor.armor_tensor import ArmorTensor, armor_linear_from_factors
 from torch_armor.tensor.finetune import trainable_parts
 
@@ -56,7 +56,7 @@ def test_any_optimizer_over_model_parameters_trains_the_parts(tmp_path, one_thre
     """Before: an optimizer over model.parameters() changed nothing."""
     model = make_tiny_llama()
     windows = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
-    prune_model(model, windows, "armor", ArmorConfig(block_size=16, num_iters=2), progress=False)
+    prune_model(model, windows, ArmorConfig(block_size=16, optimizer=BcdConfig(iters=2)), options=PruneOptions(progress=False))
     keys_before = sorted(model.state_dict())
     q = model.model.layers[0].self_attn.q_proj
     indices, values = q.weight.with_storage("compact").indices.clone(), None
@@ -87,7 +87,7 @@ def test_model_size_counts_parts_not_dense(one_thread):
     model = make_tiny_llama()
     dense_params = sum(p.numel() for p in model.parameters())
     windows = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
-    prune_model(model, windows, "armor", ArmorConfig(block_size=16, num_iters=2), progress=False)
+    prune_model(model, windows, ArmorConfig(block_size=16, optimizer=BcdConfig(iters=2)), options=PruneOptions(progress=False))
     for m in model.modules():
         if isinstance(getattr(m, "weight", None), ArmorTensor):
             m.weight = nn.Parameter(m.weight.with_storage("compact"), requires_grad=False)

@@ -23,6 +23,7 @@ from torch_armor.sparsifier import ArmorSparsifier
 from torch_armor.tensor.armor_tensor import ArmorTensor, armor_linear_from_factors
 
 from conftest import make_tiny_llama
+from torch_armor import ArmorConfig, BcdConfig
 
 # set_inductor_config=False: torchao's recommended inductor settings change global state; the
 # tests do not need them (and they only tune GPU kernels).
@@ -60,7 +61,7 @@ def llamas():
     """(dense, converted): the tiny random Llama of conftest and its ARMOR conversion (block 16, BCD)."""
     dense = make_tiny_llama()
     model = copy.deepcopy(dense)
-    sparsifier = ArmorSparsifier(block_size=16, optimizer="bcd", num_iters=5, progress=False)
+    sparsifier = ArmorSparsifier(ArmorConfig(block_size=16, optimizer=BcdConfig(iters=5)), progress=False)
     sparsifier.prepare(model)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():

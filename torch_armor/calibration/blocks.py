@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
-from torch_armor.calibration.observer import ActSqNormObserver, LayerStatistics, _model_device, token_mask
+from torch_armor.calibration.observer import ActSqNormObserver, LayerStatistics, model_device, token_mask
+from torch_armor.errors import ArmorInputError
 
-__all__ = ["BlockInput", "decoder_blocks", "capture_block_inputs", "run_block", "block_statistics"]
+__all__ = ["BlockInput", "decoder_blocks", "capture_block_inputs", "run_block", "block_statistics", "to_device"]
 
 
 class BlockInput:
@@ -52,8 +54,6 @@ class BlockInput:
     def hidden(self) -> torch.Tensor:
         if self.path is None:
             return self._hidden
-        from safetensors.torch import load_file
-
         return load_file(str(self.path))["hidden"]
 
     @hidden.setter
@@ -61,8 +61,6 @@ class BlockInput:
         if self.path is None:
             self._hidden = value
             return
-        from safetensors.torch import save_file
-
         save_file({"hidden": value.detach().contiguous().cpu()}, str(self.path))
 
     def offload(self, path: Union[str, os.PathLike]) -> None:
@@ -84,7 +82,7 @@ def decoder_blocks(model: nn.Module) -> Tuple[str, nn.ModuleList]:
     """
     conv1d = next((name for name, m in model.named_modules() if type(m).__name__ == "Conv1D"), None)
     if conv1d is not None:
-        raise ValueError(
+        raise ArmorInputError(
             f"Conv1D layers are not supported; {type(model).__name__} stores its projections as transformers "
             f"Conv1D (e.g. {conv1d!r}, the GPT-2 layout with transposed weights), and ARMOR converts nn.Linear "
             "weights only. Use a model with nn.Linear projections (Llama, Mistral, Qwen2/3, Gemma2/3, Phi-3, "
@@ -99,7 +97,7 @@ def decoder_blocks(model: nn.Module) -> Tuple[str, nn.ModuleList]:
         if best is None or len(module) > len(best[1]):
             best = (name, module)
     if best is None:
-        raise ValueError(
+        raise ArmorInputError(
             f"{type(model).__name__} has no list of decoder blocks (an nn.ModuleList of layers holding "
             "nn.Linear modules); prune it with ArmorSparsifier instead of prune_model"
         )
@@ -110,18 +108,18 @@ class _Captured(Exception):
     pass
 
 
-def _to(value: Any, device: Optional[torch.device], dtype: Optional[torch.dtype] = None) -> Any:
+def to_device(value: Any, device: Optional[torch.device], dtype: Optional[torch.dtype] = None) -> Any:
     if isinstance(value, torch.Tensor):
         value = value.detach()
         if dtype is not None and value.is_floating_point():
             value = value.to(dtype)
         return value.to(device) if device is not None else value
     if isinstance(value, tuple):
-        return tuple(_to(v, device, dtype) for v in value)
+        return tuple(to_device(v, device, dtype) for v in value)
     if isinstance(value, list):
-        return [_to(v, device, dtype) for v in value]
+        return [to_device(v, device, dtype) for v in value]
     if isinstance(value, dict):
-        return {k: _to(v, device, dtype) for k, v in value.items()}
+        return {k: to_device(v, device, dtype) for k, v in value.items()}
     return value
 
 
@@ -146,12 +144,12 @@ def capture_block_inputs(
     def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
         hidden = args[0] if args else kwargs.pop("hidden_states")
         rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-        captured.append(BlockInput(_to(hidden, store_device or torch.device("cpu"), hidden_dtype), rest,
+        captured.append(BlockInput(to_device(hidden, store_device or torch.device("cpu"), hidden_dtype), rest,
                                    current["mask"]))
         raise _Captured
 
     handle = first_block.register_forward_pre_hook(hook, with_kwargs=True)
-    device = _model_device(model)
+    device = model_device(model)
     extra = {"use_cache": False} if getattr(getattr(model, "config", None), "use_cache", None) is not None else {}
     try:
         with torch.no_grad():
@@ -167,7 +165,7 @@ def capture_block_inputs(
                     model(batch.to(device=device, dtype=torch.long), **kwargs)
                 except _Captured:
                     continue
-                raise ValueError("the model's forward never reached its first decoder block")
+                raise ArmorInputError("the model's forward never reached its first decoder block")
     finally:
         handle.remove()
     return captured
@@ -180,7 +178,7 @@ def run_block(block: nn.Module, inp: BlockInput, device: torch.device) -> torch.
     param = next((p for p in block.parameters() if p.device.type != "meta"), None)
     compute_dtype = param.dtype if param is not None else hidden.dtype
     with torch.no_grad():
-        out = block(hidden.to(device=device, dtype=compute_dtype), **_to(inp.kwargs, device))
+        out = block(hidden.to(device=device, dtype=compute_dtype), **to_device(inp.kwargs, device))
     if isinstance(out, (tuple, list)):
         out = out[0]
     return out.detach().to(device=hidden.device, dtype=hidden.dtype)

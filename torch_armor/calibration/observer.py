@@ -34,8 +34,10 @@ from typing import Any, Iterable, Mapping, Optional, Union
 import torch
 from torch import nn
 from torch_armor.progress import tqdm
+from torch_armor.errors import ArmorInputError
 
 __all__ = [
+    "model_device",
     "LayerStatistics",
     "ActSqNormObserver",
     "attach_observers",
@@ -55,11 +57,11 @@ def _as_token_mask(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         return None
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.is_floating_point() and not bool(
             ((mask == 0) | (mask == 1)).all()):
-        raise ValueError("attention_mask must be a (batch, seq_len) tensor of 0 (pad) and 1 (token), got "
+        raise ArmorInputError("attention_mask must be a (batch, seq_len) tensor of 0 (pad) and 1 (token), got "
                          f"{type(mask).__name__} {tuple(getattr(mask, 'shape', ()))}")
     mask = mask.detach().to(torch.bool)
     if not bool(mask.any()):
-        raise ValueError("attention_mask masks every position of the batch: nothing would be observed")
+        raise ArmorInputError("attention_mask masks every position of the batch: nothing would be observed")
     return mask
 
 
@@ -115,7 +117,7 @@ class LayerStatistics:
     def mean_sq(self) -> torch.Tensor:
         """``act_sq_norm / num_tokens`` (mean squared activation per input channel)."""
         if self.num_tokens == 0:
-            raise ValueError("no tokens were observed, so there is no mean; run the model first")
+            raise ArmorInputError("no tokens were observed, so there is no mean; run the model first")
         return self.act_sq_norm / self.num_tokens
 
 
@@ -149,12 +151,12 @@ class ActSqNormObserver:
     def attach(self, module: nn.Module, name: str = "") -> "ActSqNormObserver":
         """Register the forward pre-hook on ``module`` (an ``nn.Linear``); returns ``self``."""
         if not isinstance(module, nn.Linear):
-            raise ValueError(
+            raise ArmorInputError(
                 f"ActSqNormObserver observes nn.Linear layers, but {name or 'the module'} is a "
                 f"{type(module).__name__}"
             )
         if self._handle is not None:
-            raise ValueError(
+            raise ArmorInputError(
                 f"this observer is already attached to {self.name!r}; call remove() first or "
                 f"create one observer per layer"
             )
@@ -185,14 +187,14 @@ class ActSqNormObserver:
     def _hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         x = args[0] if args else kwargs.get("input")
         if not isinstance(x, torch.Tensor):
-            raise ValueError(f"layer {self.name!r} was called without a tensor input")
+            raise ArmorInputError(f"layer {self.name!r} was called without a tensor input")
         self.update(x)
 
     def update(self, x: torch.Tensor) -> None:
         """Add the rows of ``x`` (shape ``(..., d_in)``) to the statistics."""
         d_in = self.in_features if self.in_features is not None else x.shape[-1]
         if x.dim() == 0 or x.shape[-1] != d_in:
-            raise ValueError(
+            raise ArmorInputError(
                 f"layer {self.name!r} expects inputs with last dimension {d_in}, "
                 f"got shape {tuple(x.shape)}"
             )
@@ -201,19 +203,19 @@ class ActSqNormObserver:
             mask = _TOKEN_MASK.get()
             if mask is not None:
                 if mask.numel() != rows.shape[0]:
-                    raise ValueError(
+                    raise ArmorInputError(
                         f"layer {self.name!r} saw {rows.shape[0]} input rows but the attention mask has "
                         f"{mask.numel()} positions {tuple(mask.shape)}: pass the mask of the batch being run")
                 rows = rows[mask.reshape(-1).to(rows.device)]
             sq = rows.square().sum(dim=0)
             if not bool(torch.isfinite(sq).all()):
                 if not bool(torch.isfinite(rows).all()):
-                    raise ValueError(
+                    raise ArmorInputError(
                         f"NaN or Inf in the input of layer {self.name!r}; the model produces "
                         f"non-finite activations on this data (check the dtype, e.g. fp16 "
                         f"overflow, or the weights)"
                     )
-                raise ValueError(
+                raise ArmorInputError(
                     f"squared inputs of layer {self.name!r} overflow float32; the activations "
                     f"are too large (|x| > 1e19) to accumulate"
                 )
@@ -235,7 +237,7 @@ class ActSqNormObserver:
         """``Σ x_j²`` over all observed tokens, float32 ``(d_in,)`` (zeros before any input)."""
         if self._sq is None:
             if self.in_features is None:
-                raise ValueError("the observer is not attached to a layer and has seen no input")
+                raise ArmorInputError("the observer is not attached to a layer and has seen no input")
             return self._zeros(self.in_features)
         return self._sq
 
@@ -246,7 +248,7 @@ class ActSqNormObserver:
             return None
         if self._xtx is None:
             if self.in_features is None:
-                raise ValueError("the observer is not attached to a layer and has seen no input")
+                raise ArmorInputError("the observer is not attached to a layer and has seen no input")
             return self._zeros(self.in_features, self.in_features)
         return self._xtx
 
@@ -270,17 +272,17 @@ def _resolve(model: nn.Module, names_or_modules: Iterable[Union[str, nn.Module]]
     for item in names_or_modules:
         if isinstance(item, str):
             if item not in by_name:
-                raise ValueError(
+                raise ArmorInputError(
                     f"the model has no submodule named {item!r}; see decoder_linear_names(model) "
                     f"or model.named_modules() for valid names"
                 )
             resolved[item] = by_name[item]
         elif isinstance(item, nn.Module):
             if id(item) not in by_id:
-                raise ValueError(f"the module {type(item).__name__} given is not part of the model")
+                raise ArmorInputError(f"the module {type(item).__name__} given is not part of the model")
             resolved[by_id[id(item)]] = item
         else:
-            raise ValueError(f"expected module names or nn.Module objects, got {type(item).__name__}")
+            raise ArmorInputError(f"expected module names or nn.Module objects, got {type(item).__name__}")
     return resolved
 
 
@@ -368,7 +370,7 @@ def decoder_linear_names(model: nn.Module) -> list[str]:
     return names
 
 
-def _model_device(model: nn.Module) -> torch.device:
+def model_device(model: nn.Module) -> torch.device:
     """Where to put the token ids: accelerate's execution device for an offloaded model, else
     the input embedding's device (the first stage of a ``device_map``), else the first real
     parameter's. Offloaded weights sit on the meta device and are never the answer."""
@@ -423,23 +425,23 @@ def collect_statistics(
         (torch.Size([64]), 24)
     """
     if not isinstance(windows, torch.Tensor) or windows.dim() != 2:
-        raise ValueError(
+        raise ArmorInputError(
             "windows must be a 2-D tensor of token ids (n_windows, seq_len), e.g. from "
             f"calibration_windows(); got {type(windows).__name__} with shape "
             f"{tuple(getattr(windows, 'shape', ()))}"
         )
     if windows.dtype.is_floating_point or windows.numel() == 0:
-        raise ValueError(f"windows must be non-empty integer token ids, got dtype {windows.dtype} and shape {tuple(windows.shape)}")
+        raise ArmorInputError(f"windows must be non-empty integer token ids, got dtype {windows.dtype} and shape {tuple(windows.shape)}")
     if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        raise ArmorInputError(f"batch_size must be a positive integer, got {batch_size!r}")
 
     if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor)
                                        or attention_mask.shape != windows.shape):
-        raise ValueError(f"attention_mask must have the windows' shape {tuple(windows.shape)}, got "
+        raise ArmorInputError(f"attention_mask must have the windows' shape {tuple(windows.shape)}, got "
                          f"{tuple(getattr(attention_mask, 'shape', ()))}")
     observers = attach_observers(model, names, track_xtx=track_xtx)
     was_training = model.training
-    device = _model_device(model)
+    device = model_device(model)
     kwargs = _forward_kwargs(model)
     try:
         model.eval()

@@ -18,12 +18,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Dict, Tuple
 
-from torch_armor.core.levers import AdamConfig, BcdConfig, ReconstructConfig, RefineConfig
+from torch_armor.core.levers import OPTIMIZERS, AdamConfig, BcdConfig, ReconstructConfig, RefineConfig
 from torch_armor.errors import ArmorInputError, deprecated
 
 __all__ = ["LEGACY_KEYWORDS", "translate", "accept_flat_keywords", "flat_dict", "legacy_attribute"]
 
-_OPTIMIZERS = {"bcd": BcdConfig, "adam": AdamConfig}
+_OPTIMIZERS = OPTIMIZERS
 #: flat keyword -> (lever, field of the lever's config)
 _LEVER_FIELDS: Dict[str, Tuple[str, str]] = {
     "num_iters": ("optimizer", "iters"),
@@ -90,7 +90,7 @@ def translate(kwargs: Dict[str, Any]) -> Tuple[Dict[str, Any], str]:
     refine = kwargs.get("refine", _LEVER_DEFAULTS["refine"])
     if isinstance(refine, str):
         if refine != "output":
-            raise ArmorInputError(f"refine must be 'output', None or RefineConfig(...), got {refine!r}")
+            raise ArmorInputError(f"refine must be one of ('output', None) or a RefineConfig(...), got {refine!r}")
         refine, legacy["refine"] = RefineConfig(), refine
     reconstruct = kwargs.get("reconstruct", _LEVER_DEFAULTS["reconstruct"])
     per_lever: Dict[str, Dict[str, Any]] = {"optimizer": {}, "refine": {}, "reconstruct": {}}

@@ -9,6 +9,7 @@ from typing import Any, Dict, Mapping, Optional
 import torch
 
 from torch_armor.core.blockdiag import block_diag_left, block_diag_right
+from torch_armor.errors import ArmorInputError
 
 __all__ = ["ArmorFactors"]
 
@@ -111,16 +112,16 @@ class ArmorFactors:
         missing = [k for k in TENSOR_NAMES if k not in tensors]
         unknown = sorted(set(tensors) - set(TENSOR_NAMES))
         if missing or unknown:
-            raise ValueError(
+            raise ArmorInputError(
                 f"ArmorFactors tensors: missing {missing}, unknown {unknown}; expected exactly {list(TENSOR_NAMES)}"
             )
         bad = sorted(set(scalars) - set(SCALAR_NAMES))
         if bad:
-            raise ValueError(f"ArmorFactors scalars: unknown {bad}; expected some of {list(SCALAR_NAMES)}")
+            raise ArmorInputError(f"ArmorFactors scalars: unknown {bad}; expected some of {list(SCALAR_NAMES)}")
         t = {k: tensors[k] for k in TENSOR_NAMES}
         not_tensor = [k for k, v in t.items() if not isinstance(v, torch.Tensor)]
         if not_tensor:
-            raise ValueError(f"ArmorFactors tensors: {not_tensor} are not torch.Tensors")
+            raise ArmorInputError(f"ArmorFactors tensors: {not_tensor} are not torch.Tensors")
         a, core, b = t["a_blocks"], t["core"], t["b_blocks"]
         problems = []
         if core.dim() != 2:
@@ -140,5 +141,5 @@ class ArmorFactors:
             problems.append("history, history_iters and history_time_s must be 1-D of one length, got "
                             + ", ".join(str(tuple(h.shape)) for h in hist))
         if problems:
-            raise ValueError("ArmorFactors tensors do not fit together: " + "; ".join(problems))
+            raise ArmorInputError("ArmorFactors tensors do not fit together: " + "; ".join(problems))
         return cls(**t, **scalars)

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Optional, Union
 from torch_armor.core.method_config import check_count, check_fraction
 from torch_armor.errors import ArmorInputError
 
-__all__ = ["BcdConfig", "AdamConfig", "RefineConfig", "ReconstructConfig", "Optimizer", "SELECTIONS"]
+__all__ = ["BcdConfig", "AdamConfig", "RefineConfig", "ReconstructConfig", "Optimizer", "OPTIMIZERS", "SELECTIONS"]
 
 #: How a tile picks the groups its sparse-core steps update
 #: (:func:`~torch_armor.core.sparse_core.select_groups`).
@@ -185,3 +185,5 @@ class ReconstructConfig:
 
 
 Optimizer = Union[BcdConfig, AdamConfig]
+#: The optimizers by name (``"bcd"``, ``"adam"``: the command line's ``--optimizer``).
+OPTIMIZERS = {kind.name: kind for kind in (BcdConfig, AdamConfig)}

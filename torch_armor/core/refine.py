@@ -41,6 +41,7 @@ from torch_armor.core.blockdiag import block_diag_left, block_diag_right
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.core.pattern import parse_pattern
 from torch_armor.core.proxy import nowag_prune, relative_proxy_loss
+from torch_armor.errors import ArmorInputError
 
 __all__ = ["output_loss", "refine_output", "damped_xtx", "with_losses"]
 
@@ -185,10 +186,10 @@ def refine_output(weight: torch.Tensor, xtx: torch.Tensor, factors: ArmorFactors
         ``relative_loss`` describes the returned factors).
     """
     if rounds < 0 or cg_steps < 0:
-        raise ValueError(f"refine_output: rounds and cg_steps must be >= 0, got {rounds}, {cg_steps}")
+        raise ArmorInputError(f"refine_output: rounds and cg_steps must be >= 0, got {rounds}, {cg_steps}")
     d_out, d_in = factors.shape
     if tuple(weight.shape) != (d_out, d_in) or tuple(xtx.shape) != (d_in, d_in):
-        raise ValueError(f"refine_output: weight {tuple(weight.shape)} and xtx {tuple(xtx.shape)} do not fit "
+        raise ArmorInputError(f"refine_output: weight {tuple(weight.shape)} and xtx {tuple(xtx.shape)} do not fit "
                          f"factors of shape {(d_out, d_in)}")
     start = time.perf_counter()
     dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32

@@ -23,6 +23,9 @@ from typing import Optional, Tuple
 
 import torch
 
+from torch_armor.core.blockdiag import block_diag_left, block_diag_right
+from torch_armor.errors import ArmorInputError
+
 __all__ = [
     "supports",
     "solve_psd",
@@ -79,8 +82,6 @@ def core_gradient(
     residual: torch.Tensor, a: torch.Tensor, b: torch.Tensor, act_sq_norm: torch.Tensor
 ) -> torch.Tensor:
     """``∂L/∂core = −2 Aᵀ (R diag(h)) Bᵀ`` for ``R = W_bar − A core B`` (block-diagonal ``A``, ``B``)."""
-    from torch_armor.core.blockdiag import block_diag_left, block_diag_right
-
     weighted = residual * act_sq_norm
     return -2.0 * block_diag_right(block_diag_left(a.transpose(1, 2), weighted), b.transpose(1, 2))
 
@@ -177,7 +178,7 @@ def select_groups(
     draws = 1 if num is None else num
     if selection in DECREASE_SELECTIONS:
         if decrease is None:
-            raise ValueError(f"selection {selection!r} needs decrease= (see group_decrease)")
+            raise ArmorInputError(f"selection {selection!r} needs decrease= (see group_decrease)")
         n_greedy = draws if selection == "decrease-greedy" else draws // 2
         parts = []
         if n_greedy:
@@ -198,7 +199,7 @@ def select_groups(
         elif selection == "l2-random":
             norms = grouped.square().sum(-1).sqrt()
         else:
-            raise ValueError(f"unknown selection {selection!r}")
+            raise ArmorInputError(f"unknown selection {selection!r}")
         flat = _per_tile(norms, p, q, d_b, n_grp)
         if selection == "l1-greedy":
             flat_idx = _largest(flat, draws)
@@ -254,7 +255,7 @@ def sparse_core_step(
         the ``(P, Q, M)`` change of each chosen group's values.
     """
     if not (core.is_contiguous() and mask.is_contiguous() and grad.is_contiguous()):
-        raise ValueError("core, mask and grad must be contiguous: the step writes through views")
+        raise ArmorInputError("core, mask and grad must be contiguous: the step writes through views")
     p, d_b, _ = a_gram.shape
     q = b_gram.shape[0]
     n_grp = d_b // m
@@ -336,7 +337,7 @@ def sparse_core_steps(
         ``(P, Q)`` total decrease of the proxy loss in each tile (≥ 0).
     """
     if not (core.is_contiguous() and mask.is_contiguous()):
-        raise ValueError("core and mask must be contiguous: the steps write through views")
+        raise ArmorInputError("core and mask must be contiguous: the steps write through views")
     k_steps, p, q = rows.shape
     d_b = a_gram.shape[-1]
     d_in = core.shape[1]

@@ -24,6 +24,7 @@ from typing import Dict, Iterable, List, Mapping, Sequence, Tuple
 import numpy as np
 
 from torch_armor.core.pattern import candidate_block_sizes  # noqa: F401  (the candidates this module chooses from)
+from torch_armor.errors import ArmorInputError
 
 __all__ = ["allocate_block_sizes", "candidate_block_sizes", "layer_kind", "loss_curves", "overhead_of"]
 
@@ -62,7 +63,7 @@ def loss_curves(measured: Mapping[str, Mapping[int, float]], names: Iterable[str
     for name in names:
         curves = by_kind.get(layer_kind(name))
         if not curves:
-            raise ValueError(f"layer {name!r}: no measured loss curve for its kind {layer_kind(name)!r}")
+            raise ArmorInputError(f"layer {name!r}: no measured loss curve for its kind {layer_kind(name)!r}")
         sizes = sorted(set.intersection(*(set(c) for c in curves)))
         out[name] = {b: float(np.mean([c[b] for c in curves])) for b in sizes}
     return out
@@ -86,23 +87,23 @@ def allocate_block_sizes(curves: Mapping[str, Mapping[int, float]], shapes: Mapp
     """
     names = list(curves)
     if not names:
-        raise ValueError("allocate_block_sizes: no layers")
+        raise ArmorInputError("allocate_block_sizes: no layers")
     if set(names) != set(shapes):
-        raise ValueError(f"allocate_block_sizes: curves and shapes name different layers: "
+        raise ArmorInputError(f"allocate_block_sizes: curves and shapes name different layers: "
                          f"{sorted(set(names) ^ set(shapes))[:5]}")
     if not max_overhead > 0:
-        raise ValueError(f"max_overhead must be a positive fraction, got {max_overhead!r}")
+        raise ArmorInputError(f"max_overhead must be a positive fraction, got {max_overhead!r}")
     options: List[Sequence[Tuple[int, int, float]]] = []
     for n in names:
         if not curves[n]:
-            raise ValueError(f"layer {n!r}: no candidate block sizes")
+            raise ArmorInputError(f"layer {n!r}: no candidate block sizes")
         d_out, d_in = shapes[n]
         options.append([(b, b * (d_out + d_in), float(loss)) for b, loss in sorted(curves[n].items())])
     budget = math.floor(max_overhead * sum(d_out * d_in for d_out, d_in in shapes.values()) + 1e-9)
     cheapest = sum(min(c for _, c, _ in opts) for opts in options)
     if cheapest > budget:
         total = sum(d_out * d_in for d_out, d_in in shapes.values())
-        raise ValueError(f"max_overhead={max_overhead:g} is below the smallest wrapper overhead these layers can "
+        raise ArmorInputError(f"max_overhead={max_overhead:g} is below the smallest wrapper overhead these layers can "
                          f"have ({cheapest / total:.2%}, every layer at its smallest block size): raise it")
     unit = math.gcd(*(c for opts in options for _, c, _ in opts))
     if budget // unit > MAX_UNITS:

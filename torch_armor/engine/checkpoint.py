@@ -33,7 +33,12 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 import torch
+from safetensors import safe_open
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from torch_armor.calibration.blocks import decoder_blocks
+from torch_armor.errors import ArmorInputError
 
 __all__ = ["LazyCheckpoint"]
 
@@ -68,7 +73,7 @@ def _read_tensor(path: Path, start: int, entry: dict) -> Optional[torch.Tensor]:
         with open(path, "rb") as f:
             f.seek(start + a)
             if f.readinto(view) != b - a:
-                raise ValueError(f"{path} is truncated: tensor data ends before byte {start + b}; re-save the checkpoint")
+                raise ArmorInputError(f"{path} is truncated: tensor data ends before byte {start + b}; re-save the checkpoint")
     return t
 
 
@@ -81,17 +86,14 @@ class LazyCheckpoint:
     """
 
     def __init__(self, directory, dtype: Optional[torch.dtype] = None, device="cpu"):
-        from safetensors import safe_open
-        from transformers import AutoConfig, AutoModelForCausalLM
-
         self.directory = Path(directory)
         self.dtype = dtype
         self.device = torch.device(device)
         d = self.directory
         if not d.is_dir():
-            raise ValueError(f"checkpoint directory {d} does not exist; pass a local folder with config.json and *.safetensors")
+            raise ArmorInputError(f"checkpoint directory {d} does not exist; pass a local folder with config.json and *.safetensors")
         if not (d / "config.json").is_file():
-            raise ValueError(f"{d / 'config.json'} is missing; the checkpoint folder needs the model's config.json")
+            raise ArmorInputError(f"{d / 'config.json'} is missing; the checkpoint folder needs the model's config.json")
         self._files = self._find_files(d)  # file name -> list of keys
         self._where: dict[str, str] = {}
         index = d / INDEX_NAME
@@ -99,10 +101,10 @@ class LazyCheckpoint:
         if index.is_file():
             weight_map = json.loads(index.read_text()).get("weight_map")
             if not isinstance(weight_map, dict):
-                raise ValueError(f"{index} has no 'weight_map' object; re-save the checkpoint with save_pretrained")
+                raise ArmorInputError(f"{index} has no 'weight_map' object; re-save the checkpoint with save_pretrained")
             for k, name in weight_map.items():
                 if not (d / name).is_file():
-                    raise ValueError(f"{index} names shard {name!r} (for {k!r}) but {d / name} is missing; restore the shard or re-save the checkpoint")
+                    raise ArmorInputError(f"{index} names shard {name!r} (for {k!r}) but {d / name} is missing; restore the shard or re-save the checkpoint")
         for name in self._files:
             with safe_open(str(d / name), framework="pt") as f:
                 keys = list(f.keys())
@@ -112,7 +114,7 @@ class LazyCheckpoint:
         if weight_map is not None:
             for k, name in weight_map.items():
                 if k not in self._files[name]:
-                    raise ValueError(f"{index} says tensor {k!r} is in {name} but that file has no such tensor; re-save the checkpoint")
+                    raise ArmorInputError(f"{index} says tensor {k!r} is in {name} but that file has no such tensor; re-save the checkpoint")
             self._where = dict(weight_map)
 
         self.config = AutoConfig.from_pretrained(str(d))
@@ -131,17 +133,17 @@ class LazyCheckpoint:
             try:
                 weight_map = json.loads(index.read_text()).get("weight_map") or {}
             except json.JSONDecodeError as e:
-                raise ValueError(f"{index} is not valid JSON ({e}); re-save the checkpoint") from None
+                raise ArmorInputError(f"{index} is not valid JSON ({e}); re-save the checkpoint") from None
             return {name: [] for name in sorted(set(weight_map.values()))}
         files = sorted(p.name for p in d.glob("*.safetensors"))
         if files:
             return {name: [] for name in files}
         if any(d.glob("*.bin")) or any(d.glob("*.pt")) or any(d.glob("*.pth")):
-            raise ValueError(
+            raise ArmorInputError(
                 f"{d} holds only PyTorch .bin/.pt weights; only safetensors can be streamed: convert with "
                 "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)"
             )
-        raise ValueError(f"{d} has no *.safetensors files; save the model with save_pretrained (safetensors)")
+        raise ArmorInputError(f"{d} has no *.safetensors files; save the model with save_pretrained (safetensors)")
 
     def _map_names(self) -> None:
         """Map every state-dict name to its module slot(s) and to the checkpoint key holding it."""
@@ -173,14 +175,14 @@ class LazyCheckpoint:
                 self._source[n] = n
         for k, name in self._where.items():
             if k not in self._slots:
-                raise ValueError(
+                raise ArmorInputError(
                     f"checkpoint tensor {k!r} (in {self.directory / name}) matches no parameter of "
                     f"{type(self.model).__name__}; its keys are renamed on load, which streaming does not "
                     "support: re-save it with save_pretrained from transformers>=5"
                 )
         for n in self._slots:
             if n not in self._source:
-                raise ValueError(
+                raise ArmorInputError(
                     f"{type(self.model).__name__} needs tensor {n!r} but no file in {self.directory} "
                     "holds it; the checkpoint is incomplete or for another architecture"
                 )
@@ -192,7 +194,7 @@ class LazyCheckpoint:
     def nbytes(self, key: str) -> int:
         """Stored size of tensor ``key`` in bytes, from its file's header (no data is read)."""
         if key not in self._where:
-            raise ValueError(f"tensor {key!r} is not in the checkpoint at {self.directory}")
+            raise ArmorInputError(f"tensor {key!r} is not in the checkpoint at {self.directory}")
         fname = self._where[key]
         if fname not in self._headers:
             self._headers[fname] = _header(self.directory / fname)
@@ -213,8 +215,6 @@ class LazyCheckpoint:
     def decoder_layers(self) -> tuple:
         """``(name, ModuleList)`` of the decoder blocks, found as the engine finds them
         (:func:`~torch_armor.calibration.blocks.decoder_blocks`)."""
-        from torch_armor.calibration.blocks import decoder_blocks
-
         return decoder_blocks(self.model)
 
     def post_decoder_prefixes(self) -> list:
@@ -241,7 +241,7 @@ class LazyCheckpoint:
         by_file: dict[str, list] = {}
         for k in keys:
             if k not in self._where:
-                raise ValueError(f"tensor {k!r} is not in the checkpoint at {self.directory}")
+                raise ArmorInputError(f"tensor {k!r} is not in the checkpoint at {self.directory}")
             by_file.setdefault(self._where[k], []).append(k)
         out = {}
         for name, ks in by_file.items():
@@ -256,11 +256,9 @@ class LazyCheckpoint:
             self._headers[fname] = _header(path)
         start, header = self._headers[fname]
         if key not in header:
-            raise ValueError(f"tensor {key!r} is missing from {path}; re-save the checkpoint")
+            raise ArmorInputError(f"tensor {key!r} is missing from {path}; re-save the checkpoint")
         t = _read_tensor(path, start, header[key])
         if t is None:  # a dtype torch reads only through safetensors (e.g. float8)
-            from safetensors import safe_open
-
             with safe_open(str(path), framework="pt") as f:
                 t = f.get_tensor(key).clone()
         return t
@@ -272,7 +270,7 @@ class LazyCheckpoint:
         try:
             self.model.get_submodule(prefix)
         except AttributeError:
-            raise ValueError(f"{type(self.model).__name__} has no submodule {prefix!r}") from None
+            raise ArmorInputError(f"{type(self.model).__name__} has no submodule {prefix!r}") from None
         return names
 
     def _set(self, name: str, tensor: torch.Tensor) -> None:
@@ -334,7 +332,7 @@ class LazyCheckpoint:
                     else:
                         fresh = cls(getattr(mod, "config", self.config))
             except Exception as e:
-                raise ValueError(
+                raise ArmorInputError(
                     f"cannot rebuild the non-computed buffers {stale} of {cls.__name__} (not stored in the "
                     f"checkpoint): re-creating it from the config failed ({e})"
                 ) from None

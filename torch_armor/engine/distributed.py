@@ -22,13 +22,13 @@ unless you set it; keep ``ranks × threads`` at most the number of cores.
 Example (one process; the same call runs sharded under ``torchrun``)::
 
     >>> import tempfile
-    >>> from torch_armor import ArmorConfig
+    >>> from torch_armor import ArmorConfig, BcdConfig
     >>> from torch_armor.engine.runstore import RunStore
     >>> from torch_armor.engine.identity import hash_statistics
     >>> g = torch.Generator().manual_seed(0)
     >>> layers = {f"fc{i}": (torch.randn(32, 64, generator=g), torch.rand(64, generator=g) + 0.1)
     ...           for i in range(4)}
-    >>> cfg = ArmorConfig(block_size=16, num_iters=2)
+    >>> cfg = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=2))
     >>> with tempfile.TemporaryDirectory() as d:
     ...     store = RunStore(d, cfg, "toy", hash_statistics({k: h for k, (_, h) in layers.items()}))
     ...     factors = distributed_factorize(layers, cfg, store, progress=False)
@@ -61,6 +61,7 @@ __all__ = [
     "shard_layers",
     "init_distributed",
     "launched_world_size",
+    "launched_rank",
     "distributed_factorize",
 ]
 
@@ -93,9 +94,9 @@ def layer_cost(shape: Union[torch.Tensor, Sequence[int]], block_size: int) -> fl
     """
     dims = tuple(shape.shape) if isinstance(shape, torch.Tensor) else tuple(shape)
     if len(dims) != 2 or not all(isinstance(d, int) and d > 0 for d in dims):
-        raise ValueError(f"layer_cost needs a (d_out, d_in) shape of positive integers, got {dims}")
+        raise ArmorInputError(f"layer_cost needs a (d_out, d_in) shape of positive integers, got {dims}")
     if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        raise ArmorInputError(f"block_size must be a positive integer, got {block_size!r}")
     return float(dims[0] * dims[1] * block_size)
 
 
@@ -113,10 +114,10 @@ def shard_layers(costs: Mapping[str, float], world_size: int) -> List[List[str]]
         [['q', 'down'], ['k', 'v', 'up']]
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+        raise ArmorInputError(f"world_size must be a positive integer, got {world_size!r}")
     for name, cost in costs.items():
         if not isinstance(cost, (int, float)) or isinstance(cost, bool) or not math.isfinite(cost) or cost < 0:
-            raise ValueError(f"layer {name!r}: cost must be a finite number >= 0, got {cost!r}")
+            raise ArmorInputError(f"layer {name!r}: cost must be a finite number >= 0, got {cost!r}")
     heap = [(0.0, rank) for rank in range(world_size)]
     owner: Dict[str, int] = {}
     for name in sorted(costs, key=lambda n: (-float(costs[n]), n)):
@@ -136,7 +137,7 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+        raise ArmorInputError(f"environment variable {name}={value!r} is not an integer") from None
 
 
 def launched_world_size() -> int:
@@ -145,6 +146,16 @@ def launched_world_size() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
     return max(1, _env_int("WORLD_SIZE", 1))
+
+
+def launched_rank() -> int:
+    """This process's rank: the process group's, else ``$RANK`` (set by ``torchrun``), else 0."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    try:
+        return max(0, _env_int("RANK", 0))
+    except ValueError:
+        return 0
 
 
 def init_distributed(
@@ -172,10 +183,10 @@ def init_distributed(
     if world <= 1:
         return Topology()
     if not dist.is_available():
-        raise ValueError(f"WORLD_SIZE={world} but this PyTorch build has no torch.distributed; run one process")
+        raise ArmorInputError(f"WORLD_SIZE={world} but this PyTorch build has no torch.distributed; run one process")
     rank, local = _env_int("RANK", -1), _env_int("LOCAL_RANK", -1)
     if rank < 0 or not os.environ.get("MASTER_ADDR") or not os.environ.get("MASTER_PORT"):
-        raise ValueError(
+        raise ArmorInputError(
             f"WORLD_SIZE={world} is set but RANK, MASTER_ADDR or MASTER_PORT is not: launch with "
             "`torchrun --nproc-per-node N ...`, or unset WORLD_SIZE to run one process"
         )
@@ -185,7 +196,7 @@ def init_distributed(
         backend = "nccl" if on_cuda and torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         if not torch.cuda.is_available():
-            raise ValueError("backend 'nccl' needs CUDA; use backend='gloo' on CPU")
+            raise ArmorInputError("backend 'nccl' needs CUDA; use backend='gloo' on CPU")
         torch.cuda.set_device(local % torch.cuda.device_count())
     dist.init_process_group(backend=backend, timeout=timeout)
     return Topology(rank, world, local, True)
@@ -204,7 +215,7 @@ def _costs_for(
             continue
         value = layers[fqn]
         if callable(value) or not isinstance(value, (tuple, list)) or not isinstance(value[0], torch.Tensor):
-            raise ValueError(
+            raise ArmorInputError(
                 f"layer {fqn!r} is given lazily, so its cost is unknown: pass "
                 "costs={name: layer_cost((d_out, d_in), block_size), ...} for every such layer"
             )
@@ -271,7 +282,7 @@ def distributed_factorize(
             return factorize_layers(layers, config, store, progress=progress, per_layer_overrides=per_layer_overrides,
                                     on_layer_done=on_layer_done, return_factors=return_factors)
         if store is None:
-            raise ValueError(
+            raise ArmorInputError(
                 f"distributed_factorize on {topo.world_size} ranks needs a store: the ranks exchange finished "
                 "layers through its directory; pass RunStore(run_dir, config, model_id, stats_hash)"
             )

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from torch_armor.calibration.observer import LayerStatistics
+from torch_armor.errors import ArmorInputError
 
 __all__ = ["hash_tensors", "hash_statistics", "hash_model", "hash_calibration", "identity_string", "act_sq_norm_of"]
 
@@ -48,9 +49,9 @@ def hash_tensors(tensors: Mapping[str, torch.Tensor]) -> str:
     for key in sorted(tensors):
         t = tensors[key]
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"hash_tensors: {key!r} is a {type(t).__name__}, expected a torch.Tensor")
+            raise ArmorInputError(f"hash_tensors: {key!r} is a {type(t).__name__}, expected a torch.Tensor")
         if t.device.type == "meta":
-            raise ValueError(f"{key} is on the meta device: hash the checkpoint it comes from instead")
+            raise ArmorInputError(f"{key} is on the meta device: hash the checkpoint it comes from instead")
         head = json.dumps([key, str(t.dtype), list(t.shape)])
         digest.update(len(head).to_bytes(8, "little") + head.encode())
         data = _tensor_bytes(t)
@@ -63,7 +64,7 @@ def act_sq_norm_of(value: Any, fqn: str) -> torch.Tensor:
         return value.act_sq_norm
     if isinstance(value, torch.Tensor):
         return value
-    raise ValueError(
+    raise ArmorInputError(
         f"layer {fqn!r}: expected its act_sq_norm tensor or a LayerStatistics, got {type(value).__name__}"
     )
 

@@ -12,13 +12,13 @@ same pieces out across ``torchrun`` ranks.
 Example::
 
     >>> import tempfile, torch
-    >>> from torch_armor import ArmorConfig
+    >>> from torch_armor import ArmorConfig, BcdConfig
     >>> from torch_armor.engine.runstore import RunStore
     >>> from torch_armor.engine.identity import hash_statistics
     >>> g = torch.Generator().manual_seed(0)
     >>> layers = {f"fc{i}": (torch.randn(32, 32, generator=g), torch.rand(32, generator=g) + 0.1)
     ...           for i in range(3)}
-    >>> cfg = ArmorConfig(block_size=16, num_iters=3)
+    >>> cfg = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=3))
     >>> stats_hash = hash_statistics({k: h for k, (w, h) in layers.items()})
     >>> with tempfile.TemporaryDirectory() as run_dir:
     ...     store = RunStore(run_dir, cfg, model_id="toy", stats_hash=stats_hash)
@@ -43,7 +43,7 @@ from torch_armor.core.factors import ArmorFactors
 from torch_armor.engine.identity import act_sq_norm_of
 from torch_armor.engine.runner import solve_layer
 from torch_armor.engine.runstore import RunStore
-from torch_armor.errors import RunMismatchError
+from torch_armor.errors import ArmorInputError, RunMismatchError
 from torch_armor.progress import tqdm
 
 __all__ = ["factorize_layers", "layer_configs", "check_layer_inputs", "eager_shapes", "compute_layers",
@@ -69,13 +69,13 @@ def _layer_config(base: ArmorConfig, override: Any, fqn: str, shape: Optional[Se
     elif isinstance(override, Mapping):
         unknown = set(override) - {f.name for f in dataclasses.fields(ArmorConfig)}
         if unknown:
-            raise ValueError(f"layer {fqn!r}: unknown ArmorConfig fields in per_layer_overrides: {sorted(unknown)}")
+            raise ArmorInputError(f"layer {fqn!r}: unknown ArmorConfig fields in per_layer_overrides: {sorted(unknown)}")
         try:
             cfg = dataclasses.replace(base, **override)
         except ValueError as err:
-            raise ValueError(f"layer {fqn!r}: invalid per-layer setting: {err}") from None
+            raise ArmorInputError(f"layer {fqn!r}: invalid per-layer setting: {err}") from None
     else:
-        raise ValueError(
+        raise ArmorInputError(
             f"layer {fqn!r}: per_layer_overrides values must be an ArmorConfig or a dict of ArmorConfig "
             f"fields, got {type(override).__name__}"
         )
@@ -100,13 +100,13 @@ def layer_configs(
         (16, 32, 16)
     """
     if not isinstance(config, ArmorConfig):
-        raise ValueError(f"config must be an ArmorConfig, got {type(config).__name__}")
+        raise ArmorInputError(f"config must be an ArmorConfig, got {type(config).__name__}")
     overrides = dict(per_layer_overrides or {})
     shapes = shapes or {}
     names = list(names)
     stray = sorted(set(overrides) - set(names))
     if stray:
-        raise ValueError(f"per_layer_overrides names layers that are not being factorized: {stray[:5]}")
+        raise ArmorInputError(f"per_layer_overrides names layers that are not being factorized: {stray[:5]}")
     return {n: _layer_config(config, overrides.get(n), n, shapes.get(n)) for n in names}
 
 
@@ -123,7 +123,7 @@ def _materialize(fqn: str, value: LayerInput) -> Tuple[torch.Tensor, torch.Tenso
     if callable(value):
         value = value()
     if not (isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[0], torch.Tensor)):
-        raise ValueError(
+        raise ArmorInputError(
             f"layer {fqn!r}: expected (weight, act_sq_norm) or a callable returning it, got {type(value).__name__}"
         )
     stats = value[1]
@@ -132,12 +132,12 @@ def _materialize(fqn: str, value: LayerInput) -> Tuple[torch.Tensor, torch.Tenso
 
 def check_layer_inputs(layers: Any) -> Mapping[str, LayerInput]:
     if not isinstance(layers, Mapping):
-        raise ValueError(
+        raise ArmorInputError(
             "layers must be a mapping {name: (weight, act_sq_norm)} or {name: callable returning it}, "
             f"got {type(layers).__name__}"
         )
     if not layers:
-        raise ValueError("layers is empty: nothing to factorize")
+        raise ArmorInputError("layers is empty: nothing to factorize")
     return layers
 
 
@@ -246,7 +246,7 @@ def factorize_layers(
     layers = check_layer_inputs(layers)
     configs = layer_configs(layers, config, per_layer_overrides, eager_shapes(layers))
     if store is not None and store.rank != 0:
-        raise ValueError(
+        raise ArmorInputError(
             f"this store writes as rank {store.rank}; factorize_layers runs a single process (rank 0). "
             "Use torch_armor.engine.distributed.distributed_factorize for multi-rank runs"
         )

@@ -3,7 +3,8 @@
 A method is registered next to the code that runs it on one layer, with what it needs from
 calibration as functions of its config::
 
-    @register_method(SparseGPTConfig, name="sparsegpt", label="SparseGPT", needs_xtx=True)
+    @register_method(SparseGPTConfig, name="sparsegpt", label="SparseGPT", needs_xtx=True,
+                 describe=lambda config: f"block {config.block_size}, damp {config.damp:g}")
     def _sparsegpt(weight, stats, config, name) -> (mask, pruned) | ArmorFactors: ...
 
 :func:`method_for` finds a config's method; :func:`config_for_method` maps the names the command
@@ -68,6 +69,7 @@ class Method:
             against the dense block's outputs afterwards.
         factorizes: it returns :class:`~torch_armor.core.factors.ArmorFactors`: finished layers
             go through the run store (resumable) and are shared out across ``torchrun`` ranks.
+        describe: ``describe(config)``: its settings in a few words, for tables.
     """
 
     config_type: type
@@ -78,6 +80,7 @@ class Method:
     needs_xtx: Callable[[Any], bool] = _never
     reconstructs: Callable[[Any], bool] = _never
     factorizes: bool = False
+    describe: Callable[[Any], str] = lambda config: ""
 
 
 #: The registry: config type -> :class:`Method`, in registration order.
@@ -92,8 +95,8 @@ def _as_rule(value: Union[bool, Callable[[Any], bool]]) -> Callable[[Any], bool]
 
 def register_method(config_type: type, *, name: str, label: str, needs_statistics: bool = True,
                     needs_xtx: Union[bool, Callable[[Any], bool]] = False,
-                    reconstructs: Union[bool, Callable[[Any], bool]] = False,
-                    factorizes: bool = False) -> Callable[[Solve], Solve]:
+                    reconstructs: Union[bool, Callable[[Any], bool]] = False, factorizes: bool = False,
+                    describe: Optional[Callable[[Any], str]] = None) -> Callable[[Solve], Solve]:
     """Decorator: register ``solve(weight, stats, config, name)`` as the method of ``config_type``."""
 
     def decorate(solve: Solve) -> Solve:
@@ -101,7 +104,7 @@ def register_method(config_type: type, *, name: str, label: str, needs_statistic
         if taken:
             raise ArmorInputError(f"method name {name!r} is already registered for {taken[0].config_type.__name__}")
         METHODS[config_type] = Method(config_type, name, label, solve, needs_statistics, _as_rule(needs_xtx),
-                                      _as_rule(reconstructs), factorizes)
+                                      _as_rule(reconstructs), factorizes, describe or (lambda config: ""))
         return solve
 
     return decorate
@@ -159,7 +162,8 @@ def _wanda(weight: torch.Tensor, stats: Any, config: WandaConfig, name: str = ""
     return baselines.wanda_prune(weight, _h(stats, weight), config.pattern)
 
 
-@register_method(SparseGPTConfig, name="sparsegpt", label="SparseGPT", needs_xtx=True)
+@register_method(SparseGPTConfig, name="sparsegpt", label="SparseGPT", needs_xtx=True,
+                 describe=lambda config: f"block {config.block_size}, damp {config.damp:g}")
 def _sparsegpt(weight: torch.Tensor, stats: Any, config: SparseGPTConfig, name: str = "") -> Result:
     xtx = _xtx(stats)
     if xtx is None:
@@ -178,8 +182,22 @@ def _armor_needs_xtx(config: ArmorConfig) -> bool:
     return config.refines or config.reconstructs
 
 
+def _armor_describe(cfg: ArmorConfig) -> str:
+    """``d_b=16, bcd, ≤30 it, output refine ×3, block reconstruction 8 steps``."""
+    opt = cfg.optimizer
+    size = f"{100 * cfg.max_overhead:g}% model-wide budget" if cfg.block_size == "budget" else f"d_b={cfg.block_size}"
+    parts = [size, opt.name]
+    if opt.time_budget_s is not None:
+        parts.append(f"{opt.time_budget_s:g} s/layer")
+    parts.append(f"≤{opt.iterations} it")
+    parts.append(f"output refine ×{cfg.refine.rounds}" if cfg.refine is not None and cfg.refine.rounds else "no refine")
+    if cfg.reconstruct is not None:
+        parts.append(f"block reconstruction {cfg.reconstruct.steps} steps")
+    return ", ".join(parts)
+
+
 @register_method(ArmorConfig, name="armor", label="ARMOR", needs_xtx=_armor_needs_xtx,
-                 reconstructs=lambda config: config.reconstructs, factorizes=True)
+                 reconstructs=lambda config: config.reconstructs, factorizes=True, describe=_armor_describe)
 def _armor(weight: torch.Tensor, stats: Any, config: ArmorConfig, name: str = "") -> Result:
     xtx = _xtx(stats)  # a bare Σx² tensor: the diagonal proxy only, no refinement
     if config.refines and xtx is None and not isinstance(stats, torch.Tensor):

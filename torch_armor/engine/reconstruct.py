@@ -17,9 +17,10 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from torch_armor.calibration.blocks import BlockInput, _to
+from torch_armor.calibration.blocks import BlockInput, to_device as _to
 from torch_armor.core.blockdiag import block_diag_left, block_diag_right
 from torch_armor.core.factors import ArmorFactors
+from torch_armor.errors import ArmorInputError
 
 __all__ = ["reconstruct_block"]
 
@@ -57,7 +58,7 @@ def reconstruct_block(block: nn.Module, factors: Mapping[str, ArmorFactors], inp
         before and after.
     """
     if len(inputs) != len(targets) or not inputs:
-        raise ValueError(f"reconstruct_block: {len(inputs)} input batches for {len(targets)} targets")
+        raise ArmorInputError(f"reconstruct_block: {len(inputs)} input batches for {len(targets)} targets")
     held_out = 0
     train = [j for j in range(len(inputs)) if j != held_out] or [held_out]
     leaves: Dict[str, List[torch.Tensor]] = {}

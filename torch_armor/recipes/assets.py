@@ -26,6 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from torch_armor.errors import ArmorInputError
 
 __all__ = [
     "SMOLLM2_GGUF_FILE",
@@ -98,8 +101,6 @@ def smollm2_tokenizer() -> Any:
         >>> tok("Hello world", add_special_tokens=False).input_ids
         [19556, 905]
     """
-    from transformers import AutoTokenizer
-
     path = smollm2_gguf_path()
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
@@ -118,12 +119,10 @@ def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, A
         30
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(
+        raise ArmorInputError(
             f"dtype must be a floating torch.dtype such as torch.float32 or torch.bfloat16, "
             f"got {dtype!r}"
         )
-    from transformers import AutoModelForCausalLM
-
     path = smollm2_gguf_path()
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     model.eval()
@@ -150,7 +149,7 @@ def sotu_text(first_year: int = 1946) -> str:
         if (m := _SOTU_NAME.match(p.name)) is not None and int(m.group(1)) >= first_year
     )
     if not names:
-        raise ValueError(
+        raise ArmorInputError(
             f"no State of the Union speech in {folder} is from {first_year} or later; "
             f"pass an earlier first_year"
         )
@@ -172,11 +171,11 @@ def wiki_text() -> str:
     with path.open(encoding="utf-8") as f:
         entries = json.load(f)
     if not isinstance(entries, dict):
-        raise ValueError(f"{path} should hold a JSON object of title -> entry, got {type(entries).__name__}")
+        raise ArmorInputError(f"{path} should hold a JSON object of title -> entry, got {type(entries).__name__}")
     texts = []
     for key in sorted(entries):
         entry = entries[key]
         if not isinstance(entry, dict) or not isinstance(entry.get("extract"), str):
-            raise ValueError(f"entry {key!r} of {path} has no string 'extract' field")
+            raise ArmorInputError(f"entry {key!r} of {path} has no string 'extract' field")
         texts.append(entry["extract"])
     return "\n\n".join(texts)

@@ -30,6 +30,9 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from torch_armor.recipes.assets import sotu_text, wiki_text
+from torch_armor.errors import ArmorInputError
+
 __all__ = ["tokenize_text", "load_text", "calibration_windows", "eval_windows"]
 
 TextSource = Union[str, "os.PathLike[str]", Sequence[str], Any]
@@ -71,12 +74,12 @@ def tokenize_text(text: str, tokenizer: Any) -> torch.Tensor:
         [19556, 905]
     """
     if not isinstance(text, str):
-        raise ValueError(
+        raise ArmorInputError(
             f"text must be a str, got {type(text).__name__}; use load_text(source) to turn "
             f"files, lists or datasets into one string"
         )
     if tokenizer is None or not callable(tokenizer):
-        raise ValueError(
+        raise ArmorInputError(
             "tokenizer must be a Hugging Face tokenizer (callable like tokenizer(text)), "
             f"got {tokenizer!r}"
         )
@@ -89,26 +92,26 @@ def tokenize_text(text: str, tokenizer: Any) -> torch.Tensor:
 def _join(pieces: Sequence[Any], what: str) -> str:
     bad = [i for i, p in enumerate(pieces) if not isinstance(p, str)]
     if bad:
-        raise ValueError(
+        raise ArmorInputError(
             f"{what} must contain only strings, but item {bad[0]} is "
             f"{type(pieces[bad[0]]).__name__}"
         )
     if not pieces:
-        raise ValueError(f"{what} is empty: give at least one piece of text")
+        raise ArmorInputError(f"{what} is empty: give at least one piece of text")
     return "\n\n".join(pieces)
 
 
 def _read_files(paths: Sequence[str], what: str) -> str:
     files = sorted(p for p in paths if os.path.isfile(p))
     if not files:
-        raise ValueError(f"no text files found for {what}; check the path or pattern")
+        raise ArmorInputError(f"no text files found for {what}; check the path or pattern")
     return "\n\n".join(Path(p).read_text(encoding="utf-8") for p in files)
 
 
 def _dataset_text(dataset: Any, text_column: str) -> str:
     columns = list(getattr(dataset, "column_names", None) or [])
     if text_column not in columns:
-        raise ValueError(
+        raise ArmorInputError(
             f"the dataset has no column {text_column!r} (columns: {columns}); "
             f"pass text_column=<the column holding the text>"
         )
@@ -152,7 +155,7 @@ def load_text(
     if _is_dataset(source):
         return _dataset_text(source, text_column)
     if _is_dataset_dict(source):
-        raise ValueError(
+        raise ArmorInputError(
             f"got a DatasetDict with splits {list(source.keys())}; pick one split, "
             f"e.g. load_text(ds['test'])"
         )
@@ -167,12 +170,8 @@ def load_text(
             f"a glob, a list of strings, a datasets.Dataset or a Hugging Face dataset name"
         )
     if source == "sotu":
-        from torch_armor.recipes.assets import sotu_text
-
         return sotu_text()
     if source == "wiki":
-        from torch_armor.recipes.assets import wiki_text
-
         return wiki_text()
     if os.path.isfile(source):
         return Path(source).read_text(encoding="utf-8")
@@ -181,17 +180,17 @@ def load_text(
     if _GLOB_CHARS & set(source):
         return _read_files(_glob.glob(source, recursive=True), f"glob {source!r}")
     if not source.strip():
-        raise ValueError("the text source is an empty string; give a path, 'sotu', 'wiki' or a dataset name")
+        raise ArmorInputError("the text source is an empty string; give a path, 'sotu', 'wiki' or a dataset name")
     return _load_hub_dataset(source, config=config, split=split, text_column=text_column)
 
 
 def _load_hub_dataset(name: str, *, config: Optional[str], split: str, text_column: str) -> str:
-    import datasets
+    import datasets  # optional dependency: only for Hugging Face dataset names
 
     try:
         dataset = datasets.load_dataset(name, config, split=split)
     except Exception as exc:  # network, unknown name, bad config: say what was tried
-        raise ValueError(
+        raise ArmorInputError(
             f"{name!r} is not a local file, directory or glob, and loading it as a Hugging Face "
             f"dataset (config={config!r}, split={split!r}) failed: {exc}"
         ) from exc
@@ -201,7 +200,7 @@ def _load_hub_dataset(name: str, *, config: Optional[str], split: str, text_colu
 def _token_ids(source: Any, tokenizer: Any, **load_kwargs: Any) -> torch.Tensor:
     if isinstance(source, torch.Tensor):
         if source.dim() != 1 or source.dtype.is_floating_point or source.dtype.is_complex:
-            raise ValueError(
+            raise ArmorInputError(
                 f"a tensor source must be 1-D integer token ids, got shape {tuple(source.shape)} "
                 f"and dtype {source.dtype}"
             )
@@ -212,7 +211,7 @@ def _token_ids(source: Any, tokenizer: Any, **load_kwargs: Any) -> torch.Tensor:
 def _check_positive(**values: int) -> None:
     for name, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            raise ArmorInputError(f"{name} must be a positive integer, got {value!r}")
 
 
 def calibration_windows(
@@ -240,12 +239,12 @@ def calibration_windows(
     ids = _token_ids(source, tokenizer, **load_kwargs)
     n_tokens = ids.numel()
     if n_tokens < seq_len:
-        raise ValueError(
+        raise ArmorInputError(
             f"the calibration text has {n_tokens} tokens but one window needs {seq_len}; "
             f"give more text or a smaller seq_len"
         )
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}")
+        raise ArmorInputError(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}")
     generator = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, n_tokens - seq_len + 1, (n_windows,), generator=generator)
     return ids[starts[:, None] + torch.arange(seq_len)]
@@ -272,7 +271,7 @@ def eval_windows(
     ids = _token_ids(source, tokenizer, **load_kwargs)
     needed = n_windows * seq_len
     if ids.numel() < needed:
-        raise ValueError(
+        raise ArmorInputError(
             f"the evaluation text has {ids.numel()} tokens but {n_windows} windows of {seq_len} "
             f"need {needed}; give more text or fewer/shorter windows "
             f"(at most {ids.numel() // seq_len} windows of {seq_len} fit)"

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from torch_armor.errors import ArmorInputError
 from torch_armor.progress import tqdm
 
 __all__ = ["perplexity"]
@@ -31,7 +33,7 @@ def _logits(output: Any) -> torch.Tensor:
         return logits
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
         return output[0]
-    raise ValueError(
+    raise ArmorInputError(
         f"cannot find logits in the model output of type {type(output).__name__}; the model "
         f"must return a tensor, a tuple starting with logits, or an object with .logits"
     )
@@ -60,23 +62,23 @@ def perplexity(
         10.0
     """
     if not isinstance(windows, torch.Tensor) or windows.dim() != 2:
-        raise ValueError(
+        raise ArmorInputError(
             "windows must be a 2-D tensor of token ids (n_windows, seq_len), e.g. from "
             f"eval_windows(); got {type(windows).__name__} with shape "
             f"{tuple(getattr(windows, 'shape', ()))}"
         )
     if windows.dtype.is_floating_point or windows.shape[0] == 0:
-        raise ValueError(
+        raise ArmorInputError(
             f"windows must be a non-empty batch of integer token ids, got dtype {windows.dtype} "
             f"and shape {tuple(windows.shape)}"
         )
     if windows.shape[1] < 2:
-        raise ValueError(
+        raise ArmorInputError(
             f"each window needs at least 2 tokens (one to predict from, one to score), "
             f"got seq_len={windows.shape[1]}"
         )
     if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        raise ArmorInputError(f"batch_size must be a positive integer, got {batch_size!r}")
 
     params = list(model.parameters())
     device = params[0].device if params else torch.device("cpu")
@@ -103,7 +105,7 @@ def perplexity(
                     pred.reshape(-1, pred.shape[-1]), target.reshape(-1), reduction="none"
                 )
                 if not bool(torch.isfinite(nll).all()):
-                    raise ValueError(
+                    raise ArmorInputError(
                         f"the model produced non-finite log-probabilities on windows "
                         f"{start}..{start + batch.shape[0] - 1}; check the weights and dtype"
                     )

@@ -1,5 +1,6 @@
 """Models and what to prune in them: ``load_model`` (``"smollm2"``, a pruned directory, a local
-Hugging Face directory or a hub id), ``load_tokenizer``, ``select_layers``, ``parse_dtype``.
+Hugging Face directory or a hub id), ``pruning_source`` (what ``prune_model`` should get for a
+``MODEL`` argument), ``load_tokenizer``, ``select_layers``, ``parse_dtype``.
 
 Example::
 
@@ -9,17 +10,26 @@ Example::
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from torch_armor.calibration.selection import select_layers  # noqa: F401  (re-exported: a model recipe)
+from torch_armor.engine.sources import is_streamable_checkpoint
+from torch_armor.errors import ArmorInputError
+from torch_armor.recipes.assets import load_smollm2
+from torch_armor.tensor.hf_format import has_armor_quantization_config
+from torch_armor.tensor.layout import ARMOR_CONFIG_NAME
+from torch_armor.tensor.serialization import load_pretrained
 
-__all__ = ["parse_dtype", "is_armor_checkpoint", "check_model_source", "load_model", "load_tokenizer", "select_layers"]
+__all__ = ["parse_dtype", "is_armor_checkpoint", "check_model_source", "load_model", "pruning_source", "load_tokenizer",
+           "select_layers"]
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -41,7 +51,7 @@ def parse_dtype(dtype: Union[str, torch.dtype, None]) -> Optional[torch.dtype]:
         return dtype
     key = str(dtype).lower().removeprefix("torch.")
     if key not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(set(_DTYPES))}")
+        raise ArmorInputError(f"unknown dtype {dtype!r}; use one of {sorted(set(_DTYPES))}")
     return _DTYPES[key]
 
 
@@ -54,8 +64,6 @@ def is_armor_checkpoint(path: Union[str, os.PathLike]) -> bool:
         >>> is_armor_checkpoint("/nonexistent")
         False
     """
-    from torch_armor.tensor.serialization import ARMOR_CONFIG_NAME, has_armor_quantization_config
-
     p = Path(path)
     return p.is_dir() and ((p / ARMOR_CONFIG_NAME).is_file() or has_armor_quantization_config(p))
 
@@ -81,8 +89,6 @@ def check_model_source(model: Union[str, os.PathLike], gguf_file: Optional[str] 
         ...
         torch_armor.errors.ArmorInputError: MODEL './no/such/dir': no such model directory; check the path
     """
-    from torch_armor.errors import ArmorInputError
-
     name = str(model)
     path = Path(name).expanduser()
     if name == "smollm2" and not path.exists():
@@ -103,8 +109,6 @@ def check_model_source(model: Union[str, os.PathLike], gguf_file: Optional[str] 
                    or ("/" in name and Path(first).is_dir()))
     if looks_local or not _HUB_ID.match(name):
         raise ArmorInputError(f"MODEL {name!r}: no such model directory; check the path")
-    import difflib
-
     if difflib.get_close_matches(name, ["smollm2"], n=1, cutoff=0.8):
         raise ArmorInputError(f"MODEL {name!r} is neither a directory nor the embedded model: did you mean 'smollm2'?")
     return "hub"
@@ -139,42 +143,36 @@ def load_model(
     """
     torch_dtype = parse_dtype(dtype)
     if not isinstance(model, (str, os.PathLike)):
-        raise ValueError(f"model must be 'smollm2', a directory or a hub id, got {type(model).__name__}")
+        raise ArmorInputError(f"model must be 'smollm2', a directory or a hub id, got {type(model).__name__}")
     name = str(model)
     check_model_source(name, gguf_file)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if name == "smollm2" and not Path(name).exists():
-        from torch_armor.recipes.assets import load_smollm2
-
         if gguf_file is not None:
-            raise ValueError("--gguf-file does not apply to the embedded 'smollm2' model")
+            raise ArmorInputError("--gguf-file does not apply to the embedded 'smollm2' model")
         loaded, tokenizer = load_smollm2(torch_dtype or torch.float32)
     elif is_armor_checkpoint(name):
-        from torch_armor.tensor.serialization import load_pretrained
-
         loaded = load_pretrained(name, device=device)
         if torch_dtype is not None:
             loaded = loaded.to(torch_dtype)
         try:
             tokenizer = AutoTokenizer.from_pretrained(name)
         except Exception as err:  # noqa: BLE001 - report what is missing
-            raise ValueError(
+            raise ArmorInputError(
                 f"{name} holds a pruned model but no loadable tokenizer ({err}); save one there with "
                 "tokenizer.save_pretrained(directory)"
             ) from err
     else:
         if Path(name).exists() and not Path(name).is_dir():
-            raise ValueError(f"{name} is a file; give the directory holding it (and --gguf-file for GGUF weights)")
+            raise ArmorInputError(f"{name} is a file; give the directory holding it (and --gguf-file for GGUF weights)")
         if not Path(name).exists() and (Path(name).is_absolute() or name.startswith((".", "~"))):
-            raise ValueError(f"no such model directory: {name}")
+            raise ArmorInputError(f"no such model directory: {name}")
         kwargs: Dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
         try:
             tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
             loaded = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype or torch.float32, **kwargs)
         except Exception as err:  # noqa: BLE001 - transformers raises many kinds
             where = "local directory" if Path(name).is_dir() else "Hugging Face hub id (needs network access)"
-            raise ValueError(f"cannot load {name!r} as a {where}: {err}") from err
+            raise ArmorInputError(f"cannot load {name!r} as a {where}: {err}") from err
     if device is not None:
         loaded = loaded.to(device)
     return loaded.eval(), tokenizer
@@ -186,12 +184,31 @@ def load_tokenizer(path: Union[str, os.PathLike]) -> Any:
     Raises:
         ValueError: the directory has no loadable tokenizer (says how to add one).
     """
-    from transformers import AutoTokenizer
-
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as err:  # noqa: BLE001 - transformers raises many kinds
-        raise ValueError(
+        raise ArmorInputError(
             f"{path} has no loadable tokenizer ({type(err).__name__}: {err}); save one there with "
             "tokenizer.save_pretrained(directory)"
         ) from None
+
+
+def pruning_source(model: str, gguf_file: Optional[str] = None, dtype: Union[str, torch.dtype, None] = None,
+                   device: Union[str, torch.device, None] = None,
+                   log: Optional[Callable[[str], None]] = None) -> Tuple[Union[str, nn.Module], Any]:
+    """What :func:`~torch_armor.prune_model` should get for ``MODEL``, and its tokenizer: the
+    directory itself when it streams (a local Hugging Face checkpoint with safetensors weights,
+    :func:`~torch_armor.engine.sources.is_streamable_checkpoint`), else the loaded model.
+
+    Raises:
+        ArmorInputError: ``MODEL`` cannot be loaded, or is already pruned (before anything slow).
+    """
+    if check_model_source(model, gguf_file) == "armor":
+        raise ArmorInputError(f"MODEL {model!r} is already pruned by torch_armor (it has armor_config.json); "
+                              "prune the original dense checkpoint instead")
+    say = log or (lambda _line: None)
+    if gguf_file is None and is_streamable_checkpoint(model):
+        say(f"streaming {model} …")
+        return str(model), load_tokenizer(model)
+    say(f"loading {model} …")
+    return load_model(model, gguf_file=gguf_file, dtype=dtype, device=device)

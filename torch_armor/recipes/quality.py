@@ -3,7 +3,9 @@ print the table (``torch-armor demo``, ``benchmarks/quality.py``).
 
 Every method prunes through :func:`torch_armor.prune_model` — block by block, calibrated
 sequentially (each block on the outputs of the already-pruned blocks) unless asked for the
-one-shot rows (``sequential=(False,)``: every block on the dense model's hidden states).
+one-shot rows (``sequential=(False,)``: every block on the dense model's hidden states). Methods
+are named as in the method registry (:func:`~torch_armor.engine.methods.method_names`), plus
+``"dense"`` for the unpruned model.
 """
 
 from __future__ import annotations
@@ -17,15 +19,23 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from torch_armor.calibration.observer import decoder_linear_names
-from torch_armor.config import ArmorConfig
-from torch_armor.engine.report import PruneReport, _label
-from torch_armor.engine.runner import METHODS, BaselineConfig
+from torch_armor.core.config import ArmorConfig
+from torch_armor.engine.methods import config_for_method, method_for, method_label, method_names
+from torch_armor.engine.options import PruneOptions
+from torch_armor.engine.prune import prune_model
+from torch_armor.engine.report import PruneReport
+from torch_armor.errors import ArmorInputError
+from torch_armor.recipes.data import calibration_windows, eval_windows
+from torch_armor.recipes.evaluate import perplexity
+from torch_armor.recipes.models import load_model, select_layers
+from torch_armor.tensor.armor_tensor import ArmorTensor
 
 __all__ = ["DEMO_METHODS", "QualityRow", "QualityResult", "quality_table", "run_quality"]
 
-#: Rows of the demo table, in order (``"dense"`` is the unpruned model).
-DEMO_METHODS = ("dense", "magnitude", "wanda", "sparsegpt", "nowag", "armor")
+#: The unpruned model's row.
+DENSE = "dense"
+#: Rows of the demo table, in order.
+DEMO_METHODS = (DENSE, "magnitude", "wanda", "sparsegpt", "nowag", "armor")
 
 
 @dataclass
@@ -33,7 +43,7 @@ class QualityRow:
     """One row of the quality table.
 
     Attributes:
-        method: ``"dense"`` or a method of :data:`METHODS`.
+        method: ``"dense"`` or a registered method's name.
         ppl: perplexity on the evaluation windows.
         label: shown name (default: the method's, e.g. ``"ARMOR"``).
         settings: short description of the settings (``"d_b=16, bcd, 2 s/layer"``).
@@ -55,7 +65,7 @@ class QualityRow:
 
     @property
     def name(self) -> str:
-        return self.label or _label(self.method)
+        return self.label or method_label(self.method)
 
 
 def _fmt_time(seconds: Optional[float]) -> str:
@@ -85,8 +95,10 @@ def quality_table(rows: Sequence[Union[QualityRow, Mapping[str, Any]]]) -> str:
         | ARMOR |  | 15.00 | 50.0% | 4.60% | – | – | 8.3 min | – |
     """
     parsed = [r if isinstance(r, QualityRow) else QualityRow(**dict(r)) for r in rows]
-    dense = next((r.ppl for r in parsed if r.method == "dense"), None)
-    nowag = next((r.ppl for r in parsed if r.method == "nowag"), None)
+    first: Dict[str, float] = {}
+    for r in parsed:
+        first.setdefault(r.method, r.ppl)
+    dense, nowag = first.get(DENSE), first.get("nowag")
     lines = [
         "| method | settings | ppl | gap closed vs NoWag-P | overhead | rel. proxy loss | rel. output loss | prune time "
         "| eval time |",
@@ -128,24 +140,10 @@ class QualityResult:
 
 def _materialize(model: nn.Module, names: Sequence[str]) -> None:
     """Replace every ArmorTensor weight among ``names`` by its dense ``W_hat`` (a plain Parameter)."""
-    from torch_armor.tensor.armor_tensor import ArmorTensor
-
     for name in names:
         module = model.get_submodule(name)
         if isinstance(module.weight, ArmorTensor):
             module.weight = nn.Parameter(module.weight.dense_weight().detach(), requires_grad=False)
-
-
-def _armor_settings(cfg: ArmorConfig) -> str:
-    size = f"{100 * cfg.max_overhead:g}% model-wide budget" if cfg.block_size == "budget" else f"d_b={cfg.block_size}"
-    parts = [size, cfg.optimizer]
-    if cfg.time_budget_s is not None:
-        parts.append(f"{cfg.time_budget_s:g} s/layer")
-    parts.append(f"≤{cfg.iterations} it")
-    parts.append(f"output refine ×{cfg.refine_rounds}" if cfg.refine == "output" and cfg.refine_rounds else "no refine")
-    if cfg.reconstruct_steps:
-        parts.append(f"block reconstruction {cfg.reconstruct_steps} steps")
-    return ", ".join(parts)
 
 
 def run_quality(
@@ -153,7 +151,7 @@ def run_quality(
     tokenizer: Any = None,
     *,
     methods: Sequence[str] = DEMO_METHODS,
-    armor_configs: Sequence[ArmorConfig] = (ArmorConfig(),),
+    configs: Sequence[Any] = (ArmorConfig(),),
     sequential: Union[bool, Sequence[bool], Mapping[str, Sequence[bool]]] = True,
     pattern: str = "2:4",
     calib: Any = "sotu",
@@ -173,15 +171,16 @@ def run_quality(
     Args:
         model: ``"smollm2"`` / a path / a hub id (see :func:`~torch_armor.recipes.models.load_model`)
             or a loaded model (then give ``tokenizer``).
-        methods: rows to produce, from :data:`DEMO_METHODS`.
-        armor_configs: one ARMOR row per config.
+        methods: rows to produce: ``"dense"`` and registered method names (:data:`DEMO_METHODS`).
+        configs: method configs to use, one row each (their pattern replaced by ``pattern``); a
+            method without one here runs its default config (default: ``ArmorConfig()``).
         sequential: ``True`` — each block calibrated on the outputs of the already-pruned blocks;
             ``False`` — on the dense model's ("one-shot"); a sequence gives one row per entry; a
             mapping ``{method: (True, False)}`` says it per method (others: sequential).
         calib, n_calib: calibration source and number of random windows (seed ``seed``).
         eval_data, n_eval: evaluation source and number of non-overlapping windows.
         seq_len: tokens per window (both).
-        layers: restrict pruning to some layers (:func:`~torch_armor.recipes.models.select_layers`).
+        layers: restrict pruning to some layers (:func:`~torch_armor.calibration.selection.select_layers`).
         batch_size: windows per forward pass (evaluation; calibration uses half).
         armor_eval: ``"materialized"`` (default) — each ``W_hat = A·core·B`` written into its linear
             as a dense matrix, the same function up to float rounding and the fastest on CPU;
@@ -193,26 +192,27 @@ def run_quality(
         >>> result = run_quality("smollm2", layers="0", n_calib=2, n_eval=2, seq_len=64)   # doctest: +SKIP
         >>> print(result.table())                                                         # doctest: +SKIP
     """
-    from torch_armor.recipes.data import calibration_windows, eval_windows
-    from torch_armor.recipes.evaluate import perplexity
-    from torch_armor.recipes.models import load_model, select_layers
-    from torch_armor.recipes.prune import prune_model
-
     if armor_eval not in ("materialized", "tensor"):
-        raise ValueError(f"armor_eval must be 'materialized' or 'tensor', got {armor_eval!r}")
-    unknown = [m for m in methods if m not in DEMO_METHODS]
+        raise ArmorInputError(f"armor_eval must be 'materialized' or 'tensor', got {armor_eval!r}")
+    known = (DENSE, *method_names())
+    unknown = [m for m in methods if m not in known]
     if unknown:
-        raise ValueError(f"unknown methods {unknown}; choose from {DEMO_METHODS}")
-    def modes(method: str) -> List[bool]:
-        given = sequential.get(method, (True,)) if isinstance(sequential, Mapping) else sequential
-        return [bool(s) for s in (given if isinstance(given, (list, tuple)) else (given,))]
+        raise ArmorInputError(f"unknown methods {unknown}; choose from {known}")
+    given = [dataclasses.replace(c, pattern=pattern) for c in configs]
+
+    def configs_of(name: str) -> List[Any]:
+        return [c for c in given if method_for(c).name == name] or [config_for_method(name, pattern=pattern)]
+
+    def modes(name: str) -> List[bool]:
+        chosen = sequential.get(name, (True,)) if isinstance(sequential, Mapping) else sequential
+        return [bool(s) for s in (chosen if isinstance(chosen, (list, tuple)) else (chosen,))]
 
     say = log or (lambda _line: None)
     timings: Dict[str, float] = {}
     t0 = time.perf_counter()
     if isinstance(model, nn.Module):
         if tokenizer is None:
-            raise ValueError("pass the tokenizer along with a loaded model")
+            raise ArmorInputError("pass the tokenizer along with a loaded model")
         net = model
     else:
         net, tokenizer = load_model(model)
@@ -228,34 +228,31 @@ def run_quality(
     rows: List[QualityRow] = []
     reports: Dict[str, PruneReport] = {}
     try:
-        for method in methods:
-            configs: Sequence[Any] = armor_configs if method == "armor" else (BaselineConfig(pattern=pattern),)
-            for seq in (modes(method) if method != "dense" else (True,)):
-                for cfg in configs:
+        for name in methods:
+            pruned = name != DENSE
+            row_configs = configs_of(name) if pruned else [None]
+            for seq in (modes(name) if pruned else (True,)):
+                for k, cfg in enumerate(row_configs):
                     _restore(net, dense)
-                    label = _label(method)
-                    if method == "armor" and len(armor_configs) > 1:
-                        label += f" #{list(armor_configs).index(cfg) + 1}"
-                    if method != "dense" and len(modes(method)) > 1:
+                    label = method_label(name)
+                    if len(row_configs) > 1:
+                        label += f" #{k + 1}"
+                    if pruned and len(modes(name)) > 1:
                         label += " sequential" if seq else " one-shot"
                     report, prune_s, settings = None, 0.0, ""
-                    if method != "dense":
-                        if method == "armor":
-                            cfg = dataclasses.replace(cfg, pattern=pattern)
-                            settings = _armor_settings(cfg)
-                        elif method == "sparsegpt":
-                            settings = f"block {cfg.block_size}, damp {cfg.damp:g}"
+                    if pruned:
+                        settings = method_for(cfg).describe(cfg)
                         t = time.perf_counter()
-                        report = prune_model(net, calib_ids, method, cfg, sequential=seq, layers=names,
-                                             batch_size=max(1, batch_size // 2), progress=progress)
+                        report = prune_model(net, calib_ids, cfg, layers=names, options=PruneOptions(
+                            sequential=seq, batch_size=max(1, batch_size // 2), progress=progress))
                         prune_s = time.perf_counter() - t
                         settings = ", ".join(s for s in (settings, "sequential" if seq else "one-shot") if s)
-                    if method == "armor" and armor_eval == "materialized":
+                    if armor_eval == "materialized":
                         _materialize(net, names)
                     t = time.perf_counter()
                     ppl = perplexity(net, eval_ids, batch_size=batch_size, progress=progress)
                     eval_s = time.perf_counter() - t
-                    row = QualityRow(method=method, ppl=ppl, label=label, settings=settings,
+                    row = QualityRow(method=name, ppl=ppl, label=label, settings=settings,
                                      overhead=report.overhead if report else 0.0, prune_s=prune_s, eval_s=eval_s,
                                      mean_relative_proxy_loss=report.mean_relative_proxy_loss if report else None,
                                      mean_relative_output_loss=report.mean_relative_output_loss if report else None)
@@ -273,7 +270,7 @@ def run_quality(
         "pattern": pattern, "calib": _describe(calib), "n_calib": n_calib, "eval": _describe(eval_data),
         "n_eval": n_eval, "seq_len": seq_len, "layers": layers, "num_layers": len(names),
         "threads": torch.get_num_threads(), "armor_eval": armor_eval,
-        "sequential": {m: modes(m) for m in methods if m != "dense"},
+        "sequential": {m: modes(m) for m in methods if m != DENSE},
     }
     return QualityResult(rows=rows, reports=reports, timings=timings, settings=settings_out)
 

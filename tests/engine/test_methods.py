@@ -1,0 +1,88 @@
+"""The method registry: a config's type picks the code, the names map to config types in one
+place, each method declares what it needs, and a method registered from outside runs through
+prune_model like the built-in ones."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import make_tiny_llama
+from torch_armor import (ArmorConfig, MagnitudeConfig, NoWagConfig, PruneOptions, ReconstructConfig, SparseGPTConfig,
+                         WandaConfig, config_for_method, prune_model)
+from torch_armor.calibration.observer import LayerStatistics
+from torch_armor.core import baselines
+from torch_armor.core.method_config import MethodConfig
+from torch_armor.core.proxy import nowag_prune
+from torch_armor.engine.methods import METHODS, method_for, method_names, register_method
+from torch_armor.engine.runner import solve_layer
+
+
+def _layer(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, 32, generator=g)
+    return torch.randn(16, 32, generator=g), LayerStatistics(x.square().sum(0), 64, x.T @ x)
+
+
+@pytest.mark.parametrize("config, direct", [
+    (MagnitudeConfig(), lambda w, s: baselines.magnitude_prune(w, "2:4")),
+    (WandaConfig(pattern="4:8"), lambda w, s: baselines.wanda_prune(w, s.act_sq_norm, "4:8")),
+    (NoWagConfig(), lambda w, s: nowag_prune(w, s.act_sq_norm, "2:4")),
+    (SparseGPTConfig(block_size=16, damp=0.05), lambda w, s: baselines.sparsegpt_prune(w, s.xtx, "2:4", 16, 0.05)),
+])
+def test_a_config_runs_its_method(config, direct):
+    w, stats = _layer()
+    sol = solve_layer(w, stats, config, "fc")
+    mask, pruned = direct(w, stats)
+    assert torch.equal(sol.mask, mask) and torch.equal(sol.pruned, pruned)
+    assert sol.method == method_for(config).name and method_for(config).config_type is type(config)
+
+
+def test_names_map_to_config_types_in_one_place():
+    assert method_names() == ("magnitude", "wanda", "sparsegpt", "nowag", "armor")
+    for name in method_names():
+        config = config_for_method(name)
+        assert method_for(config).name == name and type(config) is method_for(config).config_type
+    assert config_for_method("sparsegpt", damp=0.2) == SparseGPTConfig(damp=0.2)
+    with pytest.raises(ValueError, match="method must be one of"):
+        config_for_method("dense")
+    with pytest.raises(ValueError, match="method config"):
+        method_for(object())
+
+
+def test_what_each_method_needs():
+    assert not METHODS[MagnitudeConfig].needs_statistics and METHODS[WandaConfig].needs_statistics
+    assert METHODS[SparseGPTConfig].needs_xtx(SparseGPTConfig()) and not METHODS[WandaConfig].needs_xtx(WandaConfig())
+    armor = METHODS[ArmorConfig]
+    assert armor.factorizes and not METHODS[NoWagConfig].factorizes
+    assert armor.needs_xtx(ArmorConfig()) and armor.reconstructs(ArmorConfig())
+    off = ArmorConfig(refine=None, reconstruct=None)
+    assert not armor.needs_xtx(off) and not armor.reconstructs(off)
+    assert armor.needs_xtx(dataclasses.replace(off, reconstruct=ReconstructConfig()))  # reports output losses
+
+
+@dataclasses.dataclass(frozen=True)
+class HalfMagnitudeConfig(MethodConfig):
+    """A method from outside the package: magnitude pruning with every kept weight halved."""
+
+    pattern: str = "2:4"
+
+
+def test_a_registered_method_runs_through_prune_model():
+    @register_method(HalfMagnitudeConfig, name="half-magnitude", label="half magnitude", needs_statistics=False)
+    def _half(weight, stats, config, name=""):
+        mask, pruned = baselines.magnitude_prune(weight, config.pattern)
+        return mask, pruned / 2
+
+    try:
+        model, reference = make_tiny_llama(), make_tiny_llama()
+        report = prune_model(model, torch.randint(0, 128, (2, 8)), HalfMagnitudeConfig(),
+                             options=PruneOptions(progress=False))
+        assert report.method == "half-magnitude" and len(report.layers) == 14
+        dense = reference.model.layers[0].mlp.up_proj.weight.detach()
+        _, want = baselines.magnitude_prune(dense, "2:4")
+        assert torch.equal(model.model.layers[0].mlp.up_proj.weight.detach(), want / 2)
+    finally:
+        METHODS.pop(HalfMagnitudeConfig, None)
