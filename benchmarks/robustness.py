@@ -30,8 +30,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import torch  # noqa: E402
 
 from torch_armor.errors import ArmorError  # noqa: E402
-from torch_armor import (AdamConfig, ArmorConfig, BcdConfig, PruneOptions, PruningSparsifier,  # noqa: E402
-                         WandaConfig, prune_model)
+from torch_armor import AdamConfig, PruneOptions, WandaConfig  # noqa: E402
 
 CASES: List[Tuple[str, str, Callable[[], object], str]] = []  # (group, name, run, what the message must name)
 
@@ -184,14 +183,14 @@ def _():
 
 @case("config", "seed = 2**70", "seed")
 def _():
-    from torch_armor import ArmorConfig, BcdConfig
+    from torch_armor import ArmorConfig
 
     ArmorConfig(seed=2**70)
 
 
 @case("config", "pattern '5:4'", "pattern")
 def _():
-    from torch_armor import ArmorConfig, BcdConfig
+    from torch_armor import ArmorConfig
 
     ArmorConfig(pattern="5:4")
 

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from torch_armor.cli import REPORT_JSON, REPORT_PNG, main
-from torch_armor import ArmorConfig, ReconstructConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

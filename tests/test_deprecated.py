@@ -53,7 +53,7 @@ def test_method_string_alone_and_pattern_keyword(name, kind):
 def test_armor_string_with_run_keywords(tmp_path):
     cfg = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=1), reconstruct=None)
     old, new = make_tiny_llama(), make_tiny_llama()
-    with pytest.warns(ArmorDeprecationWarning, match=r"options=PruneOptions\(run_dir="):
+    with pytest.warns(ArmorDeprecationWarning, match=r"options=PruneOptions\(.*run_dir="):
         a = prune_model(old, CALIB, "armor", cfg, run_dir=tmp_path / "run", out=tmp_path / "old", progress=False,
                         layers="0")
     b = prune_model(new, CALIB, cfg, layers="0", options=PruneOptions(out=tmp_path / "new", progress=False))

@@ -22,8 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests._helpers import check_mask
-from torch_armor import (AdamConfig, ArmorConfig, ArmorSparsifier, BcdConfig, PruningSparsifier, ReconstructConfig,
-                         RefineConfig, config_for_method)
+from torch_armor import AdamConfig, ArmorConfig, BcdConfig, ReconstructConfig, RefineConfig, config_for_method
 from torch_armor.core.factorize import factorize
 from torch_armor.core.levers import OPTIMIZERS
 from torch_armor.core.proxy import nowag_prune, proxy_loss

@@ -57,7 +57,7 @@ def calib_batches(seed: int = 1, dtype: torch.dtype = torch.float32) -> list[tor
 
 def per_sweep(cfg: ArmorConfig) -> int:
     """The sparse-core group updates per sweep a config's layer gets (derived from its block size)."""
-    return cfg.optimizer.group_updates_per_sweep(cfg.block_size)
+    return cfg.to_dict()["group_updates"]
 
 
 def prepared(model: nn.Module, calibrate: bool = True, config: ArmorConfig = FAST_CONFIG, **kwargs) -> ArmorSparsifier:

@@ -64,7 +64,7 @@ FLOORS: Tuple[Tuple[str, int], ...] = (
     ("torch_armor.cli", 5),
     ("torch_armor.recipes", 5),
     ("torch_armor.__main__", 5),
-    ("torch_armor", 6),
+    ("torch_armor", 6),  # the package's __init__ only: a new top-level module must be placed
 )
 FLOOR_NAMES = {0: "base", 1: "core", 2: "calibration", 3: "tensor/format", 4: "engine", 5: "front end", 6: "package"}
 
@@ -114,7 +114,7 @@ def module_name(path: Path, root: Path) -> str:
 def floor_of(name: str) -> Optional[int]:
     best = None
     for prefix, floor in FLOORS:
-        if name == prefix or name.startswith(prefix + "."):
+        if name == prefix or (prefix != PACKAGE and name.startswith(prefix + ".")):
             if best is None or len(prefix) > len(best[0]):
                 best = (prefix, floor)
     return None if best is None else best[1]

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Callable
 
 __all__ = ["ArmorError", "ArmorInputError", "ArmorNumericalError", "ArmorIOError", "RunMismatchError",
-           "ArmorRankError", "ArmorDeprecationWarning", "deprecated", "debug_enabled", "CLEAR_ERRORS"]
+           "ArmorRankError", "ArmorDeprecationWarning", "deprecated", "moved_names", "debug_enabled", "CLEAR_ERRORS"]
 
 
 class ArmorError(Exception):
@@ -62,6 +63,20 @@ class ArmorDeprecationWarning(DeprecationWarning):
 def deprecated(message: str, stacklevel: int = 3) -> None:
     """Warn with :class:`ArmorDeprecationWarning` at the caller of the deprecated function."""
     warnings.warn(message, ArmorDeprecationWarning, stacklevel=stacklevel)
+
+
+def moved_names(alias: str, homes: "dict[str, object]") -> "Callable[[str], object]":
+    """The module ``__getattr__`` of a deprecated alias module: ``name`` is read from its new home
+    module (``homes[name]``), with a warning naming it."""
+
+    def __getattr__(name: str) -> object:
+        if name not in homes:
+            raise AttributeError(f"module {alias!r} has no attribute {name!r}")
+        home = homes[name]
+        deprecated(f"{alias} is deprecated: import {name} from {home.__name__}")
+        return getattr(home, name)
+
+    return __getattr__
 
 
 #: The exception types that count as a clear answer (the CLI prints their message, exit 2).

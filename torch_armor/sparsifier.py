@@ -40,7 +40,7 @@ from torch import nn
 
 from torch_armor.calibrated_sparsifier import CalibratedSparsifier
 from torch_armor.core.config import ArmorConfig
-from torch_armor.core.config_compat import LEGACY_KEYWORDS
+from torch_armor.core.config_compat import LEGACY_KEYWORDS, short_repr
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.engine.methods import METHODS, method_for, method_named
 from torch_armor.errors import ArmorInputError, deprecated
@@ -145,7 +145,7 @@ def _with_overrides(config: ArmorConfig, overrides: Dict[str, Any]) -> ArmorConf
         new = dataclasses.replace(config, **overrides)
     given = ", ".join(f"{k}={v!r}" for k, v in overrides.items())
     deprecated(f"ArmorSparsifier(..., {given}) is deprecated: put the settings in the config, "
-               f"ArmorSparsifier({new!r})", stacklevel=4)
+               f"ArmorSparsifier({short_repr(new)})", stacklevel=4)
     return new
 
 

@@ -9,7 +9,7 @@ import torch
 from torch_armor.calibration.blocks import block_statistics, capture_block_inputs, decoder_blocks
 from torch_armor.calibration.observer import (ActSqNormObserver, collect_statistics, decoder_linear_names,
                                               set_token_mask, token_mask)
-from torch_armor import (ArmorConfig, BcdConfig, MagnitudeConfig, prune_model, PruneOptions, PruningSparsifier, SparseGPTConfig, WandaConfig)
+from torch_armor import MagnitudeConfig, PruneOptions, SparseGPTConfig, WandaConfig
 
 
 def _padded(model, lengths, width, seed=0):

@@ -9,7 +9,6 @@ from torch_armor.core.pattern import auto_block_size
 from torch_armor.core.proxy import normalize_weight, validate_layer
 
 from _helpers import check_mask, random_layer
-from torch_armor import ArmorConfig, BcdConfig
 
 
 def test_normalize_roundtrip_and_norms():

@@ -16,6 +16,7 @@ TOOL = ROOT / "tools" / "check_layers.py"
 def _tool():
     spec = importlib.util.spec_from_file_location("check_layers", TOOL)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 

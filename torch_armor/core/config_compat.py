@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Tuple
 from torch_armor.core.levers import OPTIMIZERS, AdamConfig, BcdConfig, ReconstructConfig, RefineConfig
 from torch_armor.errors import ArmorInputError, deprecated
 
-__all__ = ["LEGACY_KEYWORDS", "translate", "accept_flat_keywords", "flat_dict", "legacy_attribute"]
+__all__ = ["LEGACY_KEYWORDS", "translate", "accept_flat_keywords", "flat_dict", "legacy_attribute", "short_repr"]
 
 _OPTIMIZERS = OPTIMIZERS
 #: flat keyword -> (lever, field of the lever's config)
@@ -47,12 +47,18 @@ _DERIVED = {"iterations": "num_iters", "group_updates_per_sweep": "group_updates
 _LEVER_DEFAULTS = {"optimizer": BcdConfig(), "refine": RefineConfig(), "reconstruct": ReconstructConfig()}
 
 
-def _short(obj: Any) -> str:
-    """``BcdConfig(iters=5)``: a config by its non-default fields."""
-    if obj is None:
-        return "None"
-    given = [f"{f.name}={getattr(obj, f.name)!r}" for f in dataclasses.fields(obj)
-             if getattr(obj, f.name) != f.default]
+def short_repr(obj: Any) -> str:
+    """``ArmorConfig(optimizer=BcdConfig(iters=5))``: a config by its non-default fields (nested too).
+
+    Example::
+
+        >>> short_repr(BcdConfig(iters=5)), short_repr(None)
+        ('BcdConfig(iters=5)', 'None')
+    """
+    if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
+        return repr(obj)
+    given = [f"{f.name}={short_repr(getattr(obj, f.name))}" for f in dataclasses.fields(obj)
+             if f.init and getattr(obj, f.name) != f.default]
     return f"{type(obj).__name__}({', '.join(given)})"
 
 
@@ -102,12 +108,12 @@ def translate(kwargs: Dict[str, Any]) -> Tuple[Dict[str, Any], str]:
     if per_lever["optimizer"] or "optimizer" in legacy:
         optimizer = _build(type(optimizer), optimizer, per_lever["optimizer"], spelled)
         kwargs["optimizer"] = optimizer
-        changed.append(f"optimizer={_short(optimizer)}")
+        changed.append(f"optimizer={short_repr(optimizer)}")
     if per_lever["refine"] or "refine" in legacy:
         new = _build(RefineConfig, refine, per_lever["refine"], spelled)
         refine = new if refine is not None else None
         kwargs["refine"] = refine
-        changed.append(f"refine={_short(refine)}")
+        changed.append(f"refine={short_repr(refine)}")
     if per_lever["reconstruct"]:
         steps = per_lever["reconstruct"].get("steps", reconstruct.steps if reconstruct is not None else None)
         if steps == 0 and not isinstance(steps, bool):  # 0 steps was "off"
@@ -120,7 +126,7 @@ def translate(kwargs: Dict[str, Any]) -> Tuple[Dict[str, Any], str]:
             reconstruct = _build(ReconstructConfig, reconstruct, {**per_lever["reconstruct"], "steps": steps},
                                  spelled)
         kwargs["reconstruct"] = reconstruct
-        changed.append(f"reconstruct={_short(reconstruct)}")
+        changed.append(f"reconstruct={short_repr(reconstruct)}")
     return kwargs, f"ArmorConfig({spelled}) is deprecated: write ArmorConfig({', '.join(changed)})"
 
 

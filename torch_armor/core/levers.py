@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional, Union
+from typing import ClassVar, Optional, Union
 
 from torch_armor.core.method_config import check_count, check_fraction
 from torch_armor.errors import ArmorInputError
@@ -25,19 +25,40 @@ __all__ = ["BcdConfig", "AdamConfig", "RefineConfig", "ReconstructConfig", "Opti
 SELECTIONS = ("l1-random", "l2-random", "l1-greedy", "random", "decrease-greedy", "mixed")
 
 
-def _check_loop(owner: str, cfg: Any) -> None:
-    """The fields every optimizer shares: iterations, selection, stopping rules, logging."""
-    check_count(owner, "iters", cfg.iters)
-    if cfg.selection is not None and cfg.selection not in SELECTIONS:
-        raise ArmorInputError(f"{owner}.selection must be one of {SELECTIONS} or None, got {cfg.selection!r}")
-    if cfg.time_budget_s is not None and (isinstance(cfg.time_budget_s, bool) or not cfg.time_budget_s > 0):
-        raise ArmorInputError(f"{owner}.time_budget_s must be positive seconds or None, got {cfg.time_budget_s!r}")
-    check_fraction(owner, "tol", cfg.tol)
-    check_count(owner, "log_every", cfg.log_every, minimum=1)
+class _Loop:
+    """What the optimizers share: iterations, group selection, the stopping rules, logging."""
+
+    iters: int
+    selection: Optional[str]
+    time_budget_s: Optional[float]
+    tol: float
+    log_every: int
+    default_selection: ClassVar[str]
+
+    def _check_loop(self) -> None:
+        owner = type(self).__name__
+        check_count(owner, "iters", self.iters)
+        if self.selection is not None and self.selection not in SELECTIONS:
+            raise ArmorInputError(f"{owner}.selection must be one of {SELECTIONS} or None, got {self.selection!r}")
+        budget = self.time_budget_s
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0):
+            raise ArmorInputError(f"{owner}.time_budget_s must be positive seconds or None, got {self.time_budget_s!r}")
+        check_fraction(owner, "tol", self.tol)
+        check_count(owner, "log_every", self.log_every, minimum=1)
+
+    @property
+    def iterations(self) -> int:
+        """Iterations per layer (BCD: sweeps; Adam: steps)."""
+        return self.iters
+
+    @property
+    def selection_rule(self) -> str:
+        """``selection`` if given, else the optimizer's default (BCD: ``"mixed"``, Adam: ``"l1-random"``)."""
+        return self.selection if self.selection is not None else self.default_selection
 
 
 @dataclass(frozen=True)
-class BcdConfig:
+class BcdConfig(_Loop):
     """Exact block-coordinate sweeps (the default optimizer): closed-form ``A`` and ``B``,
     preconditioned CG on the kept core values, then exact sparse-core group updates.
 
@@ -72,21 +93,11 @@ class BcdConfig:
     default_selection: ClassVar[str] = "mixed"
 
     def __post_init__(self) -> None:
-        _check_loop("BcdConfig", self)
+        self._check_loop()
         check_count("BcdConfig", "cg_steps", self.cg_steps)
         if self.group_updates is not None:
             check_count("BcdConfig", "group_updates", self.group_updates)
         check_fraction("BcdConfig", "ridge", self.ridge)
-
-    @property
-    def iterations(self) -> int:
-        """Sweeps per layer."""
-        return self.iters
-
-    @property
-    def selection_rule(self) -> str:
-        """``selection`` if given, else ``"mixed"``."""
-        return self.selection if self.selection is not None else self.default_selection
 
     def group_updates_per_sweep(self, block_size: int) -> int:
         """``group_updates`` if given, else ``max(1, block_size // 2)``."""
@@ -99,7 +110,7 @@ class BcdConfig:
 
 
 @dataclass(frozen=True)
-class AdamConfig:
+class AdamConfig(_Loop):
     """The paper's optimizer: one joint Adam step on ``A``, ``B``, ``W'`` and one sparse-core group
     per tile per iteration.
 
@@ -121,20 +132,11 @@ class AdamConfig:
     default_selection: ClassVar[str] = "l1-random"
 
     def __post_init__(self) -> None:
-        _check_loop("AdamConfig", self)
+        self._check_loop()
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not (math.isfinite(self.lr)
                                                                                       and self.lr > 0):
             raise ArmorInputError(f"AdamConfig.lr must be a positive finite number, got {self.lr!r}")
 
-    @property
-    def iterations(self) -> int:
-        """Adam steps per layer."""
-        return self.iters
-
-    @property
-    def selection_rule(self) -> str:
-        """``selection`` if given, else ``"l1-random"``."""
-        return self.selection if self.selection is not None else self.default_selection
 
 
 @dataclass(frozen=True)

@@ -101,33 +101,28 @@ _SPARSEGPT_DAMP = 0.01
 
 
 @dataclass(frozen=True)
-class MagnitudeConfig(MethodConfig):
+class _PatternOnly(MethodConfig):
+    """A method whose only setting is its pattern."""
+
+    pattern: str = "2:4"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pattern", normalized_pattern(type(self).__name__, self.pattern))
+
+
+@dataclass(frozen=True)
+class MagnitudeConfig(_PatternOnly):
     """Magnitude pruning: keep the largest ``|W_ij|`` (:func:`~torch_armor.core.baselines.magnitude_prune`)."""
 
-    pattern: str = "2:4"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "pattern", normalized_pattern(type(self).__name__, self.pattern))
-
 
 @dataclass(frozen=True)
-class WandaConfig(MethodConfig):
+class WandaConfig(_PatternOnly):
     """Wanda: keep the largest ``|W_ij|·‖x_j‖`` (:func:`~torch_armor.core.baselines.wanda_prune`)."""
 
-    pattern: str = "2:4"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "pattern", normalized_pattern(type(self).__name__, self.pattern))
-
 
 @dataclass(frozen=True)
-class NoWagConfig(MethodConfig):
+class NoWagConfig(_PatternOnly):
     """NoWag-P: keep the largest normalized ``W̄_ij²·h_j`` (:func:`~torch_armor.core.proxy.nowag_prune`)."""
-
-    pattern: str = "2:4"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "pattern", normalized_pattern(type(self).__name__, self.pattern))
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,7 @@ def layer_configs(
     Example::
 
         >>> cfgs = layer_configs(["a", "b"], ArmorConfig(block_size=16), {"b": {"block_size": 32}})
-        >>> cfgs["a"].block_size, cfgs["b"].block_size, cfgs["b"].group_updates_per_sweep
+        >>> cfgs["a"].block_size, cfgs["b"].block_size, cfgs["b"].optimizer.group_updates_per_sweep(32)
         (16, 32, 16)
     """
     if not isinstance(config, ArmorConfig):

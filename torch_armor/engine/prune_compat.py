@@ -14,6 +14,7 @@ import dataclasses
 import functools
 from typing import Any, Callable, Dict, Tuple
 
+from torch_armor.core.config_compat import short_repr
 from torch_armor.core.method_config import BaselineConfig
 from torch_armor.core.pattern import parse_pattern
 from torch_armor.engine.methods import method_named
@@ -69,7 +70,7 @@ def translate_call(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple
     if pattern is not None and config is not None and str(parse_pattern(pattern)) != config.pattern:
         config = dataclasses.replace(config, pattern=str(parse_pattern(pattern)))
     options = dataclasses.replace(options, **run) if run else options
-    new_args = ", ".join([f"{config!r}" if config is not None else "ArmorConfig()"]
+    new_args = ", ".join([short_repr(config) if config is not None else "ArmorConfig()"]
                          + ([f"layers={layers!r}"] if layers is not None else [])
                          + ([f"options=PruneOptions({', '.join(f'{k}={v!r}' for k, v in run.items())})"] if run else []))
     message = f"prune_model with a method string or run keywords is deprecated: write prune_model(model, calibration, " \

@@ -27,6 +27,7 @@ from torch import nn
 from torch_armor.engine import memory
 from torch_armor.engine.checkpoint import LazyCheckpoint
 from torch_armor.engine.identity import hash_model
+from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.serialization import (ARMOR_CONFIG_NAME, assemble_checkpoint, has_armor_quantization_config,
                                               save_shard)
 
@@ -99,11 +100,16 @@ class Streamed:
     """A local checkpoint built on the meta device; one block materialized at a time.
 
     Args:
-        path: a directory :func:`is_streamable_checkpoint` accepts.
+        path: a local Hugging Face directory (``config.json`` and safetensors weights; not one
+            torch_armor pruned: refused). Otherwise :class:`~torch_armor.engine.checkpoint.LazyCheckpoint`
+            says what is missing.
         dtype: load the weights in this dtype (default: as stored).
     """
 
     def __init__(self, path: PathLike, dtype: Optional[torch.dtype] = None) -> None:
+        p = Path(path)
+        if (p / ARMOR_CONFIG_NAME).exists() or has_armor_quantization_config(p):
+            raise ArmorInputError(f"{p} is already pruned by torch_armor; prune the original dense checkpoint")
         memory.fix_mmap_threshold()  # process-wide: freed blocks go back to the system (engine/memory.py)
         memory.trim()  # e.g. the tokenizer's temporaries
         self.checkpoint = LazyCheckpoint(path, dtype=dtype)

@@ -203,7 +203,8 @@ def pruning_source(model: str, gguf_file: Optional[str] = None, dtype: Union[str
     Raises:
         ArmorInputError: ``MODEL`` cannot be loaded, or is already pruned (before anything slow).
     """
-    if check_model_source(model, gguf_file) == "armor":
+    check_model_source(model, gguf_file)
+    if is_armor_checkpoint(model):
         raise ArmorInputError(f"MODEL {model!r} is already pruned by torch_armor (it has armor_config.json); "
                               "prune the original dense checkpoint instead")
     say = log or (lambda _line: None)

@@ -104,7 +104,7 @@ def write_hf_index(path: Path, dests: Sequence[Path], owner: Dict[str, Path], so
 
 
 def has_armor_quantization_config(path: Union[str, os.PathLike]) -> bool:
-    """Whether ``path/config.json`` has ``quantization_config.quant_method == "armor"``."""
+    """Whether ``path/config.json`` has a ``quantization_config`` whose ``quant_method`` is :data:`QUANT_METHOD`."""
     try:
         with open(Path(path) / "config.json") as fh:
             quant = json.load(fh).get("quantization_config")
