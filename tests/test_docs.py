@@ -247,7 +247,7 @@ def test_quick_start_command_lines_run(tmp_path, monkeypatch, capsys, tiny_model
             argv += ["--calib", str(text), "--n-calib", "2", *small] + (["--iters", "2"] if method == "armor" else [])
             assert main(argv) == 0, command
             out = Path(argv[argv.index("--out") + 1])
-            assert (out / "model.safetensors").exists() and (out / "prune_report.json").exists()
+            assert (out / "armor_config.json").exists() and (out / "prune_report.json").exists()
         else:
             capsys.readouterr()
             assert main(argv + ["--data", str(text), "--n-eval", "2", *small]) == 0, command
