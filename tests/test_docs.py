@@ -330,3 +330,39 @@ def test_user_guide_config_examples_build():
     assert len(blocks) == 1
     namespace: dict = {}
     exec(compile(blocks[0], "docs/user-guide.md configs", "exec"), namespace)
+
+
+def cli_flags(capsys) -> dict:
+    """``{subcommand: its --flags}``, read from ``torch-armor SUBCOMMAND --help``."""
+    from torch_armor.cli import main
+
+    flags = {}
+    for command in ("prune", "eval", "demo"):
+        capsys.readouterr()
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        flags[command] = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", capsys.readouterr().out))
+    return flags
+
+
+def test_documented_command_lines_use_real_flags(capsys):
+    """Every ``--flag`` of a ``torch-armor`` line in the README or docs/ exists for its subcommand, and
+    every flag in the user guide's option table exists for some subcommand."""
+    flags = cli_flags(capsys)
+    unknown = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for block in code_blocks(text, "bash"):
+            for line in block.splitlines():
+                words = shlex.split(line, comments=True)
+                if "torch-armor" in words or "torch_armor" in words:
+                    start = words.index("torch-armor" if "torch-armor" in words else "torch_armor") + 1
+                    command = words[start]
+                    unknown += [f"{page.name}: {command} {w}" for w in words[start:]
+                                if w.startswith("--") and w not in flags[command]]
+    table = section((ROOT / "docs" / "user-guide.md").read_text(encoding="utf-8"), "Command line")
+    every = set().union(*flags.values())
+    for row in (line for line in table.splitlines() if line.startswith("| `--")):
+        unknown += [f"user-guide.md table: {f}" for f in re.findall(r"--[a-z][a-z0-9-]*", row.split("|")[1])
+                    if f not in every]
+    assert unknown == []
