@@ -325,8 +325,8 @@ def test_api_reference_shows_every_field_with_its_real_default():
 
 def test_user_guide_config_examples_build():
     """The user guide's block of method configs builds every config it shows (validated on construction)."""
-    blocks = [b for b in code_blocks(section((ROOT / "docs" / "user-guide.md").read_text(encoding="utf-8"),
-                                             "Choosing a method and its settings"), "python")]
+    guide = (ROOT / "docs" / "user-guide.md").read_text(encoding="utf-8")
+    blocks = code_blocks(section(guide, "Choosing a method and its settings"), "python")
     assert len(blocks) == 1
     namespace: dict = {}
     exec(compile(blocks[0], "docs/user-guide.md configs", "exec"), namespace)
