@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import weakref
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence, Union
 
@@ -35,7 +36,9 @@ import torch
 from torch import nn
 
 from torch_armor._io import atomic_write
+from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import QUANTIZED, ArmorTensor
+from torch_armor.tensor.finetune import trainable_parts
 from torch_armor.tensor.flatten import (
     FORMAT_VERSION,
     _DTYPES,
@@ -98,6 +101,15 @@ class ArmorQuantizationConfig(QuantizationConfigMixin):
         return {"quant_method": QUANT_METHOD, "format_version": self.format_version, "pattern": self.pattern,
                 "layers": self.layers, "buffers": self.buffers}
 
+    def get_apply_tensor_subclass(self) -> Any:
+        """PEFT's LoRA layer for torchao tensor subclasses asks for this to re-convert a layer after
+        merging an adapter into it; an ARMOR weight cannot absorb a dense update (its core's mask is
+        fixed), so merging refuses (the adapters themselves train and run unmerged)."""
+        raise ArmorInputError(
+            "LoRA merge: an ARMOR weight cannot absorb a dense adapter update (its 2:4 core is fixed); keep the "
+            "adapters unmerged, or model.dequantize() before attaching them to merge into dense weights"
+        )
+
 
 def _nonpersistent_buffer_dtypes(model: nn.Module) -> Dict[str, str]:
     out = {}
@@ -132,6 +144,7 @@ def attach_quantizer(model: nn.Module) -> nn.Module:
         model.hf_quantizer = ArmorHfQuantizer(qconfig, pre_quantized=True)
     else:
         model.hf_quantizer.quantization_config = qconfig
+    model.hf_quantizer._model = weakref.ref(model)
     config.quantization_config = qconfig
     model.is_quantized = True
     model.quantization_method = QUANT_METHOD
@@ -308,6 +321,7 @@ class ArmorHfQuantizer(HfQuantizer):
             buf = module._buffers.get(bname)
             if isinstance(buf, torch.Tensor) and dtype in _DTYPES and buf.dtype != _DTYPES[dtype]:
                 module._buffers[bname] = buf.to(_DTYPES[dtype])
+        self._model = weakref.ref(model)
         return model
 
     def get_state_dict_and_metadata(self, model: nn.Module):
@@ -333,6 +347,26 @@ class ArmorHfQuantizer(HfQuantizer):
     @property
     def is_trainable(self) -> bool:
         return True
+
+    @property
+    def is_qat_trainable(self) -> bool:
+        """Whether ``transformers.Trainer`` may train the model without adapters: yes once
+        :func:`~torch_armor.tensor.finetune.enable_finetuning` made the ARMOR parts trainable (or
+        adapters are attached); otherwise it raises, naming both ways, rather than let the Trainer
+        train everything but the pruned linears."""
+        model = self._model() if getattr(self, "_model", None) is not None else None
+        if model is None:
+            return False
+        if getattr(model, "peft_config", None) or getattr(model, "_hf_peft_config_loaded", False):
+            return True
+        if any(p.requires_grad for p in trainable_parts(model).values()):
+            return True
+        weights = [p for p in model.parameters() if isinstance(p, ArmorTensor)]
+        raise ArmorInputError(
+            f"transformers.Trainer: the {len(weights)} ARMOR weights of this {type(model).__name__} are frozen "
+            "containers; call torch_armor.enable_finetuning(model) to train their A, B and kept core values, or "
+            "attach LoRA adapters with peft.get_peft_model(model, LoraConfig(...))"
+        )
 
     @property
     def is_compileable(self) -> bool:
