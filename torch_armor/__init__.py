@@ -72,6 +72,7 @@ from torch_armor.tensor.quant import ArmorCoreConfig  # noqa: E402  (registers t
 from torch_armor.tensor.serialization import load_pretrained, save_pretrained  # noqa: E402
 from torch_armor.hf import attach_quantizer  # noqa: E402  (registers quant_method "armor" with transformers)
 from torch_armor.tensor.finetune import enable_finetuning, model_size  # noqa: E402
+from torch_armor.recipes.harness import evaluate  # noqa: E402  (lm-evaluation-harness: the eval extra)
 
 # What a user needs; the math and the plumbing stay importable from their subpackages
 # (torch_armor.core, .calibration, .tensor, .engine, .recipes).
@@ -83,6 +84,7 @@ __all__ = [
     "ArmorTensor",
     "attach_quantizer",
     "enable_finetuning",
+    "evaluate",
     "BaselineConfig",
     "PruneReport",
     "PruningSparsifier",
