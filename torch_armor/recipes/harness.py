@@ -50,7 +50,13 @@ def require_lm_eval() -> None:
 
 
 def parse_tasks(tasks: Union[str, Sequence[str]]) -> list:
-    """``"arc_easy,boolq"`` or ``["arc_easy", "boolq"]`` -> ``["arc_easy", "boolq"]``."""
+    """Task names from ``"t1,t2"`` or a list (blanks dropped).
+
+    Example::
+
+        >>> parse_tasks("arc_easy, boolq,")
+        ['arc_easy', 'boolq']
+    """
     names = tasks.split(",") if isinstance(tasks, str) else list(tasks)
     names = [str(t).strip() for t in names if str(t).strip()]
     if not names:
