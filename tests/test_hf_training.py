@@ -164,3 +164,22 @@ def test_trainer_trains_lora_adapters_of_an_armor_model(tmp_path, one_thread):
     losses = losses_of(t)
     assert losses[-1] < 0.8 * losses[0], losses
     assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
+
+
+def test_quantizer_follows_copies_and_pickling_of_its_model(tmp_path, one_thread):
+    import copy
+    import io
+
+    model = pruned_llama()
+    copied = copy.deepcopy(model)
+    enable_finetuning(copied)  # the copy's quantizer judges the copy, not the original
+    trainer(copied, tmp_path)
+    with pytest.raises(ArmorInputError, match="enable_finetuning"):
+        trainer(model, tmp_path)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # whole-model pickling keeps working
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    ids = batch()
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, model(input_ids=ids).logits)

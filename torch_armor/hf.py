@@ -28,7 +28,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-import weakref
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence, Union
 
@@ -144,7 +143,7 @@ def attach_quantizer(model: nn.Module) -> nn.Module:
         model.hf_quantizer = ArmorHfQuantizer(qconfig, pre_quantized=True)
     else:
         model.hf_quantizer.quantization_config = qconfig
-    model.hf_quantizer._model = weakref.ref(model)
+    model.hf_quantizer._model = model
     config.quantization_config = qconfig
     model.is_quantized = True
     model.quantization_method = QUANT_METHOD
@@ -321,7 +320,7 @@ class ArmorHfQuantizer(HfQuantizer):
             buf = module._buffers.get(bname)
             if isinstance(buf, torch.Tensor) and dtype in _DTYPES and buf.dtype != _DTYPES[dtype]:
                 module._buffers[bname] = buf.to(_DTYPES[dtype])
-        self._model = weakref.ref(model)
+        self._model = model  # a plain reference (copy.deepcopy and torch.save of the model follow it; a weakref would not)
         return model
 
     def get_state_dict_and_metadata(self, model: nn.Module):
@@ -354,7 +353,7 @@ class ArmorHfQuantizer(HfQuantizer):
         :func:`~torch_armor.tensor.finetune.enable_finetuning` made the ARMOR parts trainable (or
         adapters are attached); otherwise it raises, naming both ways, rather than let the Trainer
         train everything but the pruned linears."""
-        model = self._model() if getattr(self, "_model", None) is not None else None
+        model = getattr(self, "_model", None)
         if model is None:
             return False
         if getattr(model, "peft_config", None) or getattr(model, "_hf_peft_config_loaded", False):
