@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 
 TUTORIALS = Path(__file__).resolve().parents[1] / "tutorials"
@@ -44,3 +45,21 @@ def test_02_finetune_wrappers():
     assert results["mask_unchanged"] is True
     assert results["loaded_bit_identical"] is True
     assert results["stored_parameters"] < results["dense_parameters"]
+
+
+def test_03_lora_on_armor():
+    pytest.importorskip("peft", reason="pip install 'torch_armor[test]' (peft)")
+    tutorial = load_tutorial("03_lora_on_armor.py")
+    results = tutorial.main(["--steps", "6"])
+    assert results["converted_layers"] == 14
+    assert results["lora_layers"] == 4  # q_proj and v_proj of 2 decoder layers
+    # r=8 in 2 layers: q_proj 64→64 (A 8×64, B 64×8), v_proj 64→32 (2 key-value heads of 16: A 8×64, B 32×8)
+    assert results["trainable_parameters"] == 2 * (8 * 64 + 64 * 8) + 2 * (8 * 64 + 32 * 8)
+    losses = results["losses"]
+    assert len(losses) == 6 and losses[-1] < 0.9 * losses[0]
+    assert results["armor_unchanged"] is True
+    assert results["reloaded_identical"] is True
+    assert results["merge_refused"] is True
+    assert "torch_armor.enable_finetuning(model)" in results["trainer_refusal"]
+    finetune = results["finetune_losses"]
+    assert len(finetune) == 6 and finetune[-1] < 0.9 * finetune[0]

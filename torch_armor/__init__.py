@@ -78,6 +78,7 @@ from torch_armor.tensor.quant import ArmorCoreConfig  # noqa: E402  (registers t
 from torch_armor.tensor.serialization import load_pretrained, save_pretrained  # noqa: E402
 from torch_armor.hf import attach_quantizer  # noqa: E402  (registers quant_method "armor" with transformers)
 from torch_armor.tensor.finetune import enable_finetuning, model_size  # noqa: E402
+from torch_armor.recipes.harness import evaluate  # noqa: E402  (lm-evaluation-harness: the eval extra)
 
 # What a user needs; the math and the plumbing stay importable from their subpackages
 # (torch_armor.core, .calibration, .tensor, .engine, .recipes).
@@ -93,6 +94,7 @@ __all__ = [
     "BcdConfig",
     "config_for_method",
     "enable_finetuning",
+    "evaluate",
     "factorize",
     "load_pretrained",
     "MagnitudeConfig",

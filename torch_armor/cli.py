@@ -10,6 +10,8 @@ Examples::
     torch-armor prune ./Llama-3.2-1B --method sparsegpt --layers 0-1 --out runs/llama-sgpt
     # perplexity (64 non-overlapping 512-token windows of the Wikipedia text by default)
     torch-armor eval runs/smollm2-armor
+    # zero-shot accuracy with lm-evaluation-harness (pip install 'torch_armor[eval]')
+    torch-armor eval runs/smollm2-armor --tasks arc_easy,boolq
     # the quality table: dense, magnitude, Wanda, SparseGPT, NoWag-P, ARMOR on SmolLM2
     torch-armor demo
 
@@ -52,6 +54,7 @@ __all__ = ["main", "build_parser"]
 
 REPORT_JSON = "prune_report.json"
 REPORT_PNG = "prune_report.png"
+HARNESS_JSON = "lm_eval_results.json"
 
 
 def _block_size(text: str):
@@ -185,14 +188,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--damp", type=float, default=0.01, help="SparseGPT dampening (0.01)")
     _add_common(p)
 
-    e = sub.add_parser("eval", help="perplexity of a model or a pruned directory",
+    e = sub.add_parser("eval", help="perplexity or lm-evaluation-harness accuracy of a model or a pruned directory",
                        description="Token-level perplexity over the first --n-eval non-overlapping "
-                                   "--seq-len windows of --data.")
+                                   "--seq-len windows of --data; with --tasks, lm-evaluation-harness tasks instead "
+                                   "(the eval extra: pip install 'torch_armor[eval]').")
     _add_model(e, "a directory written by 'prune', 'smollm2', a local Hugging Face directory, or a hub id")
     e.add_argument("--data", default="wiki",
                    help="evaluation text: wiki (default), sotu, a file/dir/glob, or a datasets name")
     e.add_argument("--n-eval", type=_positive_int, default=64, help="evaluation windows (default 64)")
     e.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    e.add_argument("--tasks", default=None,
+                   help="lm-evaluation-harness tasks, comma-separated (e.g. arc_easy,boolq): prints the harness's "
+                        "table and writes its JSON beside a pruned directory's report (or to --out)")
+    e.add_argument("--include-path", action="append", default=None, metavar="DIR",
+                   help="a directory of your own task YAMLs (repeatable)")
+    e.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: each task's own)")
+    e.add_argument("--limit", type=_positive_int, default=None, help="only the first N documents of each task")
+    e.add_argument("--out", type=Path, default=None, metavar="PATH",
+                   help=f"with --tasks: write the results JSON here (default: MODEL/{HARNESS_JSON} for a pruned "
+                        "directory, nowhere otherwise)")
     _add_common(e)
 
     d = sub.add_parser("demo", help="quality table of every method on SmolLM2-135M",
@@ -290,6 +304,8 @@ def _cmd_prune(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
+    if args.tasks is not None:
+        return _eval_tasks(args)
     _setup(args)
     model, tokenizer = load_model(args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device)
     windows = eval_windows(args.data, tokenizer, n_windows=args.n_eval, seq_len=args.seq_len)
@@ -301,6 +317,32 @@ def _cmd_eval(args: argparse.Namespace) -> int:
                           "seq_len": args.seq_len, "perplexity": ppl, "seconds": seconds}))
     else:
         print(f"perplexity: {ppl:.10g} ({args.data}, {args.n_eval} windows × {args.seq_len} tokens, {seconds:.1f} s)")
+    return 0
+
+
+def _eval_tasks(args: argparse.Namespace) -> int:
+    from torch_armor.recipes.harness import evaluate, parse_tasks, require_lm_eval, results_table, write_results
+
+    require_lm_eval()  # before loading a model: one line naming the extra
+    tasks = parse_tasks(args.tasks)
+    _setup(args)
+    model, tokenizer = load_model(args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device)
+    t = time.perf_counter()
+    results = evaluate(model, tokenizer, tasks, include_path=args.include_path, num_fewshot=args.num_fewshot,
+                       limit=args.limit, batch_size=args.batch_size)
+    seconds = time.perf_counter() - t
+    out = args.out
+    if out is None and (Path(args.model) / REPORT_JSON).is_file():
+        out = Path(args.model) / HARNESS_JSON
+    if out is not None:
+        write_results(results, out)
+    if args.json:
+        print(json.dumps({"model": args.model, "tasks": tasks, "results": results["results"], "seconds": seconds,
+                          "json": None if out is None else str(out)}, default=str))
+    else:
+        print(results_table(results))
+        print(f"lm-evaluation-harness {results.get('lm_eval_version', '')}, {seconds:.1f} s"
+              + (f"; results written to {out}" if out is not None else ""))
     return 0
 
 

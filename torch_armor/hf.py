@@ -42,6 +42,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import QUANTIZED, ArmorTensor
+from torch_armor.tensor.finetune import trainable_parts
 from torch_armor.tensor.flatten import flatten_armor_state
 from torch_armor.tensor.hf_format import (QUANT_METHOD, attach_quantizer, load_hf_quantized,
                                           nonpersistent_buffer_dtypes, quantization_config_dict, quantization_pattern,
@@ -83,6 +84,15 @@ class ArmorQuantizationConfig(QuantizationConfigMixin):
 
     def to_dict(self) -> Dict[str, Any]:
         return quantization_config_dict(self.layers, self.buffers, self.pattern, self.format_version)
+
+    def get_apply_tensor_subclass(self) -> Any:
+        """PEFT's LoRA layer for torchao tensor subclasses asks for this to re-convert a layer after
+        merging an adapter into it; an ARMOR weight cannot absorb a dense update (its core's mask is
+        fixed), so merging refuses (the adapters themselves train and run unmerged)."""
+        raise ArmorInputError(
+            "LoRA merge: an ARMOR weight cannot absorb a dense adapter update (its 2:4 core is fixed); keep the "
+            "adapters unmerged, or model.dequantize() before attaching them to merge into dense weights"
+        )
 
 
 def quantization_config_of(model: nn.Module, layers: Optional[Dict[str, Any]] = None) -> ArmorQuantizationConfig:
@@ -204,6 +214,7 @@ class ArmorHfQuantizer(HfQuantizer):
             buf = module._buffers.get(bname)
             if isinstance(buf, torch.Tensor) and dtype in DTYPES and buf.dtype != DTYPES[dtype]:
                 module._buffers[bname] = buf.to(DTYPES[dtype])
+        self._model = model  # a plain reference (copy.deepcopy and torch.save of the model follow it; a weakref would not)
         return model
 
     def get_state_dict_and_metadata(self, model: nn.Module):
@@ -229,6 +240,26 @@ class ArmorHfQuantizer(HfQuantizer):
     @property
     def is_trainable(self) -> bool:
         return True
+
+    @property
+    def is_qat_trainable(self) -> bool:
+        """Whether ``transformers.Trainer`` may train the model without adapters: yes once
+        :func:`~torch_armor.tensor.finetune.enable_finetuning` made the ARMOR parts trainable (or
+        adapters are attached); otherwise it raises, naming both ways, rather than let the Trainer
+        train everything but the pruned linears."""
+        model = getattr(self, "_model", None)
+        if model is None:
+            return False
+        if getattr(model, "peft_config", None) or getattr(model, "_hf_peft_config_loaded", False):
+            return True
+        if any(p.requires_grad for p in trainable_parts(model).values()):
+            return True
+        weights = [p for p in model.parameters() if isinstance(p, ArmorTensor)]
+        raise ArmorInputError(
+            f"transformers.Trainer: the {len(weights)} ARMOR weights of this {type(model).__name__} are frozen "
+            "containers; call torch_armor.enable_finetuning(model) to train their A, B and kept core values, or "
+            "attach LoRA adapters with peft.get_peft_model(model, LoraConfig(...))"
+        )
 
     @property
     def is_compileable(self) -> bool:

@@ -138,6 +138,7 @@ def attach_quantizer(model: nn.Module) -> nn.Module:
         model.hf_quantizer = quantizer_class(qconfig, pre_quantized=True)
     else:
         model.hf_quantizer.quantization_config = qconfig
+    model.hf_quantizer._model = model
     config.quantization_config = qconfig
     model.is_quantized = True
     model.quantization_method = QUANT_METHOD
