@@ -1,8 +1,8 @@
 """End-to-end check of an installed torch_armor wheel without extras (run by .ci/wheel_check.sh).
 
-Saves a tiny random Llama and a tokenizer trained here (no hub), prunes it with the ``torch-armor``
-command, loads the output with ``from_pretrained``, generates, and evaluates it with
-``torch-armor eval``. Every step's exit code is checked; a failing step prints its stderr.
+Saves a tiny random Llama and a tokenizer trained here (tests/_tiny_dir.py: no hub), prunes it with
+the ``torch-armor`` command, loads the output with ``from_pretrained``, generates, and evaluates it
+with ``torch-armor eval``. Every step's exit code is checked; a failing step prints its stderr.
 """
 
 import subprocess
@@ -10,12 +10,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+import torch_armor  # noqa: F401  (first: registers the "armor" quantization method with transformers)
 
-TEXT = " ".join(f"the {w} of the state is strong and the people are {v}." for w in
-                ("union", "economy", "army", "budget", "nation", "future") for v in ("free", "proud", "many"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _tiny_dir import save_tiny_model  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 
 def run(*args: str) -> str:
@@ -27,26 +26,13 @@ def run(*args: str) -> str:
 
 def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="wheel_smoke_"))
-    text = work / "text.txt"
-    text.write_text(TEXT * 40)
-    raw = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    raw.pre_tokenizer = pre_tokenizers.Whitespace()
-    raw.train_from_iterator([TEXT], trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "</s>"]))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=128)
-    dense, out = work / "dense", work / "pruned"
-    LlamaForCausalLM(config).save_pretrained(dense)
-    tokenizer.save_pretrained(dense)
-
+    dense, out, text = save_tiny_model(work), work / "pruned", work / "text.txt"
     run("prune", str(dense), "--out", str(out), "--calib", str(text), "--n-calib", "4", "--seq-len", "32",
         "--iters", "2", "--reconstruct-steps", "1")
     assert (out / "prune_report.json").is_file(), "prune wrote no prune_report.json"
 
-    import torch_armor  # noqa: F401  (registers the "armor" quantization method with transformers)
-
     model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
     ids = tokenizer("the union of the state", return_tensors="pt").input_ids
     generated = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert generated.shape == (1, ids.shape[1] + 4), generated.shape

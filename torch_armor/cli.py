@@ -121,7 +121,8 @@ def _add_armor(p: argparse.ArgumentParser) -> None:
                    help=f"after each layer's optimizer, refine A, core values and B under the output-space "
                         f"loss tr((W-Ŵ) XᵀX (W-Ŵ)ᵀ) (default {default.refine or 'none'})")
     g.add_argument("--reconstruct-steps", type=int, default=default.reconstruct_steps,
-                   help=f"Adam steps of block reconstruction per decoder block (default {default.reconstruct_steps}: off)")
+                   help=f"Adam steps of block reconstruction per decoder block, 0: off "
+                        f"(default {default.reconstruct_steps})")
     g.add_argument("--optimizer", choices=("bcd", "adam"), default=default.optimizer,
                    help=f"per-layer optimizer (default {default.optimizer})")
     g.add_argument("--iters", type=int, default=None,
@@ -419,6 +420,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(argv) if argv is not None else sys.argv[1:]
     args = parser.parse_args(argv)
     args.argv = argv
+    import torch_armor
+
+    torch_armor.prune_model  # noqa: B018 - loads the package as `import torch_armor` does outside the CLI
     commands = {"prune": _cmd_prune, "eval": _cmd_eval, "demo": _cmd_demo}
     if args.debug or debug_enabled():
         _check_device(getattr(args, "device", None))

@@ -19,12 +19,12 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 from torch.ao.pruning import BaseSparsifier
-from tqdm.auto import tqdm
 
 from torch_armor.calibration.observer import ActSqNormObserver, LayerStatistics, decoder_linear_names, set_token_mask
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.engine.identity import hash_tensors
 from torch_armor.engine.runner import METHODS, LayerSolution, layer_config, solve_layer
+from torch_armor.progress import tqdm
 
 __all__ = ["CalibratedSparsifier", "plain", "STATE_DICT_VERSION"]
 
