@@ -39,6 +39,9 @@ REPORT_JSON = "prune_report.json"
 REPORT_PNG = "prune_report.png"
 _METHODS = ("armor", "nowag", "wanda", "sparsegpt", "magnitude")
 _DEMO_METHODS = ("dense", "magnitude", "wanda", "sparsegpt", "nowag", "armor")
+#: the demo's quick protocol (the default): a first table in minutes; --full is the README's
+_QUICK = {"methods": ("dense", "sparsegpt", "armor"), "n_calib": 16, "n_eval": 16, "iters": 10}
+_FULL = {"methods": _DEMO_METHODS, "n_calib": 64, "n_eval": 64, "iters": None}
 
 
 def _block_size(text: str):
@@ -182,16 +185,28 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     _add_common(e)
 
-    d = sub.add_parser("demo", help="quality table of every method on SmolLM2-135M",
-                       description="SmolLM2-135M, sotu calibration, Wikipedia evaluation: prune with every "
-                                   "method from one set of statistics and print the quality table.")
-    d.add_argument("--methods", nargs="+", choices=_DEMO_METHODS, default=list(_DEMO_METHODS),
-                   help="rows to run (default: all)")
+    d = sub.add_parser("demo", help="quality table of the methods on SmolLM2-135M (quick; --full: the README's)",
+                       description="SmolLM2-135M, sotu calibration, Wikipedia evaluation: prune with each method "
+                                   "and print the quality table, a row as soon as its method is done. Quick by "
+                                   f"default ({', '.join(_QUICK['methods'])}; {_QUICK['n_calib']} calibration and "
+                                   f"{_QUICK['n_eval']} evaluation windows; ARMOR {_QUICK['iters']} sweeps); --full: "
+                                   "every method under the README's protocol (about an hour on 2 cores). Finished "
+                                   "rows are saved in --run-dir: after Ctrl-C the same command resumes.")
+    d.add_argument("--full", action="store_true",
+                   help="the README's protocol: every method, 64 calibration and 64 evaluation windows, "
+                        "ArmorConfig's defaults (about an hour on 2 cores)")
+    d.add_argument("--methods", nargs="+", choices=_DEMO_METHODS, default=None,
+                   help=f"rows to run (default: {' '.join(_QUICK['methods'])}; --full: all)")
     d.add_argument("--pattern", default="2:4", help="sparsity pattern (default 2:4)")
     d.add_argument("--calib", default="sotu", help="calibration text (default sotu)")
-    d.add_argument("--n-calib", type=_positive_int, default=64, help="calibration windows (default 64)")
+    d.add_argument("--n-calib", type=_positive_int, default=None,
+                   help=f"calibration windows (default {_QUICK['n_calib']}; --full: 64)")
     d.add_argument("--data", default="wiki", help="evaluation text (default wiki)")
-    d.add_argument("--n-eval", type=_positive_int, default=64, help="evaluation windows (default 64)")
+    d.add_argument("--n-eval", type=_positive_int, default=None,
+                   help=f"evaluation windows (default {_QUICK['n_eval']}; --full: 64)")
+    d.add_argument("--run-dir", default=None,
+                   help="where finished rows (rows.json, table.md) and ARMOR's finished layers are kept; "
+                        "rerunning the same command resumes (default runs/demo-quick, --full: runs/demo-full)")
     d.add_argument("--layers", default=None, help="prune only some decoder layers (indices or regex)")
     _add_armor(d)
     d.add_argument("--one-shot", action="store_true",
@@ -382,16 +397,57 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo_protocol(args: argparse.Namespace) -> None:
+    """Fill in the options not given from the quick protocol, or the full one with ``--full``."""
+    protocol = _FULL if args.full else _QUICK
+    args.methods = args.methods or list(protocol["methods"])
+    args.n_calib = args.n_calib or protocol["n_calib"]
+    args.n_eval = args.n_eval or protocol["n_eval"]
+    if args.iters is None:
+        args.iters = protocol["iters"]
+    args.run_dir = args.run_dir or str(Path("runs") / ("demo-full" if args.full else "demo-quick"))
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
+    _demo_protocol(args)
     _setup(args)
-    from torch_armor.recipes.quality import run_quality
+    from torch_armor.recipes.demo_runs import TABLE_MD, DemoRuns
+    from torch_armor.recipes.quality import quality_table, run_quality
+
+    config = _armor_config(args)
+    settings = {"methods": args.methods, "pattern": args.pattern, "calib": args.calib, "n_calib": args.n_calib,
+                "eval": args.data, "n_eval": args.n_eval, "seq_len": args.seq_len, "layers": args.layers,
+                "seed": args.seed, "sequential": not args.one_shot, "armor_eval": args.armor_eval,
+                "armor": repr(config)}
+    runs = DemoRuns(args.run_dir, settings, log=_log)
+    todo = [m for m in args.methods if _method_label(m) not in runs.finished]
+    protocol = _FULL if args.full else _QUICK
+    minutes = (sum(_DEMO_MINUTES["full" if args.full else "quick"][m] for m in todo)
+               * (args.n_calib + args.n_eval) / (protocol["n_calib"] + protocol["n_eval"]))
+    _log(f"demo ({'full' if args.full else 'quick'}): {', '.join(args.methods)} on SmolLM2-135M, calibration "
+         f"{args.n_calib}×{args.seq_len} tokens of {args.calib}, evaluation {args.n_eval}×{args.seq_len} tokens "
+         f"of {args.data}; " + (f"{len(args.methods) - len(todo)} row(s) already done, " if len(todo) < len(args.methods)
+                                else "") + f"about {max(1, round(minutes))} min on 2 cores. "
+         f"Rows are kept in {args.run_dir} as they finish (Ctrl-C, then the same command resumes)"
+         + ("" if args.full else "; the README's full protocol: --full (about an hour)"))
+    header = []
+
+    def on_row(row) -> None:
+        runs.add(row)
+        lines = quality_table([row]).splitlines()
+        if not header:
+            header.append(True)
+            print("\n".join(lines[:2]))
+        print(lines[2], flush=True)
 
     result = run_quality(
-        "smollm2", methods=args.methods, armor_configs=[_armor_config(args)], pattern=args.pattern,
+        "smollm2", methods=args.methods, armor_configs=[config], pattern=args.pattern,
         calib=args.calib, n_calib=args.n_calib, eval_data=args.data, n_eval=args.n_eval, seq_len=args.seq_len,
         layers=args.layers, batch_size=args.batch_size, seed=args.seed, armor_eval=args.armor_eval,
         sequential=not args.one_shot, progress=not args.no_progress, log=_log,
+        finished=runs.finished, on_row=on_row, armor_run_dir=runs.store_for,
     )
+    print()
     s = result.settings
     print(f"SmolLM2-135M fp32, {args.pattern}; calibration {s['n_calib']}×{s['seq_len']} tokens of {s['calib']}, "
           f"evaluation {s['n_eval']}×{s['seq_len']} tokens of {s['eval']}; {s['num_layers']} linears pruned; "
@@ -399,11 +455,39 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     print()
     print(result.table())
     print()
-    print(f"total wall time {result.timings['total'] / 60:.1f} min")
+    print(f"total wall time {result.timings['total'] / 60:.1f} min (this run); table and rows also in "
+          f"{Path(args.run_dir) / TABLE_MD}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result.to_dict(), fh, indent=2, default=str)
     return 0
+
+
+#: minutes per row on 2 cores (prune + eval; full: the README's issue #11/#12 runs, quick: measured
+#: with `time ./dev.sh demo`), scaled by the windows asked for
+_DEMO_MINUTES = {
+    "full": {"dense": 2.0, "magnitude": 6.0, "wanda": 20.0, "sparsegpt": 10.0, "nowag": 3.0, "armor": 11.0},
+    "quick": {"dense": 0.5, "magnitude": 1.0, "wanda": 3.0, "sparsegpt": 2.0, "nowag": 1.0, "armor": 2.0},
+}
+
+
+def _method_label(method: str) -> str:
+    from torch_armor.engine.runner import METHODS
+
+    return METHODS[method].label if method in METHODS else method
+
+
+def _interrupted(args: argparse.Namespace) -> str:
+    """What an interrupt leaves behind, true for the subcommand that was running."""
+    if args.command == "demo" and getattr(args, "run_dir", None):
+        return (f"interrupted; finished rows are kept in {args.run_dir} (and ARMOR's finished layers), "
+                "rerun the same command to resume")
+    if args.command == "prune" and args.method == "armor":
+        run_dir = args.run_dir or str(Path(args.out) / RUN_DIR_NAME)
+        return f"interrupted; finished layers are kept in {run_dir}, rerun the same command to resume"
+    if args.command == "prune":
+        return f"interrupted; {args.method} keeps no finished layers, so a rerun starts over"
+    return "interrupted"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -434,8 +518,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"torch-armor {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"torch-armor {args.command}: interrupted; finished layers are kept in the run directory, "
-              "rerun the same command to resume", file=sys.stderr)
+        print(f"torch-armor {args.command}: {_interrupted(args)}", file=sys.stderr)
         return 130
     except Exception as err:  # noqa: BLE001 - anything else is a bug: one line, no traceback
         print(f"torch-armor {args.command}: internal error: {type(err).__name__}: {_one_line(err)} "

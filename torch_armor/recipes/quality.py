@@ -167,6 +167,9 @@ def run_quality(
     armor_eval: str = "materialized",
     progress: bool = True,
     log: Optional[Callable[[str], None]] = None,
+    finished: Mapping[str, QualityRow] = {},
+    on_row: Optional[Callable[[QualityRow], None]] = None,
+    armor_run_dir: Optional[Callable[[str], Any]] = None,
 ) -> QualityResult:
     """The quality protocol: prune with every method (each from the dense weights), measure perplexity.
 
@@ -187,6 +190,10 @@ def run_quality(
             as a dense matrix, the same function up to float rounding and the fastest on CPU;
             ``"tensor"`` — through the ArmorTensor weights.
         log: called with one line of text after each phase (e.g. ``print``).
+        finished: rows already done, by label (an earlier, interrupted run): kept, not recomputed.
+        on_row: called with each row as soon as it is done.
+        armor_run_dir: the run directory of an ARMOR row, from its label (finished layers are kept
+            there, so an interrupted row resumes); default none.
 
     Example::
 
@@ -238,6 +245,10 @@ def run_quality(
                         label += f" #{list(armor_configs).index(cfg) + 1}"
                     if method != "dense" and len(modes(method)) > 1:
                         label += " sequential" if seq else " one-shot"
+                    if label in finished:
+                        rows.append(finished[label])
+                        say(f"{label}: ppl {finished[label].ppl:.3f} (kept from an earlier run)")
+                        continue
                     report, prune_s, settings = None, 0.0, ""
                     if method != "dense":
                         if method == "armor":
@@ -246,8 +257,10 @@ def run_quality(
                         elif method == "sparsegpt":
                             settings = f"block {cfg.block_size}, damp {cfg.damp:g}"
                         t = time.perf_counter()
+                        store = armor_run_dir(label) if method == "armor" and armor_run_dir else None
                         report = prune_model(net, calib_ids, method, cfg, sequential=seq, layers=names,
-                                             batch_size=max(1, batch_size // 2), progress=progress)
+                                             batch_size=max(1, batch_size // 2), progress=progress,
+                                             run_dir=store)
                         prune_s = time.perf_counter() - t
                         settings = ", ".join(s for s in (settings, "sequential" if seq else "one-shot") if s)
                     if method == "armor" and armor_eval == "materialized":
@@ -265,6 +278,8 @@ def run_quality(
                     timings[f"{label}: prune"] = prune_s
                     timings[f"{label}: eval"] = eval_s
                     say(f"{row.name}: ppl {ppl:.3f} (prune {prune_s:.1f} s, eval {eval_s:.1f} s)")
+                    if on_row is not None:
+                        on_row(row)
     finally:
         _restore(net, dense)
     timings["total"] = time.perf_counter() - t0
