@@ -107,4 +107,13 @@ def test_long_stage_prints_a_line_every_interval(monkeypatch):
         pass
     lines = stream.getvalue().splitlines()
     assert [re.sub(r"[\d.]+ s$", "T", line) for line in lines] == [
-        "stage: 1/3 block, T", "stage: 2/3 block, T", "stage: 3/3 block, T", "stage: 3/3 block in T"]
+        "stage: 1/3 block, T", "stage: 2/3 block, T", "stage: 3/3 block in T"]
+
+
+def test_a_stage_left_early_says_where_it_stopped():
+    stream = io.StringIO()
+    for index in progress_module.tqdm(range(5), desc="stage", unit="block", file=stream):
+        if index == 2:
+            break
+    stream_text = stream.getvalue()
+    assert re.fullmatch(r"stage: stopped at 2/5 block after [\d.]+ s\n", stream_text), stream_text

@@ -74,7 +74,8 @@ class _LogLine(_tqdm):
 
     def _maybe_line(self) -> None:
         now = time.perf_counter()
-        if now - self._last_line >= LOG_EVERY_S and not self._done:
+        finished = self._total is not None and self._count >= self._total  # the summary line follows
+        if now - self._last_line >= LOG_EVERY_S and not self._done and not finished:
             self._last_line = now
             total = f"/{self._total}" if self._total is not None else ""
             print(f"{self._label}: {int(self._count)}{total} {self._unit}, {now - self._t0:.0f} s",
@@ -84,8 +85,13 @@ class _LogLine(_tqdm):
         if not self._done:
             self._done = True
             total = f"/{self._total}" if self._total is not None else ""
-            print(f"{self._label}: {int(self._count)}{total} {self._unit} in {time.perf_counter() - self._t0:.1f} s",
-                  file=self._stream, flush=True)
+            seconds = time.perf_counter() - self._t0
+            if self._total is not None and self._count < self._total:  # interrupted or failed
+                print(f"{self._label}: stopped at {int(self._count)}{total} {self._unit} after {seconds:.1f} s",
+                      file=self._stream, flush=True)
+            else:
+                print(f"{self._label}: {int(self._count)}{total} {self._unit} in {seconds:.1f} s",
+                      file=self._stream, flush=True)
         super().close()
 
 
