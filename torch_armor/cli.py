@@ -463,8 +463,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-#: minutes per row on 2 cores (prune + eval; full: the README's issue #11/#12 runs, quick: measured
-#: with `time ./dev.sh demo`), scaled by the windows asked for
+#: minutes per row on 2 cores (prune + eval; full: the README's issue #11/#12 runs; quick: the full
+#: row scaled by its 32 of 128 windows, ARMOR by its 10 of 30 sweeps -- to be replaced by an idle
+#: machine's `time ./dev.sh demo`), scaled by the windows asked for
 _DEMO_MINUTES = {
     "full": {"dense": 2.0, "magnitude": 6.0, "wanda": 20.0, "sparsegpt": 10.0, "nowag": 3.0, "armor": 11.0},
     "quick": {"dense": 0.5, "magnitude": 1.0, "wanda": 3.0, "sparsegpt": 2.0, "nowag": 1.0, "armor": 2.0},
