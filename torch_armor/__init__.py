@@ -32,84 +32,111 @@ The ``torch.ao.pruning`` protocol works on any model, with your own forward pass
 
 import importlib as _importlib
 import logging as _logging
+import os as _os
+import sys as _sys
 
 
-def _import_torchao_quietly() -> None:
-    # torchao logs a warning per CUDA/MX extension it cannot load on a CPU-only build, and
-    # torch warns about an Enum registration inside torchao: noise for our users. The
-    # transformers quantizer machinery (torch_armor.hf) imports more of torchao: same treatment.
-    noisy = [_logging.getLogger("torchao"), _logging.getLogger("torch.utils._pytree")]
-    levels = [lg.level for lg in noisy]
-    for lg in noisy:
-        lg.setLevel(_logging.ERROR)
-    try:
-        import torchao  # noqa: F401
-        import torchao.quantization  # noqa: F401  (here, inside the quiet window: see above)
+class _DropMessage(_logging.Filter):
+    """Drops the records of one logger whose message contains every one of ``fragments``."""
 
-        import transformers.quantizers.auto  # noqa: F401
+    def __init__(self, *fragments: str) -> None:
+        super().__init__()
+        self.fragments = fragments
 
-        # transformers imports these from its torchao integration; their Enum registrations
-        # warn once per process, so take that once here, quietly
-        for extra in ("torchao.prototype.mx_formats", "torchao.quantization.quantize_.common"):
-            try:
-                _importlib.import_module(extra)
-            except Exception:  # noqa: BLE001 - optional parts of torchao
-                pass
-    finally:
-        for lg, level in zip(noisy, levels):
-            lg.setLevel(level)
+    def filter(self, record: _logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not all(fragment in message for fragment in self.fragments)
 
 
-_import_torchao_quietly()
+def _quiet_known_noise() -> None:
+    # torchao logs a warning per CUDA/MX extension it cannot load on a CPU-only build, and torch
+    # warns that torchao registers Enum pytree constants: noise for our users, whenever torchao
+    # (or transformers, which imports it) is imported after torch_armor. Only these two messages,
+    # only from these two loggers; everything else they log still shows.
+    for logger, fragments in (("torchao", ("Failed to load ", "torchao", "_C_")),
+                              ("torch.utils._pytree", ("is an Enum subclass", "register_constant() on Enum"))):
+        target = _logging.getLogger(logger)
+        if not any(isinstance(f, _DropMessage) and f.fragments == fragments for f in target.filters):
+            target.addFilter(_DropMessage(*fragments))
 
-from torch_armor.core.config import AdamConfig, ArmorConfig, BcdConfig, ReconstructConfig, RefineConfig  # noqa: E402
-from torch_armor.core.factorize import factorize  # noqa: E402
-from torch_armor.core.factors import ArmorFactors  # noqa: E402
-from torch_armor.core.method_config import (BaselineConfig, MagnitudeConfig, NoWagConfig,  # noqa: E402
-                                            SparseGPTConfig, WandaConfig)
-from torch_armor.engine.methods import config_for_method, register_method  # noqa: E402
-from torch_armor.engine.options import PruneOptions  # noqa: E402
-from torch_armor.engine.prune import prune_model  # noqa: E402
-from torch_armor.engine.report import PruneReport  # noqa: E402
-from torch_armor.errors import RunMismatchError  # noqa: E402
-from torch_armor.sparsifier import ArmorSparsifier, PruningSparsifier  # noqa: E402
-from torch_armor.tensor.armor_tensor import ArmorTensor  # noqa: E402
-from torch_armor.tensor.quant import ArmorCoreConfig  # noqa: E402  (registers the torchao handler)
-from torch_armor.tensor.serialization import load_pretrained, save_pretrained  # noqa: E402
-from torch_armor.hf import attach_quantizer  # noqa: E402  (registers quant_method "armor" with transformers)
-from torch_armor.tensor.finetune import enable_finetuning, model_size  # noqa: E402
-from torch_armor.recipes.harness import evaluate  # noqa: E402  (lm-evaluation-harness: the eval extra)
 
-# What a user needs; the math and the plumbing stay importable from their subpackages
-# (torch_armor.core, .calibration, .tensor, .engine, .recipes).
-__all__ = [
-    "AdamConfig",
-    "ArmorConfig",
-    "ArmorCoreConfig",
-    "ArmorFactors",
-    "ArmorSparsifier",
-    "ArmorTensor",
-    "attach_quantizer",
-    "BaselineConfig",  # deprecated: the method's own config (SparseGPTConfig, …)
-    "BcdConfig",
-    "config_for_method",
-    "enable_finetuning",
-    "evaluate",
-    "factorize",
-    "load_pretrained",
-    "MagnitudeConfig",
-    "model_size",
-    "NoWagConfig",
-    "prune_model",
-    "PruneOptions",
-    "PruneReport",
-    "PruningSparsifier",
-    "ReconstructConfig",
-    "RefineConfig",
-    "register_method",
-    "RunMismatchError",
-    "save_pretrained",
-    "SparseGPTConfig",
-    "WandaConfig",
-]
+def _import_torchao() -> None:
+    import torchao  # noqa: F401
+    import torchao.quantization  # noqa: F401
+
+    import transformers.quantizers.auto  # noqa: F401
+
+    # transformers imports these from its torchao integration; import them now, while our
+    # filters are in place, so that they register once, quietly
+    for extra in ("torchao.prototype.mx_formats", "torchao.quantization.quantize_.common"):
+        try:
+            _importlib.import_module(extra)
+        except Exception:  # noqa: BLE001 - optional parts of torchao
+            pass
+
+
+# What a user needs, by the module that defines it; the math and the plumbing stay importable from
+# their subpackages (torch_armor.core, .calibration, .tensor, .engine, .recipes).
+_EXPORTS = {
+    "AdamConfig": "torch_armor.core.config",
+    "ArmorConfig": "torch_armor.core.config",
+    "ArmorCoreConfig": "torch_armor.tensor.quant",  # (registers the torchao handler)
+    "ArmorFactors": "torch_armor.core.factors",
+    "ArmorSparsifier": "torch_armor.sparsifier",
+    "ArmorTensor": "torch_armor.tensor.armor_tensor",
+    "attach_quantizer": "torch_armor.hf",  # (registers quant_method "armor" with transformers)
+    "BaselineConfig": "torch_armor.core.method_config",  # deprecated: the method's own config (SparseGPTConfig, …)
+    "BcdConfig": "torch_armor.core.config",
+    "config_for_method": "torch_armor.engine.methods",
+    "enable_finetuning": "torch_armor.tensor.finetune",
+    "evaluate": "torch_armor.recipes.harness",  # lm-evaluation-harness: the eval extra
+    "factorize": "torch_armor.core.factorize",
+    "load_pretrained": "torch_armor.tensor.serialization",
+    "MagnitudeConfig": "torch_armor.core.method_config",
+    "model_size": "torch_armor.tensor.finetune",
+    "NoWagConfig": "torch_armor.core.method_config",
+    "prune_model": "torch_armor.engine.prune",
+    "PruneOptions": "torch_armor.engine.options",
+    "PruneReport": "torch_armor.engine.report",
+    "PruningSparsifier": "torch_armor.sparsifier",
+    "ReconstructConfig": "torch_armor.core.config",
+    "RefineConfig": "torch_armor.core.config",
+    "register_method": "torch_armor.engine.methods",
+    "RunMismatchError": "torch_armor.errors",
+    "save_pretrained": "torch_armor.tensor.serialization",
+    "SparseGPTConfig": "torch_armor.core.method_config",
+    "WandaConfig": "torch_armor.core.method_config",
+}
+__all__ = list(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def _load() -> None:
+    """Import everything ``import torch_armor`` promises, registrations with torchao and
+    transformers included (idempotent)."""
+    if "prune_model" in globals():
+        return
+    _quiet_known_noise()
+    _import_torchao()
+    for name, module in _EXPORTS.items():
+        globals()[name] = getattr(_importlib.import_module(module), name)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        _load()
+        return globals()[name]
+    raise AttributeError(f"module 'torch_armor' has no attribute {name!r}")
+
+
+def _launched_as_cli() -> bool:
+    """``torch-armor …`` or ``python -m torch_armor …``: the CLI calls :func:`_load` for the
+    subcommands that need it, so that ``--help`` does not wait for torchao and transformers."""
+    if _os.path.basename(_sys.argv[0] if _sys.argv else "") == "torch-armor":
+        return True
+    argv = getattr(_sys, "orig_argv", [])
+    return "-m" in argv[:-1] and argv[argv.index("-m") + 1] == "torch_armor"
+
+
+if not _launched_as_cli():
+    _load()

@@ -27,13 +27,18 @@ from typing import BinaryIO, Callable, Union
 
 from torch_armor.errors import ArmorInputError
 
-__all__ = ["TMP_MARK", "atomic_write", "fsync_dir", "file_sha256", "temp_path"]
+__all__ = ["RUN_DIR_NAME", "TMP_MARK", "atomic_write", "fsync_dir", "file_sha256", "temp_path"]
 
 #: Marks the temporary files of :func:`atomic_write`: ``.<name>.tmp-<pid>``.
 TMP_MARK = ".tmp-"
 
 PathLike = Union[str, "os.PathLike[str]"]
 Writer = Callable[[BinaryIO], object]
+
+
+#: The run directory inside ``out`` when none is given: kept while pruning (a rerun resumes from
+#: it), removed after a successful save.
+RUN_DIR_NAME = "armor_run"
 
 
 def temp_path(path: PathLike) -> Path:

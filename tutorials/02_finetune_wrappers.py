@@ -30,14 +30,16 @@ from typing import Any, Dict, Optional, Sequence
 if importlib.util.find_spec("torch_armor") is None:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch
-from torch.func import functional_call
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-
+# torch_armor first: it keeps torchao's and torch's import-time warnings about CUDA-only
+# extensions (irrelevant on a CPU build) out of your output
 import torch_armor
 from torch_armor import ArmorConfig, ArmorTensor, BcdConfig, enable_finetuning, model_size, prune_model, PruneOptions
 from torch_armor.tensor.finetune import trainable_parts
 from torch_armor.tensor.packing import unpack_nm
+
+import torch  # noqa: E402
+from torch.func import functional_call  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 
 def build_model(seed: int = 0) -> LlamaForCausalLM:

@@ -51,6 +51,9 @@ def test_load_model_dispatch(monkeypatch, tmp_path):
     assert calls == [("tokenizer", str(tmp_path), {"gguf_file": "m.gguf"}),
                      ("model", str(tmp_path), {"gguf_file": "m.gguf", "dtype": torch.bfloat16})]
     calls.clear()
+    import torch_armor.recipes.models as models_module
+
+    monkeypatch.setattr(models_module, "_hub_reachable", lambda: True)  # as with network access
     load_model("org/some-model")
     assert calls[1] == ("model", "org/some-model", {"dtype": torch.float32})
 

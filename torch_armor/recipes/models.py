@@ -167,15 +167,45 @@ def load_model(
         if not Path(name).exists() and (Path(name).is_absolute() or name.startswith((".", "~"))):
             raise ArmorInputError(f"no such model directory: {name}")
         kwargs: Dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+        if not Path(name).exists() and not _hub_reachable():
+            kwargs["local_files_only"] = True  # the hub cache may still hold it; no retries either way
+        if gguf_file:
+            from torch_armor.errors import require_extra
+
+            require_extra("gguf", f"--gguf-file {gguf_file}")
         try:
             tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
             loaded = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype or torch.float32, **kwargs)
         except Exception as err:  # noqa: BLE001 - transformers raises many kinds
+            if kwargs.get("local_files_only"):
+                from torch_armor.errors import ArmorInputError
+
+                raise ArmorInputError(f"MODEL {name!r} is a Hugging Face hub id, but the hub cannot be reached "
+                                      "from here and its files are not in the local cache; download it on a "
+                                      "machine with network access and give its directory") from None
             where = "local directory" if Path(name).is_dir() else "Hugging Face hub id (needs network access)"
             raise ArmorInputError(f"cannot load {name!r} as a {where}: {err}") from err
     if device is not None:
         loaded = loaded.to(device)
     return loaded.eval(), tokenizer
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub's host answers a TCP connection (one try, no retries: the
+    hub client retries an unreachable host for about a minute, printing a line per try)."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return False
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    try:
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout):
+            return True
+    except OSError:
+        return False
 
 
 def load_tokenizer(path: Union[str, os.PathLike]) -> Any:

@@ -165,6 +165,9 @@ def run_quality(
     armor_eval: str = "materialized",
     progress: bool = True,
     log: Optional[Callable[[str], None]] = None,
+    finished: Mapping[str, QualityRow] = {},
+    on_row: Optional[Callable[[QualityRow], None]] = None,
+    armor_run_dir: Optional[Callable[[str], Any]] = None,
 ) -> QualityResult:
     """The quality protocol: prune with every method (each from the dense weights), measure perplexity.
 
@@ -186,6 +189,10 @@ def run_quality(
             as a dense matrix, the same function up to float rounding and the fastest on CPU;
             ``"tensor"`` — through the ArmorTensor weights.
         log: called with one line of text after each phase (e.g. ``print``).
+        finished: rows already done, by label (an earlier, interrupted run): kept, not recomputed.
+        on_row: called with each row as soon as it is done.
+        armor_run_dir: the run directory of an ARMOR row, from its label (finished layers are kept
+            there, so an interrupted row resumes); default none.
 
     Example::
 
@@ -239,12 +246,17 @@ def run_quality(
                         label += f" #{k + 1}"
                     if pruned and len(modes(name)) > 1:
                         label += " sequential" if seq else " one-shot"
+                    if label in finished:
+                        rows.append(finished[label])
+                        say(f"{label}: ppl {finished[label].ppl:.3f} (kept from an earlier run)")
+                        continue
                     report, prune_s, settings = None, 0.0, ""
                     if pruned:
                         settings = method_for(cfg).describe(cfg)
                         t = time.perf_counter()
+                        store = armor_run_dir(label) if armor_run_dir and method_for(cfg).factorizes else None
                         report = prune_model(net, calib_ids, cfg, layers=names, options=PruneOptions(
-                            sequential=seq, batch_size=max(1, batch_size // 2), progress=progress))
+                            sequential=seq, batch_size=max(1, batch_size // 2), progress=progress, run_dir=store))
                         prune_s = time.perf_counter() - t
                         settings = ", ".join(s for s in (settings, "sequential" if seq else "one-shot") if s)
                     if armor_eval == "materialized":
@@ -262,6 +274,8 @@ def run_quality(
                     timings[f"{label}: prune"] = prune_s
                     timings[f"{label}: eval"] = eval_s
                     say(f"{row.name}: ppl {ppl:.3f} (prune {prune_s:.1f} s, eval {eval_s:.1f} s)")
+                    if on_row is not None:
+                        on_row(row)
     finally:
         _restore(net, dense)
     timings["total"] = time.perf_counter() - t0

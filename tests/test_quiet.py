@@ -1,0 +1,119 @@
+"""Quiet by default: what reaches stderr is what the user asked for (one line per stage when it is
+not a terminal), whatever the import order; ``--help`` needs neither torchao nor transformers."""
+
+from __future__ import annotations
+
+import io
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import torch_armor.progress as progress_module
+from _tiny_dir import save_tiny_model
+from torch_armor.cli import main
+from torch_armor.sparsifier import ArmorSparsifier
+
+ROOT = Path(__file__).resolve().parents[1]
+NOISE = re.compile(r"torchao|_pytree|register_constant|Failed to load")
+
+
+def _python(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=600, **kwargs)
+
+
+def _lines(text: str) -> list:
+    """Lines as a log file shows them, a carriage-return refresh counted as a line of its own."""
+    return [line for line in re.split(r"[\r\n]", text) if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.mark.parametrize("launch", [["-m", "torch_armor", "--help"], ["-m", "torch_armor", "prune", "--help"],
+                                    ["-c", "import sys; sys.argv = ['torch-armor', '--help']; "
+                                           "from torch_armor.cli import main; sys.exit(main())"]])
+def test_cli_help_imports_neither_torchao_nor_transformers(launch):
+    proc = _python("-X", "importtime", *launch)
+    assert proc.returncode == 0 and "usage: torch-armor" in proc.stdout, proc.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    heavy = sorted(m for m in imported if m.split(".")[0] in ("torchao", "transformers"))
+    assert not heavy and "torch_armor.cli" in imported, heavy[:10]
+
+
+def test_import_outside_the_cli_loads_everything():
+    proc = _python("-c", "import sys, torch_armor; from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING; "
+                         "print('armor' in AUTO_QUANTIZER_MAPPING, 'torchao' in sys.modules)")
+    assert proc.stdout.split() == ["True", "True"] and not NOISE.search(proc.stderr), proc.stderr
+
+
+@pytest.mark.parametrize("first", ["import transformers", "from transformers import AutoModelForCausalLM",
+                                   "import torch"])
+def test_import_orders_print_nothing(first):
+    # transformers imported first, then torch_armor, then a model class: transformers' import of
+    # torchao happens inside torch_armor's import, so its warnings are filtered
+    proc = _python("-c", f"{first}; import torch_armor; from transformers import LlamaForCausalLM; import torchao")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+
+def test_piped_cli_prune_prints_few_lines(tmp_path, tiny_dir):
+    proc = _python("-m", "torch_armor", "prune", str(tiny_dir), "--out", str(tmp_path / "out"),
+                   "--calib", str(tiny_dir.parent / "text.txt"), "--n-calib", "4", "--seq-len", "32",
+                   "--iters", "2", "--reconstruct-steps", "1")
+    lines = _lines(proc.stderr)
+    assert proc.returncode == 0, proc.stderr
+    assert len(lines) <= 10 and not [line for line in lines if NOISE.search(line)], lines
+
+
+def test_piped_tutorial_prints_few_lines():
+    proc = _python(str(ROOT / "tutorials" / "02_finetune_wrappers.py"), "--steps", "2")
+    lines = _lines(proc.stderr)
+    assert proc.returncode == 0, proc.stderr
+    assert len(lines) <= 10 and not [line for line in lines if NOISE.search(line)], lines
+
+
+def test_offline_hub_id_fails_in_one_line(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty cache
+    code = main(["eval", "nobody-here/no-such-model", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(_lines(err)) == 1 and "cannot be reached" in err, err
+
+
+def test_sparsifier_bar_is_one_line_per_stage_in_a_log(capsys):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    sparsifier = ArmorSparsifier(block_size=8, num_iters=1, progress=True)
+    sparsifier.prepare(model, [{"tensor_fqn": "0.weight"}, {"tensor_fqn": "2.weight"}])
+    model(torch.randn(64, 32))
+    sparsifier.convert(model)
+    err = capsys.readouterr().err  # captured: not a terminal
+    assert "\r" not in err
+    assert [line for line in err.splitlines() if line.startswith("ArmorSparsifier")] == [
+        line for line in err.splitlines() if re.fullmatch(r"ArmorSparsifier: 2/2 layer in [\d.]+ s", line)]
+    assert len(err.splitlines()) == 1, err
+
+
+def test_long_stage_prints_a_line_every_interval(monkeypatch):
+    monkeypatch.setattr(progress_module, "LOG_EVERY_S", 0.0)  # every step is "after the interval"
+    stream = io.StringIO()
+    for _ in progress_module.tqdm(range(3), desc="stage", unit="block", file=stream):
+        pass
+    lines = stream.getvalue().splitlines()
+    assert [re.sub(r"[\d.]+ s$", "T", line) for line in lines] == [
+        "stage: 1/3 block, T", "stage: 2/3 block, T", "stage: 3/3 block in T"]
+
+
+def test_a_stage_left_early_says_where_it_stopped():
+    stream = io.StringIO()
+    for index in progress_module.tqdm(range(5), desc="stage", unit="block", file=stream):
+        if index == 2:
+            break
+    stream_text = stream.getvalue()
+    assert re.fullmatch(r"stage: stopped at 2/5 block after [\d.]+ s\n", stream_text), stream_text
