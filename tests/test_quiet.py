@@ -16,6 +16,7 @@ from torch import nn
 import torch_armor.progress as progress_module
 from _tiny_dir import save_tiny_model
 from torch_armor.cli import main
+from torch_armor.core.config import ArmorConfig, BcdConfig
 from torch_armor.sparsifier import ArmorSparsifier
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,7 +90,7 @@ def test_offline_hub_id_fails_in_one_line(capsys, monkeypatch, tmp_path):
 def test_sparsifier_bar_is_one_line_per_stage_in_a_log(capsys):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
-    sparsifier = ArmorSparsifier(block_size=8, num_iters=1, progress=True)
+    sparsifier = ArmorSparsifier(ArmorConfig(block_size=8, optimizer=BcdConfig(iters=1)), progress=True)
     sparsifier.prepare(model, [{"tensor_fqn": "0.weight"}, {"tensor_fqn": "2.weight"}])
     model(torch.randn(64, 32))
     sparsifier.convert(model)
