@@ -24,10 +24,12 @@ Errors: a bad argument, model, file or a failed write prints one line
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -276,12 +278,15 @@ def _check_out(out: Path, overwrite: bool, allowed: Sequence[str] = ()) -> None:
 
 def _cmd_prune(args: argparse.Namespace) -> int:
     from torch_armor.engine.distributed import init_distributed
+    from torch_armor.engine.lock import run_lock
+    from torch_armor.engine.paths import check_prune_paths, mark_run_target, model_source_dirs, resumes_into
 
     out = Path(args.out)
     run_dir = Path(args.run_dir) if args.run_dir else out / RUN_DIR_NAME
     if args.method != "armor" and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         raise ValueError(f"only --method armor runs on several ranks; run {args.method} without torchrun")
-    _check_out(out, args.overwrite, allowed=(RUN_DIR_NAME,) if not args.run_dir else ())
+    check_prune_paths(model_source_dirs(args.model), out=out, run_dir=args.run_dir, out_flag="--out")
+    _check_out(out, args.overwrite or resumes_into(run_dir, out), allowed=(RUN_DIR_NAME,) if not args.run_dir else ())
     from torch_armor.recipes.models import check_model_source
 
     if check_model_source(args.model, args.gguf_file) == "armor":
@@ -289,7 +294,9 @@ def _cmd_prune(args: argparse.Namespace) -> int:
                          "prune the original dense checkpoint instead")
     topo = init_distributed(device=args.device)
     try:
-        return _prune(args, out, run_dir, topo)
+        with run_lock(run_dir) if topo.rank == 0 else contextlib.nullcontext():
+            mark_run_target(run_dir, out)
+            return _prune(args, out, run_dir, topo)
     finally:
         if topo.initialized_here:
             import torch.distributed as dist
@@ -406,26 +413,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         >>> main(["prune", "smollm2", "--out", "runs/x", "--layers", "0-1"])   # doctest: +SKIP
         0
     """
-    from torch_armor.errors import CLEAR_ERRORS, debug_enabled
-
     parser = build_parser()
     argv = list(argv) if argv is not None else sys.argv[1:]
     args = parser.parse_args(argv)
     args.argv = argv
     commands = {"prune": _cmd_prune, "eval": _cmd_eval, "demo": _cmd_demo}
+    from torch_armor.engine.interrupt import interrupted_line, terminate_as_interrupt
+
+    with terminate_as_interrupt():
+        return _run(args, commands[args.command], interrupted_line)
+
+
+def _run(args: argparse.Namespace, command, interrupted_line) -> int:
+    from torch_armor.errors import CLEAR_ERRORS, debug_enabled
+
     if args.debug or debug_enabled():
         _check_device(getattr(args, "device", None))
-        return commands[args.command](args)
+        return command(args)
     try:
         _check_device(getattr(args, "device", None))
-        return commands[args.command](args)
+        return command(args)
     except CLEAR_ERRORS as err:
         print(f"torch-armor {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"torch-armor {args.command}: interrupted; finished layers are kept in the run directory, "
-              "rerun the same command to resume", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:
+        print(f"torch-armor {args.command}: {interrupted_line(err)}", file=sys.stderr)
+        return 128 + getattr(err, "signum", signal.SIGINT)
     except Exception as err:  # noqa: BLE001 - anything else is a bug: one line, no traceback
         print(f"torch-armor {args.command}: internal error: {type(err).__name__}: {_one_line(err)} "
               "(rerun with --debug for the traceback, and please report it)", file=sys.stderr)

@@ -36,6 +36,13 @@ from torch import nn
 
 from torch_armor._io import atomic_write
 from torch_armor.tensor.armor_tensor import QUANTIZED, ArmorTensor
+from torch_armor.tensor.file_checks import (
+    check_checkpoint_files,
+    check_layer_entries,
+    check_load_target,
+    refuse_meta_device_map,
+    refuse_missing_keys,
+)
 from torch_armor.tensor.flatten import (
     FORMAT_VERSION,
     _DTYPES,
@@ -81,6 +88,7 @@ class ArmorQuantizationConfig(QuantizationConfigMixin):
     def __init__(self, layers: Optional[Dict[str, Any]] = None, buffers: Optional[Dict[str, str]] = None,
                  pattern: Optional[str] = None, format_version: int = FORMAT_VERSION, **kwargs: Any) -> None:
         self.quant_method = QUANT_METHOD
+        check_layer_entries(layers, buffers)  # before transformers builds anything from them
         self.format_version = int(format_version)
         self.layers = dict(layers or {})
         self.buffers = dict(buffers or {})
@@ -181,6 +189,7 @@ def from_pretrained(path: Path, device: Optional[Union[str, torch.device]], stor
     """``from_pretrained`` of the class named in ``config.json`` (a causal LM by default), in its saved dtype."""
     import transformers
 
+    check_load_target(path, device)  # files, quantization_config and device checked before transformers reads them
     config = transformers.AutoConfig.from_pretrained(str(path))
     archs = getattr(config, "architectures", None) or []
     cls = getattr(transformers, archs[0], None) if archs else None
@@ -188,7 +197,9 @@ def from_pretrained(path: Path, device: Optional[Union[str, torch.device]], stor
     kwargs: Dict[str, Any] = {"dtype": "auto"}
     if device is not None:
         kwargs["device_map"] = str(torch.device(device))
-    model = cls.from_pretrained(str(path), **kwargs).eval()
+    model, info = cls.from_pretrained(str(path), output_loading_info=True, **kwargs)
+    refuse_missing_keys(path, info)
+    model.eval()
     if storage is not None:
         for module in model.modules():
             w = module._parameters.get("weight")
@@ -261,9 +272,12 @@ class ArmorHfQuantizer(HfQuantizer):
         device_map = kwargs.get("device_map")
         if isinstance(device_map, dict) and "disk" in device_map.values():
             raise ValueError("ARMOR checkpoints cannot be offloaded to disk; use a device_map without 'disk'")
+        refuse_meta_device_map(device_map)
 
     def _process_model_before_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
         """Swap each converted layer's (meta) weight for an ArmorTensor of the saved parts' shapes."""
+        check_checkpoint_files(kwargs.get("checkpoint_files"), self.quantization_config.layers,
+                               self.quantization_config.buffers)  # before transformers converts anything
         for fqn, layer in self.quantization_config.layers.items():
             module_path, _, pname = fqn.rpartition(".")
             try:

@@ -35,6 +35,8 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
+from torch_armor.tensor.file_checks import check_weight_files
+
 __all__ = ["LazyCheckpoint"]
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -92,6 +94,7 @@ class LazyCheckpoint:
             raise ValueError(f"checkpoint directory {d} does not exist; pass a local folder with config.json and *.safetensors")
         if not (d / "config.json").is_file():
             raise ValueError(f"{d / 'config.json'} is missing; the checkpoint folder needs the model's config.json")
+        check_weight_files(d)  # plain shard names inside d, every header checked, before safetensors opens one
         self._files = self._find_files(d)  # file name -> list of keys
         self._where: dict[str, str] = {}
         index = d / INDEX_NAME

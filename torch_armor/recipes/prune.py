@@ -18,6 +18,7 @@ Example (a tiny random model; pruned in place)::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -30,10 +31,15 @@ from torch import nn
 from torch_armor.calibration.blocks import decoder_blocks
 from torch_armor.config import ArmorConfig
 from torch_armor.engine.blocks import BLOCKS_DIR, BlockPipeline
+from torch_armor.calibration.validate import check_token_ids, vocab_size_of
 from torch_armor.engine.identity import hash_calibration, hash_model, hash_tensors, identity_string
 from torch_armor.engine.report import PruneReport
 from torch_armor.engine.runner import layer_config, method_config
+from torch_armor.engine.interrupt import interrupted_message
+from torch_armor.engine.lock import run_lock
+from torch_armor.engine.paths import check_prune_paths, model_source_dirs
 from torch_armor.engine.runstore import RunStore
+from torch_armor.engine.shard_files import staged_block_shards
 
 __all__ = ["prune_model", "calibration_batches"]
 
@@ -233,6 +239,7 @@ def prune_model(
     from torch_armor.engine.distributed import init_distributed
 
     cfg = method_config(method, config, pattern)
+    check_prune_paths(model_source_dirs(model_or_path), out=out, run_dir=run_dir, hidden_dir=hidden_dir)
     batches = calibration_batches(calibration, batch_size)
     streamed = not isinstance(model_or_path, nn.Module)
     if streamed:
@@ -257,6 +264,7 @@ def prune_model(
         names = list(layers)
     if not names:
         raise ValueError("no layers to prune")
+    check_token_ids(batches, vocab_size_of(model))
     for name in names:  # every layer checked before any is pruned: a failed call leaves the model untouched
         weight = model.get_submodule(name).weight
         if not streamed and weight.device.type == "meta":
@@ -278,41 +286,45 @@ def prune_model(
                          "through it")
     temp_run = streamed and run_dir is None
     run_path = Path(run_dir) if run_dir is not None else (Path(out) / ".armor_run" if temp_run else None)
-    store = None
-    identity = ""
-    if run_path is not None:
-        calib_hash = _hash_batches(batches)
-        identity = identity_string(model=source.content_hash(), calibration=calib_hash, method=method,
-                                   sequential=sequential, layers=names, hidden_dtype=hidden_dtype)
-        if method == "armor":
-            store = RunStore(run_path, cfg, identity, calib_hash, rank=topo.rank)
-            finished = len(store.finished(names))
-            if finished:
-                (log or logger.info)(f"resuming {run_path}: {finished} of {len(names)} layers already finished")
-    writer = _ShardWriter(run_path / BLOCKS_DIR) if streamed else None
-    pipeline = BlockPipeline(
-        source=source, blocks_prefix=blocks_prefix, blocks=blocks, names=names, method=method, config=cfg,
-        sequential=sequential, store=store, identity=identity, device=dev, hidden_dtype=hidden_dtype,
-        hidden_dir=Path(hidden_dir) if hidden_dir is not None else None,
-        storage=storage or ("auto" if dev.type == "cuda" else "dense"), progress=progress and topo.rank == 0,
-        write_block=writer.write if writer else None, block_done=writer.done if writer else None,
-        rank=topo.rank, world_size=topo.world_size,
-    )
-    report = pipeline.run(batches)
-    report.settings.update(sequential=sequential)
-    if not streamed:
-        from torch_armor.hf import attach_quantizer
+    with run_lock(run_path) if run_path is not None and topo.rank == 0 else contextlib.nullcontext():
+        try:
+            store = None
+            identity = ""
+            if run_path is not None:
+                calib_hash = _hash_batches(batches)
+                identity = identity_string(model=source.content_hash(), calibration=calib_hash, method=method,
+                                           sequential=sequential, layers=names, hidden_dtype=hidden_dtype)
+                if method == "armor":
+                    store = RunStore(run_path, cfg, identity, calib_hash, rank=topo.rank)
+                    finished = len(store.finished(names))
+                    if finished:
+                        (log or logger.info)(f"resuming {run_path}: {finished} of {len(names)} layers already finished")
+            writer = _ShardWriter(run_path / BLOCKS_DIR) if streamed else None
+            pipeline = BlockPipeline(
+                source=source, blocks_prefix=blocks_prefix, blocks=blocks, names=names, method=method, config=cfg,
+                sequential=sequential, store=store, identity=identity, device=dev, hidden_dtype=hidden_dtype,
+                hidden_dir=Path(hidden_dir) if hidden_dir is not None else None,
+                storage=storage or ("auto" if dev.type == "cuda" else "dense"), progress=progress and topo.rank == 0,
+                write_block=writer.write if writer else None, block_done=writer.done if writer else None,
+                rank=topo.rank, world_size=topo.world_size,
+            )
+            report = pipeline.run(batches)
+            report.settings.update(sequential=sequential)
+            if not streamed:
+                from torch_armor.hf import attach_quantizer
 
-        attach_quantizer(model)  # model.save_pretrained now writes the ARMOR format
-    if topo.rank == 0 and out is not None:
-        if streamed:
-            writer.finish(source.checkpoint, blocks_prefix, Path(out))
-        else:
-            from torch_armor.tensor.serialization import save_pretrained
+                attach_quantizer(model)  # model.save_pretrained now writes the ARMOR format
+            if topo.rank == 0 and out is not None:
+                if streamed:
+                    writer.finish(source.checkpoint, blocks_prefix, Path(out))
+                else:
+                    from torch_armor.tensor.serialization import save_pretrained
 
-            save_pretrained(model, out)
-        if temp_run:
-            shutil.rmtree(run_path, ignore_errors=True)
+                    save_pretrained(model, out)
+                if temp_run:
+                    shutil.rmtree(run_path, ignore_errors=True)
+        except KeyboardInterrupt as err:
+            raise interrupted_message(err, run_path, len(blocks)) from None
     return report
 
 
@@ -356,7 +368,7 @@ class _ShardWriter:
         for j, keys in enumerate(_group_keys(rest_keys, checkpoint.nbytes, REST_SHARD_BYTES)):
             rest.append(self.directory / f"rest-{j:05d}.safetensors")
             save_shard(rest[-1], checkpoint.read_tensors(keys))
-        shards = sorted(self.directory.glob("block-*.safetensors")) + rest
+        shards = staged_block_shards(self.directory, len(checkpoint.model.get_submodule(blocks_prefix))) + rest
         model = checkpoint.model
         assemble_checkpoint(out, shards, hf_config=getattr(model, "config", None),
                             model_class=f"{type(model).__module__}.{type(model).__qualname__}")

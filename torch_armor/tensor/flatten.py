@@ -28,6 +28,7 @@ from torch import nn
 from torch_armor.config import parse_pattern
 from torch_armor.tensor.packing import index_bits, pack_nm, unpack_nm
 from torch_armor.tensor.armor_tensor import QUANTIZED, STORAGES, ArmorTensor
+from torch_armor.tensor.file_checks import check_layer_values
 
 __all__ = [
     "part_key",
@@ -183,6 +184,7 @@ def _unflatten_quantized(fqn: str, layer: Dict[str, Any], tensors: Dict[str, tor
 
 def _build_layer(fqn: str, layer: Dict[str, Any], tensors: Dict[str, torch.Tensor]) -> ArmorTensor:
     """The ArmorTensor of one (validated) layer entry, from its stored parts (keys ``"{fqn}.{inner}"``)."""
+    check_layer_values(fqn, layer["pattern"], {k[len(fqn) + 1:] or "a_blocks": tensors[k] for k in _layer_keys(fqn, layer)})
     if layer["storage"] == QUANTIZED:
         return _unflatten_quantized(fqn, layer, tensors)
     inner = {name: tensors[part_key(fqn, name)] for name in _inner_names(layer["storage"])}
@@ -540,7 +542,8 @@ def unflatten_armor_state(
         target = storage or layer["runtime_storage"]
         if w.storage == QUANTIZED:
             target = QUANTIZED  # a quantized core stays quantized (the `storage` argument does not apply)
-        if target == "semi_structured" and not (w.device.type == "cuda" and w.dtype in (torch.float16, torch.bfloat16)):
+        if storage is None and target == "semi_structured" and not (  # as saved: portable; asked for: checked
+                w.device.type == "cuda" and w.dtype in (torch.float16, torch.bfloat16)):
             target = "compact"
         if target != w.storage:
             w = w.with_storage(target)
