@@ -547,7 +547,7 @@ def main() -> int:
     rows = []
     only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
     for group, name, run, names in CASES:
-        if only is not None and not group.startswith(only):
+        if only is not None and not (group.startswith(only) or only in name):
             continue
         outcome, detail = classify(run, names)
         rows.append((group, name, outcome, detail))

@@ -12,7 +12,7 @@ Example::
     ...     try:
     ...         check_prune_paths(inputs=[d], out=d)
     ...     except ValueError as err:
-    ...         print(str(err).split(":")[0])
+    ...         print(str(err).split()[0])
     out
 """
 
