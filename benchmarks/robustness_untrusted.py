@@ -77,10 +77,9 @@ def _dense_dir(shards: bool = False) -> Path:
 
 
 def _edit_qc(d: Path, fn) -> Path:
-    cfg = json.loads((d / "config.json").read_text())
-    fn(cfg["quantization_config"])
-    (d / "config.json").write_text(json.dumps(cfg))
-    return d
+    from _helpers import edit_checkpoint  # tests/_helpers.py
+
+    return edit_checkpoint(d, quantization_config=fn)
 
 
 def _first(q: dict) -> str:
@@ -88,16 +87,9 @@ def _first(q: dict) -> str:
 
 
 def _edit_tensors(d: Path, fn) -> Path:
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+    from _helpers import edit_checkpoint  # tests/_helpers.py
 
-    path = d / "model.safetensors"
-    with safe_open(str(path), framework="pt") as fh:
-        meta = fh.metadata()
-        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
-    fn(tensors)
-    save_file(tensors, path, metadata=meta)
-    return d
+    return edit_checkpoint(d, tensors=fn)
 
 
 def _load_checked(d: Path, **kwargs):

@@ -5,15 +5,13 @@ from __future__ import annotations
 import json
 import pickle
 import struct
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from conftest import make_tiny_llama
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.file_checks import check_layer_values, check_shard_name, read_safetensors_header
 

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
+from _helpers import edit_checkpoint
 from conftest import make_tiny_llama
 from torch_armor import ArmorConfig, load_pretrained, prune_model
 from torch_armor.errors import ArmorInputError
@@ -37,18 +35,11 @@ def _copy(src: Path, dst: Path) -> Path:
 
 
 def _edit_config(d: Path, fn) -> None:
-    cfg = json.loads((d / "config.json").read_text())
-    fn(cfg["quantization_config"])
-    (d / "config.json").write_text(json.dumps(cfg))
+    edit_checkpoint(d, quantization_config=fn)
 
 
 def _edit_tensors(d: Path, fn) -> None:
-    path = d / "model.safetensors"
-    with safe_open(str(path), framework="pt") as fh:
-        meta = fh.metadata()
-        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
-    fn(tensors)
-    save_file(tensors, path, metadata=meta)
+    edit_checkpoint(d, tensors=fn)
 
 
 def _first_layer(q: dict) -> str:
