@@ -553,7 +553,7 @@ def main() -> int:
         rows.append((group, name, outcome, detail))
     if "dir" in _TINY:
         shutil.rmtree(_TINY["dir"], ignore_errors=True)
-    from robustness_untrusted import cleanup
+    from robustness_fixtures import cleanup
 
     cleanup()
     import torch_armor
