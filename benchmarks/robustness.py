@@ -1,6 +1,8 @@
 """Robustness tally of issue #14: bad inputs and faults thrown at torch_armor, each outcome classified.
 
-    python benchmarks/robustness.py
+    python benchmarks/robustness.py                    # every case
+    python benchmarks/robustness.py --only i25          # issue #25's cases (groups "i25 …")
+    python benchmarks/robustness.py --code /path/to/old/checkout --only i25   # the same cases on other code
 
 Every case either returns a result that the case itself verifies ("correct": finite, pattern
 exact, loss ≤ NoWag-P, equal to a reference) or raises. A raise counts as a "clear error" when it
@@ -24,8 +26,11 @@ from pathlib import Path
 from typing import Callable, List, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# --code DIR: import torch_armor from another checkout (e.g. a worktree of an older commit) to
+# classify the same cases there; the tests' helpers still come from this checkout.
+CODE = Path(sys.argv[sys.argv.index("--code") + 1]).resolve() if "--code" in sys.argv else ROOT
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(CODE))
 
 import torch  # noqa: E402
 
@@ -44,6 +49,15 @@ def case(group: str, name: str, names: str = ""):
 
 class Wrong(AssertionError):
     """A case's own verification failed: a silent wrong result."""
+
+
+class DataLost(AssertionError):
+    """A case's own verification found an input or a finished result destroyed."""
+
+
+def check_kept(cond: bool, what: str) -> None:
+    if not cond:
+        raise DataLost(what)
 
 
 def check(cond: bool, what: str) -> None:
@@ -370,13 +384,19 @@ def _cli(argv) -> CliResult:
     return CliResult(code, err.getvalue())
 
 
-def cli_case(name: str, names: str):
+def cli_case(*group_and_name: str, names: str = ""):
+    """``@cli_case(name, names)`` (group "cli") or ``@cli_case(group, name, names)``."""
+    if len(group_and_name) == 3:
+        group, name, names = group_and_name
+    else:
+        (name, names), group = group_and_name, "cli"
+
     def wrap(fn):
         def run():
             res = fn()
             if isinstance(res, CliResult):
                 raise CliOutcome(res)
-        CASES.append(("cli", name, run, names))
+        CASES.append((group, name, run, names))
         return fn
     return wrap
 
@@ -492,6 +512,11 @@ def _same_twice():
 CASES.append(("cli", "the same prune twice: byte-identical files", _same_twice, ""))
 
 
+from robustness_untrusted import register as _register_issue25  # noqa: E402  (issue #25's cases)
+
+_register_issue25(case, cli_case, CliResult, _cli, check, check_kept, CODE)
+
+
 # ------------------------------------------------------------------------------------ runner
 def classify(run: Callable[[], object], names: str) -> Tuple[str, str]:
     try:
@@ -503,6 +528,8 @@ def classify(run: Callable[[], object], names: str) -> Tuple[str, str]:
         clear = (res.code == 2 and "Traceback" not in res.err and len(error_lines) == 1
                  and names.lower() in error_lines[0].lower())
         return ("clear error" if clear else "raw / internal"), (error_lines or lines or [f"exit {res.code}"])[-1]
+    except DataLost as err:
+        return "data loss", str(err)
     except Wrong as err:
         return "silent wrong", str(err)
     except (ValueError, ArmorError, OSError) as err:
@@ -519,21 +546,33 @@ def main() -> int:
     torch.set_num_threads(1)
     quiet_third_party_progress()
     rows = []
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
     for group, name, run, names in CASES:
+        if only is not None and not (group.startswith(only) or only in name):
+            continue
         outcome, detail = classify(run, names)
         rows.append((group, name, outcome, detail))
     if "dir" in _TINY:
         shutil.rmtree(_TINY["dir"], ignore_errors=True)
+    from robustness_fixtures import cleanup
+
+    cleanup()
+    import torch_armor
+
+    print(f"torch_armor imported from {Path(torch_armor.__file__).parent}")
+    print()
     print("| group | bad input or fault | outcome | answer |")
     print("|---|---|---|---|")
     for group, name, outcome, detail in rows:
         short = detail if len(detail) <= 110 else detail[:107] + "…"
         print(f"| {group} | {name} | {outcome} | {short.replace('|', '/')} |")
-    counts = {k: sum(r[2] == k for r in rows) for k in ("clear error", "correct result", "silent wrong", "raw / internal")}
+    kinds = ("clear error", "correct result", "silent wrong", "raw / internal", "data loss")
+    counts = {k: sum(r[2] == k for r in rows) for k in kinds}
     print()
     print(f"tried {len(rows)}: {counts['clear error']} clear errors, {counts['correct result']} correct results, "
-          f"{counts['silent wrong']} silent wrong, {counts['raw / internal']} raw / internal errors")
-    return 0 if counts["silent wrong"] == counts["raw / internal"] == 0 else 1
+          f"{counts['silent wrong']} silent wrong, {counts['raw / internal']} raw / internal errors, "
+          f"{counts['data loss']} data loss")
+    return 0 if counts["silent wrong"] == counts["raw / internal"] == counts["data loss"] == 0 else 1
 
 
 if __name__ == "__main__":

@@ -72,3 +72,28 @@ def random_pattern_factors(
     a = torch.randn(d_out // d_b, d_b, d_b, generator=gen) / d_b**0.5
     b = torch.randn(d_in // d_b, d_b, d_b, generator=gen) / d_b**0.5
     return ArmorFactors(a.to(dtype), core.to(dtype), b.to(dtype), mask, pattern)
+
+
+def edit_checkpoint(directory, tensors=None, quantization_config=None):
+    """Edit a saved Hugging Face-format directory in place: ``tensors(dict)`` changes the tensors of
+    ``model.safetensors`` (header metadata kept), ``quantization_config(dict)`` the ARMOR entry of
+    ``config.json``. Returns the directory (crafted checkpoints for the robustness checks)."""
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    d = Path(directory)
+    if tensors is not None:
+        path = d / "model.safetensors"
+        with safe_open(str(path), framework="pt") as fh:
+            meta = fh.metadata()
+            parts = {k: fh.get_tensor(k) for k in fh.keys()}
+        tensors(parts)
+        save_file(parts, path, metadata=meta)
+    if quantization_config is not None:
+        cfg = json.loads((d / "config.json").read_text())
+        quantization_config(cfg["quantization_config"])
+        (d / "config.json").write_text(json.dumps(cfg))
+    return d

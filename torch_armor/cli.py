@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import json
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -485,20 +486,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     torch_armor.prune_model  # noqa: B018 - loads the package as `import torch_armor` does outside the CLI
     commands = {"prune": _cmd_prune, "eval": _cmd_eval, "demo": _cmd_demo}
+    from torch_armor.engine.interrupt import terminate_as_interrupt
+
+    with terminate_as_interrupt():  # SIGTERM ends like Ctrl-C: one line, files consistent
+        return _run(args, commands[args.command])
+
+
+def _run(args: argparse.Namespace, command) -> int:
+    from torch_armor.engine.interrupt import PruneInterrupted
     from torch_armor.engine.options import check_device
 
     if args.debug or debug_enabled():
         check_device(getattr(args, "device", None), "--device")
-        return commands[args.command](args)
+        return command(args)
     try:
         check_device(getattr(args, "device", None), "--device")
-        return commands[args.command](args)
+        return command(args)
     except CLEAR_ERRORS as err:
         print(f"torch-armor {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"torch-armor {args.command}: {_interrupted(args)}", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:
+        line = str(err) if isinstance(err, PruneInterrupted) else _interrupted(args)
+        print(f"torch-armor {args.command}: {line}", file=sys.stderr)
+        return 128 + getattr(err, "signum", signal.SIGINT)
     except Exception as err:  # noqa: BLE001 - anything else is a bug: one line, no traceback
         print(f"torch-armor {args.command}: internal error: {type(err).__name__}: {_one_line(err)} "
               "(rerun with --debug for the traceback, and please report it)", file=sys.stderr)

@@ -42,6 +42,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import QUANTIZED, ArmorTensor
+from torch_armor.tensor.file_checks import (check_checkpoint_files, check_layer_entries, refuse_meta_device_map)
 from torch_armor.tensor.finetune import trainable_parts
 from torch_armor.tensor.flatten import flatten_armor_state
 from torch_armor.tensor.hf_format import (QUANT_METHOD, attach_quantizer, load_hf_quantized,
@@ -72,6 +73,7 @@ class ArmorQuantizationConfig(QuantizationConfigMixin):
     def __init__(self, layers: Optional[Dict[str, Any]] = None, buffers: Optional[Dict[str, str]] = None,
                  pattern: Optional[str] = None, format_version: int = FORMAT_VERSION, **kwargs: Any) -> None:
         self.quant_method = QUANT_METHOD
+        check_layer_entries(layers, buffers)  # before transformers builds anything from them
         self.format_version = int(format_version)
         self.layers = dict(layers or {})
         self.buffers = dict(buffers or {})
@@ -167,9 +169,12 @@ class ArmorHfQuantizer(HfQuantizer):
         device_map = kwargs.get("device_map")
         if isinstance(device_map, dict) and "disk" in device_map.values():
             raise ArmorInputError("ARMOR checkpoints cannot be offloaded to disk; use a device_map without 'disk'")
+        refuse_meta_device_map(device_map)
 
     def _process_model_before_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
         """Swap each converted layer's (meta) weight for an ArmorTensor of the saved parts' shapes."""
+        check_checkpoint_files(kwargs.get("checkpoint_files"), self.quantization_config.layers,
+                               self.quantization_config.buffers)  # before transformers converts anything
         for fqn, layer in self.quantization_config.layers.items():
             module_path, _, pname = fqn.rpartition(".")
             try:

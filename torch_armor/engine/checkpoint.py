@@ -39,6 +39,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from torch_armor.calibration.blocks import decoder_blocks
 from torch_armor.errors import ArmorInputError
+from torch_armor.tensor.file_checks import check_weight_files
 
 __all__ = ["LazyCheckpoint"]
 
@@ -94,6 +95,7 @@ class LazyCheckpoint:
             raise ArmorInputError(f"checkpoint directory {d} does not exist; pass a local folder with config.json and *.safetensors")
         if not (d / "config.json").is_file():
             raise ArmorInputError(f"{d / 'config.json'} is missing; the checkpoint folder needs the model's config.json")
+        check_weight_files(d)  # plain shard names inside d, every header checked, before safetensors opens one
         self._files = self._find_files(d)  # file name -> list of keys
         self._where: dict[str, str] = {}
         index = d / INDEX_NAME

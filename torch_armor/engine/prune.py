@@ -29,19 +29,25 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional, Sequence, Tuple, Union
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from torch_armor.calibration.blocks import decoder_blocks
 from torch_armor.calibration.selection import LayerSelection, select_layers
+from torch_armor.calibration.validate import check_token_ids, vocab_size_of
 from torch_armor.core.config import ArmorConfig
 from torch_armor.engine.batches import calibration_batches, hash_batches
 from torch_armor.engine.blocks import BLOCKS_DIR, BlockPipeline
 from torch_armor.engine.distributed import init_distributed, launched_world_size
 from torch_armor.engine.identity import identity_string
+from torch_armor.engine.interrupt import interrupted_message
+from torch_armor.engine.lock import run_lock
 from torch_armor.engine.methods import method_for
 from torch_armor.engine.options import RUN_DIR_NAME, PathLike, PruneOptions, check_out
+from torch_armor.engine.paths import check_prune_paths, mark_run_target, model_source_dirs, resumes_into
 from torch_armor.engine.prune_compat import accept_legacy_call
 from torch_armor.engine.report import PruneReport
 from torch_armor.engine.runstore import RunStore
@@ -129,13 +135,17 @@ def prune_model(
         raise ArmorInputError("prune_model on a checkpoint directory streams it block by block and needs "
                               "PruneOptions(out=DIR) to write the pruned model")
     run_path, temp_run = _run_path(options)
+    check_prune_paths(model_source_dirs(model_or_path), out=out, run_dir=options.run_dir,
+                      hidden_dir=options.hidden_dir)  # inputs are never outputs, checked before any work
     if out is not None:
         inside = run_path is not None and run_path.parent.resolve() == out.resolve()
-        check_out(out, options.overwrite, allowed=(run_path.name,) if inside else ())
+        resuming = run_path is not None and resumes_into(run_path, out)
+        check_out(out, options.overwrite or resuming, allowed=(run_path.name,) if inside else ())
     source = Streamed(model_or_path, dtype=options.dtype) if streamed else InMemory(model_or_path)
     model = source.model
     blocks_prefix, blocks = decoder_blocks(model)
     names = select_layers(model, layers)
+    check_token_ids(batches, vocab_size_of(model))
     _check_layers(model, names, config, streamed)
     dev = torch.device(options.device) if options.device is not None else torch.device("cpu")
     if not streamed and options.device is None:
@@ -145,36 +155,44 @@ def prune_model(
         if topo.world_size > 1 and run_path is None:
             raise ArmorInputError(f"prune_model on {topo.world_size} ranks needs a run directory (PruneOptions(run_dir="
                                   "...) or out=...): the ranks share finished layers through it")
-        store, identity = None, ""
-        if run_path is not None and method.factorizes:
-            calib_hash = hash_batches(batches)
-            identity = identity_string(model=source.content_hash(), calibration=calib_hash, method=method.name,
-                                       sequential=options.sequential, layers=names, hidden_dtype=options.hidden_dtype)
-            store = RunStore(run_path, config, identity, calib_hash, rank=topo.rank)
-            finished = len(store.finished(names))
-            if finished and topo.rank == 0:
-                (options.log or logger.info)(f"resuming {run_path}: {finished} of {len(names)} layers already finished")
-        writer = ShardWriter(run_path / BLOCKS_DIR) if streamed else None
-        pipeline = BlockPipeline(
-            source=source, blocks_prefix=blocks_prefix, blocks=blocks, names=names, config=config,
-            sequential=options.sequential, store=store, identity=identity, device=dev,
-            hidden_dtype=options.hidden_dtype,
-            hidden_dir=Path(options.hidden_dir) if options.hidden_dir is not None else None,
-            storage=options.storage or ("auto" if dev.type == "cuda" else "dense"),
-            progress=options.progress and topo.rank == 0, sink=writer, rank=topo.rank, world_size=topo.world_size,
-        )
-        report = pipeline.run(batches)
-        report.settings.update(sequential=options.sequential)
-        if not streamed:
-            attach_quantizer(model)  # model.save_pretrained now writes the ARMOR format
-        if topo.rank == 0 and out is not None:
-            if streamed:
-                writer.finish(source, blocks_prefix, out)
-            else:
-                save_pretrained(model, out)
-            if temp_run:
-                shutil.rmtree(run_path, ignore_errors=True)
-        return report
+        # one process owns a run directory (a second one is refused, naming the holder's PID)
+        owned = run_lock(run_path) if run_path is not None and topo.rank == 0 else contextlib.nullcontext()
+        with owned:
+            try:
+                if run_path is not None and out is not None and topo.rank == 0:
+                    mark_run_target(run_path, out)
+                store, identity = None, ""
+                if run_path is not None and method.factorizes:
+                    calib_hash = hash_batches(batches)
+                    identity = identity_string(model=source.content_hash(), calibration=calib_hash, method=method.name,
+                                               sequential=options.sequential, layers=names, hidden_dtype=options.hidden_dtype)
+                    store = RunStore(run_path, config, identity, calib_hash, rank=topo.rank)
+                    finished = len(store.finished(names))
+                    if finished and topo.rank == 0:
+                        (options.log or logger.info)(f"resuming {run_path}: {finished} of {len(names)} layers already finished")
+                writer = ShardWriter(run_path / BLOCKS_DIR) if streamed else None
+                pipeline = BlockPipeline(
+                    source=source, blocks_prefix=blocks_prefix, blocks=blocks, names=names, config=config,
+                    sequential=options.sequential, store=store, identity=identity, device=dev,
+                    hidden_dtype=options.hidden_dtype,
+                    hidden_dir=Path(options.hidden_dir) if options.hidden_dir is not None else None,
+                    storage=options.storage or ("auto" if dev.type == "cuda" else "dense"),
+                    progress=options.progress and topo.rank == 0, sink=writer, rank=topo.rank, world_size=topo.world_size,
+                )
+                report = pipeline.run(batches)
+                report.settings.update(sequential=options.sequential)
+                if not streamed:
+                    attach_quantizer(model)  # model.save_pretrained now writes the ARMOR format
+                if topo.rank == 0 and out is not None:
+                    if streamed:
+                        writer.finish(source, blocks_prefix, out)
+                    else:
+                        save_pretrained(model, out)
+                    if temp_run:
+                        shutil.rmtree(run_path, ignore_errors=True)
+                return report
+            except KeyboardInterrupt as err:
+                raise interrupted_message(err, run_path, len(blocks)) from None
     finally:
         if topo.initialized_here:
             dist.destroy_process_group()

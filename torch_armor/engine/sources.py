@@ -24,6 +24,7 @@ from typing import Callable, List, Optional, Protocol, Sequence, Union, runtime_
 import torch
 from torch import nn
 
+from torch_armor.engine.shard_files import staged_block_shards
 from torch_armor.engine import memory
 from torch_armor.engine.checkpoint import LazyCheckpoint
 from torch_armor.engine.identity import hash_model
@@ -163,7 +164,8 @@ class ShardWriter:
         for j, keys in enumerate(group_keys(rest_keys, checkpoint.nbytes, REST_SHARD_BYTES)):
             rest.append(self.directory / f"rest-{j:05d}.safetensors")
             save_shard(rest[-1], checkpoint.read_tensors(keys))
-        shards = sorted(self.directory.glob("block-*.safetensors")) + rest
+        # every block index needs its own file: a missing one is an error, never a silently random block
+        shards = staged_block_shards(self.directory, len(checkpoint.model.get_submodule(blocks_prefix))) + rest
         model = checkpoint.model
         assemble_checkpoint(out, shards, hf_config=getattr(model, "config", None),
                             model_class=f"{type(model).__module__}.{type(model).__qualname__}")

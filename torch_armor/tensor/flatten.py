@@ -233,7 +233,8 @@ def unflatten_armor_state(
         target = storage or layer["runtime_storage"]
         if w.storage == QUANTIZED:
             target = QUANTIZED  # a quantized core stays quantized (the `storage` argument does not apply)
-        if target == "semi_structured" and not (w.device.type == "cuda" and w.dtype in (torch.float16, torch.bfloat16)):
+        if storage is None and target == "semi_structured" and not (  # as saved: portable; asked for: checked
+                w.device.type == "cuda" and w.dtype in (torch.float16, torch.bfloat16)):
             target = "compact"
         if target != w.storage:
             w = w.with_storage(target)

@@ -30,6 +30,7 @@ from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_
 from torch_armor._io import atomic_write
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import QUANTIZED, ArmorTensor
+from torch_armor.tensor.file_checks import check_load_target, refuse_missing_keys
 from torch_armor.tensor.flatten import flatten_armor_state
 from torch_armor.tensor.layout import FORMAT_VERSION, dtype_name
 
@@ -149,6 +150,7 @@ def load_hf_quantized(path: Path, device: Optional[Union[str, torch.device]], st
     """``from_pretrained`` of the class named in ``config.json`` (a causal LM by default), in its saved
     dtype, of a directory whose ``config.json`` has the ARMOR ``quantization_config``."""
     _registered()
+    check_load_target(path, device)  # files, quantization_config and device checked before transformers reads them
     config = transformers.AutoConfig.from_pretrained(str(path))
     archs = getattr(config, "architectures", None) or []
     cls = getattr(transformers, archs[0], None) if archs else None
@@ -156,7 +158,9 @@ def load_hf_quantized(path: Path, device: Optional[Union[str, torch.device]], st
     kwargs: Dict[str, Any] = {"dtype": "auto"}
     if device is not None:
         kwargs["device_map"] = str(torch.device(device))
-    model = cls.from_pretrained(str(path), **kwargs).eval()
+    model, info = cls.from_pretrained(str(path), output_loading_info=True, **kwargs)
+    refuse_missing_keys(path, info)  # a torch_armor directory never loads with randomly initialised weights
+    model.eval()
     if storage is not None:
         for module in model.modules():
             w = module._parameters.get("weight")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from torch_armor.tensor.armor_tensor import ArmorTensor, StorageKind, implements, implements_torch_function
+from torch_armor.tensor.file_checks import copy_mismatch
 
 aten = torch.ops.aten
 
@@ -64,10 +65,7 @@ def _(func, types, args, kwargs):
     names_src, _ = src.__tensor_flatten__()
     if (tuple(dst.shape) != tuple(src.shape) or names_dst != names_src or dst.pattern != src.pattern
             or dst.storage != src.storage or dst.block_size != src.block_size):
-        raise RuntimeError(
-            f"cannot copy {src!r} into {dst!r}: shapes, pattern, storage or block size differ; "
-            "use load_state_dict(..., assign=True) to replace the weight"
-        )
+        raise copy_mismatch(src, dst)
     for name in names_dst:
         getattr(dst, name).copy_(getattr(src, name))
     return dst

@@ -33,6 +33,7 @@ import torch
 from torch_armor.core.pattern import parse_pattern
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import QUANTIZED, STORAGES, ArmorTensor
+from torch_armor.tensor.file_checks import check_layer_values
 from torch_armor.tensor.packing import index_bits, pack_nm, unpack_nm
 from torch_armor.tensor.quant import quant_config_from_dict, quant_config_to_dict, quantized_core_template
 
@@ -192,6 +193,7 @@ def _unflatten_quantized(fqn: str, layer: Dict[str, Any], tensors: Dict[str, tor
 
 def build_layer(fqn: str, layer: Dict[str, Any], tensors: Dict[str, torch.Tensor]) -> ArmorTensor:
     """The ArmorTensor of one (validated) layer entry, from its stored parts (keys ``"{fqn}.{inner}"``)."""
+    check_layer_values(fqn, layer["pattern"], {k[len(fqn) + 1:] or "a_blocks": tensors[k] for k in layer_keys(fqn, layer)})
     if layer["storage"] == QUANTIZED:
         return _unflatten_quantized(fqn, layer, tensors)
     inner = {name: tensors[part_key(fqn, name)] for name in _inner_names(layer["storage"])}

@@ -1,0 +1,113 @@
+"""Run directories are owned: two real prune processes on one run directory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_tiny_llama
+from torch_armor.engine.lock import LOCK_NAME, RunDirectoryBusy, run_lock
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_PRUNE = textwrap.dedent("""
+    import sys, torch
+    torch.set_num_threads(1)
+    from torch_armor import ArmorConfig, BcdConfig, PruneOptions, prune_model
+    model, run_dir, out = sys.argv[1:4]
+    calib = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    prune_model(model, calib, ArmorConfig(block_size=16, optimizer=BcdConfig(iters=2)),
+                options=PruneOptions(run_dir=run_dir, out=out, progress=False))
+""")
+
+
+def _start(*args: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "-c", _PRUNE, *map(str, args)], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _logits(directory: Path) -> torch.Tensor:
+    from torch_armor import load_pretrained
+
+    model = load_pretrained(directory)
+    with torch.no_grad():
+        return model(torch.arange(12)[None] % 128).logits
+
+
+def _wait_for_holder(proc: subprocess.Popen, lock: Path, timeout: float = 120.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if lock.is_file() and lock.read_text().strip() == str(proc.pid):
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"the first prune ended before taking the lock: {proc.communicate()[1][-2000:]}")
+        time.sleep(0.05)
+    pytest.fail("the first prune never took the lock")
+
+
+def test_two_prune_processes_on_one_run_directory(tmp_path):
+    model_dir = tmp_path / "model"
+    make_tiny_llama().save_pretrained(model_dir)
+    run_dir = tmp_path / "run"
+    first = _start(model_dir, run_dir, tmp_path / "out-a")
+    try:
+        _wait_for_holder(first, run_dir / LOCK_NAME)
+        os.kill(first.pid, signal.SIGSTOP)  # hold the first one inside its prune, deterministically
+        try:
+            second = _start(model_dir, run_dir, tmp_path / "out-b")
+            _, err = second.communicate(timeout=300)
+        finally:
+            os.kill(first.pid, signal.SIGCONT)
+        assert second.returncode != 0
+        last = err.strip().splitlines()[-1]
+        assert f"in use by process {first.pid}" in last and str(run_dir) in last
+        assert not (tmp_path / "out-b").exists()
+        _, first_err = first.communicate(timeout=600)
+        assert first.returncode == 0, first_err[-2000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+    single = _start(model_dir, tmp_path / "run-single", tmp_path / "out-single")
+    _, single_err = single.communicate(timeout=600)
+    assert single.returncode == 0, single_err[-2000:]
+    assert torch.equal(_logits(tmp_path / "out-a"), _logits(tmp_path / "out-single"))
+
+
+def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(ROOT)!r})
+        from torch_armor.engine.lock import run_lock
+        with run_lock({str(tmp_path)!r}):
+            print("held", flush=True)
+            time.sleep(600)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunDirectoryBusy, match=f"process {holder.pid}"):
+            with run_lock(tmp_path):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with run_lock(tmp_path):  # the OS dropped the dead holder's lock
+        assert (tmp_path / LOCK_NAME).read_text() == str(os.getpid())
+
+
+def test_the_lock_is_reentrant_in_one_process(tmp_path):
+    with run_lock(tmp_path):
+        with run_lock(tmp_path):
+            pass
+        with run_lock(tmp_path):  # still held after the inner one ends
+            pass
+    with run_lock(tmp_path):
+        pass

@@ -1,0 +1,350 @@
+"""Checkpoints are untrusted input: checks run before any file is handed to safetensors or transformers.
+
+* :func:`check_shard_name` — a weights file named by an index or a config is a plain
+  ``*.safetensors`` file name inside the directory (no ``..``, no path, no symlink out of it).
+* :func:`read_safetensors_header` — the 8-byte length, the JSON header and every tensor's dtype,
+  shape and byte range checked against the file's size: a pickle, a truncated file or another
+  format gives one error naming the file (not safetensors' ``header too large``).
+* :func:`check_weight_files` — both of the above for every weights file of a directory.
+* :func:`check_quantization_config` — every ARMOR layer entry of ``config.json``'s
+  ``quantization_config`` checked (types, block size against shape, pattern, dtype, inner tensors
+  against the files' headers) and every ARMOR layer stored in the files listed, before
+  transformers sees the directory.
+* :func:`check_layer_values` — a converted layer's factors are finite and its compact indices
+  strictly increasing within each group (one pass over the layer, cheap next to reading it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+
+import torch
+
+from torch_armor.errors import ArmorInputError
+
+__all__ = [
+    "check_shard_name",
+    "read_safetensors_header",
+    "check_weight_files",
+    "check_index",
+    "check_quantization_config",
+    "check_layer_values",
+    "check_armor_layers",
+    "check_checkpoint_files",
+    "check_layer_entries",
+    "check_load_target",
+    "refuse_meta_device_map",
+    "refuse_missing_keys",
+    "copy_mismatch",
+]
+
+PathLike = Union[str, "os.PathLike[str]"]
+INDEX_NAME = "model.safetensors.index.json"
+_MAX_HEADER = 100 << 20  # safetensors' own limit
+# safetensors dtype code -> bytes per element (8-bit and smaller floats included)
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
+             "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "C64": 8}
+_TORCH_CODE = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+               "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+               "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
+_STORAGES = ("compact", "dense", "semi_structured", "quantized")
+_PART_SUFFIXES = (".b_blocks", ".values", ".indices", ".core")
+
+
+def _bad(path: Path, why: str) -> ArmorInputError:
+    return ArmorInputError(f"{path}: not a valid safetensors file ({why}); the file is truncated, corrupt or of "
+                           "another format (a pickle?): copy it again or re-save the checkpoint")
+
+
+def check_shard_name(directory: PathLike, name: Any, listed_in: str) -> Path:
+    """``directory/name`` for a plain ``*.safetensors`` file name inside ``directory``; else an error naming ``listed_in``."""
+    root = Path(directory)
+    plain = (isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name
+             and "/" not in name and "\\" not in name and "\0" not in name and name.endswith(".safetensors"))
+    if not plain:
+        raise ArmorInputError(f"{listed_in} names weights file {name!r}, which is not a plain *.safetensors file name "
+                              f"inside {root}; the file was edited or is corrupt (re-save the checkpoint)")
+    path = root / name
+    if path.is_symlink() and path.resolve().parent != root.resolve():
+        raise ArmorInputError(f"{listed_in} names weights file {name!r}, a symlink to {path.resolve()} outside {root}; "
+                              "copy the file into the directory")
+    return path
+
+
+def read_safetensors_header(path: PathLike) -> Dict[str, Any]:
+    """The header of a safetensors file (``__metadata__`` removed), checked against the file's size."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise _bad(path, f"{size} bytes, shorter than the 8-byte header length")
+            n = int.from_bytes(head, "little")
+            if n > min(_MAX_HEADER, size - 8):
+                raise _bad(path, f"header length {n} exceeds the file's {size} bytes")
+            raw = fh.read(n)
+    except OSError as err:
+        raise ArmorInputError(f"{path}: cannot be read ({err.strerror or err}); check the file") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise _bad(path, "the header is not JSON") from None
+    if not isinstance(header, dict):
+        raise _bad(path, "the header is not a JSON object")
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise _bad(path, "__metadata__ is not a string map")
+    data = size - 8 - n
+    ends = []
+    for key, entry in header.items():
+        ok = (isinstance(entry, dict) and entry.get("dtype") in _ITEMSIZE and isinstance(entry.get("shape"), list)
+              and all(type(d) is int and d >= 0 for d in entry["shape"])
+              and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2
+              and all(type(o) is int for o in entry["data_offsets"]))
+        if not ok:
+            raise _bad(path, f"malformed entry for tensor {key!r}")
+        a, b = entry["data_offsets"]
+        numel = 1
+        for d in entry["shape"]:
+            numel *= d
+        if not 0 <= a <= b <= data:
+            raise _bad(path, f"tensor {key!r} lies outside the file's {data} data bytes")
+        if b - a != numel * _ITEMSIZE[entry["dtype"]]:
+            raise _bad(path, f"tensor {key!r} holds {b - a} bytes for {entry['dtype']} {entry['shape']}")
+        ends.append((a, b))
+    ends.sort()
+    for (_, b0), (a1, _) in zip(ends, ends[1:]):
+        if a1 < b0:
+            raise _bad(path, "two tensors overlap")
+    return header
+
+
+def check_index(directory: PathLike) -> Optional[Dict[str, str]]:
+    """``weight_map`` of ``model.safetensors.index.json`` (``None`` without one), every name checked."""
+    index = Path(directory) / INDEX_NAME
+    if not index.is_file():
+        return None
+    try:
+        data = json.loads(index.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError, OSError) as err:
+        raise ArmorInputError(f"{index} is not valid JSON ({err}); re-save the checkpoint") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) for k in weight_map):
+        raise ArmorInputError(f"{index} has no 'weight_map' object of tensor names to files; re-save the checkpoint")
+    for name in set(map(str, weight_map.values())) | {v for v in weight_map.values() if not isinstance(v, str)}:
+        check_shard_name(directory, name, str(index))
+    return weight_map
+
+
+def check_weight_files(directory: PathLike) -> Dict[str, Dict[str, Any]]:
+    """Headers of every weights file of ``directory`` (the index's, or every ``*.safetensors``), each checked."""
+    root = Path(directory)
+    weight_map = check_index(root)
+    names = sorted(set(weight_map.values())) if weight_map is not None else sorted(
+        p.name for p in root.glob("*.safetensors"))
+    headers = {}
+    for name in names:
+        path = check_shard_name(root, name, str(root / INDEX_NAME) if weight_map is not None else str(root))
+        if not path.is_file():
+            raise ArmorInputError(f"{root / INDEX_NAME} names {name}, which is missing; restore it or re-save the checkpoint")
+        headers[name] = read_safetensors_header(path)
+    if weight_map is not None:
+        for key, name in weight_map.items():
+            if key not in headers[name]:
+                raise ArmorInputError(f"{root / INDEX_NAME} says tensor {key!r} is in {name}, but that file has no "
+                                      "such tensor; re-save the checkpoint")
+    return headers
+
+
+def _int(value: Any) -> Optional[int]:
+    return value if type(value) is int else None
+
+
+def _layer_problem(fqn: str, layer: Any, stored: Mapping[str, Tuple[List[int], str]]) -> Optional[str]:
+    """What is wrong with one ARMOR layer entry, or ``None``."""
+    from torch_armor.config import parse_pattern
+
+    if not isinstance(layer, dict):
+        return f"is a {type(layer).__name__}, not an object"
+    shape = layer.get("shape")
+    if not (isinstance(shape, list) and len(shape) == 2 and all(_int(d) and d > 0 for d in shape)):
+        return f"'shape' {shape!r} is not two positive integers"
+    d_b = _int(layer.get("block_size"))
+    if d_b is None or d_b < 1 or shape[0] % d_b or shape[1] % d_b:
+        return f"block_size {layer.get('block_size')!r} does not divide the shape {tuple(shape)}"
+    try:
+        pattern = parse_pattern(layer.get("pattern"))
+    except (TypeError, ValueError) as err:
+        return f"pattern {layer.get('pattern')!r} is invalid ({err})"
+    if layer.get("dtype") not in _TORCH_CODE or not torch.empty(0, dtype=getattr(torch, layer["dtype"])).is_floating_point():
+        return f"dtype {layer.get('dtype')!r} is not a floating dtype"
+    storage, runtime = layer.get("storage"), layer.get("runtime_storage")
+    if storage not in ("compact", "dense", "quantized") or runtime not in _STORAGES:
+        return f"storage {storage!r} / runtime_storage {runtime!r} is not one of {_STORAGES}"
+    if storage == "compact" and (not pattern.structured or shape[1] % pattern.m):
+        return f"compact storage needs an N:M pattern dividing the {shape[1]} input columns, got {pattern}"
+    specs = layer.get("tensors")
+    if not (isinstance(specs, dict) and specs and all(
+            isinstance(s, dict) and isinstance(s.get("shape"), list) and s.get("dtype") in _TORCH_CODE
+            for s in specs.values())):
+        return "'tensors' is missing or not a map of {shape, dtype}"
+    dt = layer["dtype"]
+    expected = {"a_blocks": ([shape[0] // d_b, d_b, d_b], dt), "b_blocks": ([shape[1] // d_b, d_b, d_b], dt)}
+    if storage == "compact":
+        k = shape[1] // pattern.m * pattern.n
+        per_byte = 8 // (2 if pattern.m <= 4 else 4 if pattern.m <= 16 else 8)
+        expected.update(values=([shape[0], k], dt), indices=([shape[0], -(-k // per_byte)], "uint8"))
+    elif storage == "dense":
+        expected["core"] = (list(shape), dt)
+    for name, (want_shape, want_dtype) in expected.items():
+        if name not in specs or list(specs[name]["shape"]) != want_shape or specs[name]["dtype"] != want_dtype:
+            got = specs.get(name)
+            return (f"inner tensor {name!r} should be {want_dtype} {want_shape} for shape {tuple(shape)}, block size "
+                    f"{d_b}, pattern {pattern}; the entry says {got!r}")
+    for name, spec in specs.items():
+        key = fqn if name == "a_blocks" else f"{fqn}.{name}"
+        if key not in stored:
+            return f"inner tensor {key!r} is not in the weights files"
+        got_shape, code = stored[key]
+        if list(got_shape) != list(spec["shape"]) or code != _TORCH_CODE[spec["dtype"]]:
+            return (f"inner tensor {key!r} is {code} {got_shape} in the weights files but {spec['dtype']} "
+                    f"{spec['shape']} in the entry")
+    return None
+
+
+def check_quantization_config(directory: PathLike) -> None:
+    """Validate an ARMOR ``quantization_config`` in ``directory/config.json`` against the weights files."""
+    root = Path(directory)
+    cfg_path = root / "config.json"
+    try:
+        quant = json.loads(cfg_path.read_text()).get("quantization_config")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as err:
+        raise ArmorInputError(f"{cfg_path} cannot be read as a JSON object ({err}); restore the file") from None
+    if not isinstance(quant, dict) or quant.get("quant_method") != "armor":
+        return
+    headers = check_weight_files(root)
+    check_armor_layers(quant.get("layers"), quant.get("buffers", {}), {root / n: h for n, h in headers.items()},
+                       f"{cfg_path} (quantization_config)")
+
+
+def check_armor_layers(layers: Any, buffers: Any, files: Mapping[Path, Mapping[str, Any]], where: str) -> None:
+    """Every ARMOR layer entry against the files' headers (``{path: header}``), every stored layer listed,
+    then every layer's stored values (finite, compact indices increasing)."""
+    if not isinstance(layers, dict) or not layers:
+        raise ArmorInputError(f"{where}: 'layers' must be a non-empty object of ARMOR layers, got "
+                              f"{type(layers).__name__}; the file was edited or is corrupt (re-save the model)")
+    if not isinstance(buffers, dict) or not all(isinstance(v, str) for v in buffers.values()):
+        raise ArmorInputError(f"{where}: 'buffers' must map buffer names to dtype names; the file was edited")
+    stored: Dict[str, Tuple[List[int], str]] = {}
+    home: Dict[str, Path] = {}
+    for path, header in files.items():
+        stored.update({k: (e["shape"], e["dtype"]) for k, e in header.items()})
+        home.update({k: path for k in header})
+    for fqn, layer in layers.items():
+        problem = _layer_problem(fqn, layer, stored)
+        if problem:
+            raise ArmorInputError(f"{where}, layer {fqn!r}: {problem}; the file was edited or is corrupt "
+                                  "(re-save the model)")
+    for key in stored:
+        for suffix in _PART_SUFFIXES:
+            if key.endswith(".weight" + suffix) and key[: -len(suffix)] not in layers:
+                raise ArmorInputError(f"{where}: the weights files hold ARMOR layer {key[: -len(suffix)]!r} "
+                                      f"(tensor {key!r}), which 'layers' does not list; the file was edited")
+    from safetensors import safe_open
+
+    for fqn, layer in layers.items():
+        parts = {}
+        for name in layer["tensors"]:
+            key = fqn if name == "a_blocks" else f"{fqn}.{name}"
+            with safe_open(str(home[key]), framework="pt", device="cpu") as fh:
+                parts[name] = fh.get_tensor(key)
+        check_layer_values(fqn, layer["pattern"], parts)
+
+
+def check_layer_entries(layers: Any, buffers: Any) -> None:
+    """The types of a ``quantization_config``'s ``layers`` and ``buffers`` (no files at hand yet)."""
+    where = "config.json (quantization_config)"
+    if layers is not None and not (isinstance(layers, dict) and all(isinstance(v, dict) for v in layers.values())):
+        raise ArmorInputError(f"{where}: 'layers' must be an object of layer name -> entry object, got "
+                              f"{type(layers).__name__}; the file was edited or is corrupt (re-save the model)")
+    if buffers is not None and not (isinstance(buffers, dict) and all(isinstance(v, str) for v in buffers.values())):
+        raise ArmorInputError(f"{where}: 'buffers' must map buffer names to dtype names; the file was edited")
+
+
+def check_checkpoint_files(files: Any, layers: Any, buffers: Any) -> None:
+    """``check_armor_layers`` for the weights files transformers is about to load (``checkpoint_files``)."""
+    paths = [Path(f) for f in (files or []) if str(f).endswith(".safetensors")]
+    if not paths:
+        return
+    check_armor_layers(layers, buffers, {p: read_safetensors_header(p) for p in paths},
+                       f"{paths[0].parent / 'config.json'} (quantization_config)")
+
+
+def check_layer_values(fqn: str, pattern: Any, parts: Mapping[str, Any]) -> None:
+    """A converted layer's stored parts: finite factors and core, compact indices strictly increasing per group."""
+    for name, t in parts.items():
+        if isinstance(t, torch.Tensor) and type(t) is torch.Tensor and t.is_floating_point() \
+                and t.device.type != "meta" and not bool(torch.isfinite(t).all()):
+            raise ArmorInputError(f"layer {fqn!r}: stored {name} holds NaN or Inf; the checkpoint is corrupt "
+                                  "(re-save or re-prune the model)")
+    indices = parts.get("indices")
+    values = parts.get("values")
+    if not (isinstance(indices, torch.Tensor) and isinstance(values, torch.Tensor)) or indices.device.type == "meta":
+        return
+    from torch_armor.config import parse_pattern
+
+    p = parse_pattern(pattern)
+    n, m = p.n, p.m
+    bits = 2 if m <= 4 else 4 if m <= 16 else 8
+    k = values.shape[-1]
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=indices.device)
+    pos = ((indices.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(indices.shape[0], -1)[:, :k]
+    groups = pos.reshape(indices.shape[0], -1, n).to(torch.int16)
+    bad = (groups >= m).any(-1)
+    if n > 1:
+        bad |= (groups[..., 1:] <= groups[..., :-1]).any(-1)
+    if bool(bad.any()):
+        row, group = (int(v) for v in bad.nonzero()[0])
+        raise ArmorInputError(
+            f"layer {fqn!r}: compact indices of row {row}, group {group} are {groups[row, group].tolist()}, not "
+            f"{n} strictly increasing positions below {m}; the checkpoint is corrupt (re-save the model)")
+
+
+def refuse_meta_device_map(device_map: Any) -> None:
+    """``meta`` holds no values: a model loaded there could not run (nor hold its ARMOR factors)."""
+    values = list(device_map.values()) if isinstance(device_map, Mapping) else [device_map]
+    if any(str(v) == "meta" or (isinstance(v, torch.device) and v.type == "meta") for v in values):
+        raise ArmorInputError(f"device_map {device_map!r} puts weights on the meta device, which holds no values; "
+                              "load on 'cpu' or 'cuda' (build an empty model with torch.device('meta') instead)")
+
+
+def check_load_target(directory: PathLike, device: Any = None) -> None:
+    """Before transformers reads an ARMOR directory: the device, the weights files and ``quantization_config``."""
+    if device is not None:
+        refuse_meta_device_map(device)
+    check_quantization_config(directory)
+
+
+def refuse_missing_keys(directory: PathLike, loading_info: Mapping[str, Any]) -> None:
+    """A checkpoint that lacks some of the model's weights is refused (transformers would initialise them randomly)."""
+    missing = sorted(loading_info.get("missing_keys") or ())
+    if missing:
+        raise ArmorInputError(
+            f"{directory} lacks {len(missing)} weight(s) of the model, e.g. {missing[:4]}; the checkpoint is incomplete "
+            "(a shard was removed or the run was interrupted): copy the missing files or re-save the model")
+
+
+def copy_mismatch(src: Any, dst: Any) -> ArmorInputError:
+    """The error for copying one ArmorTensor into another of a different layout: both layouts named.
+    (``load_state_dict`` adds the parameter's name in front of it.)"""
+    def layout(t: Any) -> str:
+        return (f"shape {tuple(t.shape)}, block size {t.block_size}, pattern {t.pattern}, storage {t.storage}, "
+                f"dtype {str(t.dtype).removeprefix('torch.')}")
+
+    return ArmorInputError(f"cannot copy an ArmorTensor of {layout(src)} into one of {layout(dst)}: rebuild the "
+                           "model with the saved block sizes (torch_armor.load_pretrained does), or "
+                           "load_state_dict(..., assign=True) to replace the weight")
