@@ -51,6 +51,7 @@ PACKAGE = "torch_armor"
 FLOORS: Tuple[Tuple[str, int], ...] = (
     ("torch_armor.errors", 0),
     ("torch_armor._io", 0),
+    ("torch_armor._quiet", 0),
     ("torch_armor.progress", 0),
     ("torch_armor.core", 1),
     ("torch_armor.config", 1),  # compatibility alias of torch_armor.core.config (users only)
@@ -62,6 +63,8 @@ FLOORS: Tuple[Tuple[str, int], ...] = (
     ("torch_armor.sparsifier_state", 5),
     ("torch_armor.hf", 5),
     ("torch_armor.cli", 5),
+    ("torch_armor.cli_commands", 5),
+    ("torch_armor.cli_names", 5),
     ("torch_armor.recipes", 5),
     ("torch_armor.__main__", 5),
     ("torch_armor", 6),  # the package's __init__ only: a new top-level module must be placed

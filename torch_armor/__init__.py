@@ -31,48 +31,10 @@ The ``torch.ao.pruning`` protocol works on any model, with your own forward pass
 """
 
 import importlib as _importlib
-import logging as _logging
+
+from torch_armor import _quiet
 import os as _os
 import sys as _sys
-
-
-class _DropMessage(_logging.Filter):
-    """Drops the records of one logger whose message contains every one of ``fragments``."""
-
-    def __init__(self, *fragments: str) -> None:
-        super().__init__()
-        self.fragments = fragments
-
-    def filter(self, record: _logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not all(fragment in message for fragment in self.fragments)
-
-
-def _quiet_known_noise() -> None:
-    # torchao logs a warning per CUDA/MX extension it cannot load on a CPU-only build, and torch
-    # warns that torchao registers Enum pytree constants: noise for our users, whenever torchao
-    # (or transformers, which imports it) is imported after torch_armor. Only these two messages,
-    # only from these two loggers; everything else they log still shows.
-    for logger, fragments in (("torchao", ("Failed to load ", "torchao", "_C_")),
-                              ("torch.utils._pytree", ("is an Enum subclass", "register_constant() on Enum"))):
-        target = _logging.getLogger(logger)
-        if not any(isinstance(f, _DropMessage) and f.fragments == fragments for f in target.filters):
-            target.addFilter(_DropMessage(*fragments))
-
-
-def _import_torchao() -> None:
-    import torchao  # noqa: F401
-    import torchao.quantization  # noqa: F401
-
-    import transformers.quantizers.auto  # noqa: F401
-
-    # transformers imports these from its torchao integration; import them now, while our
-    # filters are in place, so that they register once, quietly
-    for extra in ("torchao.prototype.mx_formats", "torchao.quantization.quantize_.common"):
-        try:
-            _importlib.import_module(extra)
-        except Exception:  # noqa: BLE001 - optional parts of torchao
-            pass
 
 
 # What a user needs, by the module that defines it; the math and the plumbing stay importable from
@@ -116,8 +78,7 @@ def _load() -> None:
     transformers included (idempotent)."""
     if "prune_model" in globals():
         return
-    _quiet_known_noise()
-    _import_torchao()
+    _quiet.import_torchao_quietly()
     for name, module in _EXPORTS.items():
         globals()[name] = getattr(_importlib.import_module(module), name)
 

@@ -26,37 +26,24 @@ Errors: a bad argument, model, file or a failed write prints one line
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
-import shlex
 import signal
 import sys
-import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
-import torch
-
-# Only what the parser needs is imported here (torch, no torchao or transformers), so that
-# `torch-armor --help` answers fast; a subcommand imports the rest when it runs (_commands()).
+# Only what the parser needs is imported here (no torchao or transformers), so that
+# `torch-armor --help` answers fast; a subcommand imports the rest when it runs (main).
 from torch_armor._io import RUN_DIR_NAME
 from torch_armor.core.config import ArmorConfig
-from torch_armor.core.levers import OPTIMIZERS, ReconstructConfig, RefineConfig
+from torch_armor.core.levers import OPTIMIZERS
+from torch_armor.cli_names import (DEMO_METHODS, DENSE, FULL_PROTOCOL, HARNESS_JSON, QUICK_PROTOCOL, REPORT_JSON,
+                                   REPORT_PNG)
 from torch_armor.engine.methods import method_named, method_names
-from torch_armor.errors import CLEAR_ERRORS, ArmorError, MissingExtraError, debug_enabled
-from torch_armor.progress import is_interactive, quiet_third_party_progress
+from torch_armor.errors import CLEAR_ERRORS, ArmorError, debug_enabled
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "QUICK_PROTOCOL", "FULL_PROTOCOL", "DEMO_METHODS", "DENSE", "REPORT_JSON",
+           "REPORT_PNG", "HARNESS_JSON"]
 
-REPORT_JSON = "prune_report.json"
-REPORT_PNG = "prune_report.png"
-HARNESS_JSON = "lm_eval_results.json"
-DENSE = "dense"
-#: rows of the demo table, in order
-DEMO_METHODS = (DENSE,) + tuple(method_names())
-#: the demo's quick protocol (the default): a first table in minutes; --full is the README's
-_QUICK = {"methods": (DENSE, "sparsegpt", "armor"), "n_calib": 16, "n_eval": 16, "iters": 10}
-_FULL = {"methods": DEMO_METHODS, "n_calib": 64, "n_eval": 64, "iters": None}
 
 
 def _block_size(text: str):
@@ -214,22 +201,22 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="quality table of the methods on SmolLM2-135M (quick; --full: the README's)",
                        description="SmolLM2-135M, sotu calibration, Wikipedia evaluation: prune with each method "
                                    "and print the quality table, a row as soon as its method is done. Quick by "
-                                   f"default ({', '.join(_QUICK['methods'])}; {_QUICK['n_calib']} calibration and "
-                                   f"{_QUICK['n_eval']} evaluation windows; ARMOR {_QUICK['iters']} sweeps); --full: "
+                                   f"default ({', '.join(QUICK_PROTOCOL['methods'])}; {QUICK_PROTOCOL['n_calib']} calibration and "
+                                   f"{QUICK_PROTOCOL['n_eval']} evaluation windows; ARMOR {QUICK_PROTOCOL['iters']} sweeps); --full: "
                                    "every method under the README's protocol (about an hour on 2 cores). Finished "
                                    "rows are saved in --run-dir: after Ctrl-C the same command resumes.")
     d.add_argument("--full", action="store_true",
                    help="the README's protocol: every method, 64 calibration and 64 evaluation windows, "
                         "ArmorConfig's defaults (about an hour on 2 cores)")
     d.add_argument("--methods", nargs="+", choices=DEMO_METHODS, default=None,
-                   help=f"rows to run (default: {' '.join(_QUICK['methods'])}; --full: all)")
+                   help=f"rows to run (default: {' '.join(QUICK_PROTOCOL['methods'])}; --full: all)")
     d.add_argument("--pattern", default="2:4", help="sparsity pattern (default 2:4)")
     d.add_argument("--calib", default="sotu", help="calibration text (default sotu)")
     d.add_argument("--n-calib", type=_positive_int, default=None,
-                   help=f"calibration windows (default {_QUICK['n_calib']}; --full: 64)")
+                   help=f"calibration windows (default {QUICK_PROTOCOL['n_calib']}; --full: 64)")
     d.add_argument("--data", default="wiki", help="evaluation text (default wiki)")
     d.add_argument("--n-eval", type=_positive_int, default=None,
-                   help=f"evaluation windows (default {_QUICK['n_eval']}; --full: 64)")
+                   help=f"evaluation windows (default {QUICK_PROTOCOL['n_eval']}; --full: 64)")
     d.add_argument("--run-dir", default=None,
                    help="where finished rows (rows.json, table.md) and ARMOR's finished layers are kept; "
                         "rerunning the same command resumes (default runs/demo-quick, --full: runs/demo-full)")
@@ -243,218 +230,6 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", default=None, metavar="PATH", help="also write rows, reports and timings as JSON")
     _add_common(d)
     return parser
-
-
-def _log(message: str) -> None:
-    """A phase message on stderr (rank 0 only under ``torchrun``)."""
-    from torch_armor.engine.distributed import launched_rank  # heavy: see the imports above
-
-    if launched_rank() == 0:
-        print(message, file=sys.stderr, flush=True)
-
-
-def _setup(args: argparse.Namespace) -> None:
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.no_progress or not is_interactive():
-        quiet_third_party_progress()
-
-
-def _armor_config(args: argparse.Namespace) -> ArmorConfig:
-    """The ArmorConfig of the ARMOR options; an option not given keeps ArmorConfig's default."""
-    kind = OPTIMIZERS[args.optimizer]
-    optimizer = kind(**({"iters": args.iters} if args.iters is not None else {}), time_budget_s=args.time_budget)
-    return ArmorConfig(block_size=args.block_size, max_overhead=args.max_overhead, pattern=args.pattern,
-                       seed=args.seed, optimizer=optimizer, refine=RefineConfig() if args.refine == "output" else None,
-                       reconstruct=ReconstructConfig(steps=args.reconstruct_steps) if args.reconstruct_steps else None)
-
-
-def _method_config(args: argparse.Namespace) -> Any:
-    """The config of ``--method`` from the options that apply to it."""
-    kind = method_named(args.method).config_type
-    if issubclass(kind, ArmorConfig):
-        return _armor_config(args)
-    given = {"pattern": args.pattern, "block_size": args.sparsegpt_block_size, "damp": args.damp}
-    return kind(**{f.name: given[f.name] for f in dataclasses.fields(kind) if f.name in given})
-
-
-def _cmd_prune(args: argparse.Namespace) -> int:
-    from torch_armor.engine.options import PruneOptions
-    from torch_armor.engine.prune import prune_model
-    from torch_armor.recipes.data import calibration_windows
-    from torch_armor.recipes.models import parse_dtype, pruning_source
-    from torch_armor.tensor.finetune import checkpoint_size
-
-    _setup(args)
-    start = time.perf_counter()
-    out = Path(args.out)
-    model, tokenizer = pruning_source(args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device,
-                                      log=_log)
-    _log(f"calibrating on {args.n_calib}×{args.seq_len} tokens of {args.calib}, "
-         f"{'sequentially' if not args.one_shot else 'one-shot'}, one decoder block at a time")
-    windows = calibration_windows(args.calib, tokenizer, n_windows=args.n_calib, seq_len=args.seq_len, seed=args.seed)
-    options = PruneOptions(
-        out=out, overwrite=args.overwrite,
-        run_dir=args.run_dir or (out / RUN_DIR_NAME if args.keep_run_dir else None),  # given: kept after success
-        device=args.device, dtype=parse_dtype(args.dtype), storage=args.storage, sequential=not args.one_shot,
-        batch_size=args.batch_size, progress=not args.no_progress, log=_log)
-    report = prune_model(model, windows, _method_config(args), layers=args.layers, options=options)
-    if report.rank != 0:
-        return 0
-    tokenizer.save_pretrained(str(out))
-    meta = {
-        "command": "torch-armor " + shlex.join(args.argv),
-        "model": args.model,
-        "ranks": report.world_size,
-        "calibration": {"source": args.calib, "n_windows": args.n_calib, "seq_len": args.seq_len,
-                        "seed": args.seed, "sequential": not args.one_shot},
-    }
-    report.save_json(out / REPORT_JSON, **meta)
-    saved = ["model", "tokenizer", REPORT_JSON]
-    try:
-        report.save_plot(out / REPORT_PNG, title=None)
-        saved.append(REPORT_PNG)
-    except MissingExtraError as err:
-        _log(f"skipped {REPORT_PNG}: {err}")
-    total = time.perf_counter() - start
-    print(f"pruned {len(report.layers)} linears of {args.model} with {args.method} {report.pattern}: "
-          f"mean relative proxy loss {report.mean_relative_proxy_loss:.4f} (NoWag-P = 1)"
-          + (f", mean relative output loss {report.mean_relative_output_loss:.4f}"
-             if report.mean_relative_output_loss is not None else "")
-          + (f", wrapper overhead {100 * report.overhead:.2f}%" if report.overhead else "")
-          + f", pruning {report.seconds:.1f} s, total {total:.1f} s")
-    size = checkpoint_size(out)
-    print(f"size: {size.parameters:,} stored parameters, {size.parameter_bytes / 2**20:.1f} MiB of weights "
-          f"(dense model: {size.dense_parameters:,} parameters, {size.dense_parameter_bytes / 2**20:.1f} MiB)")
-    print(f"saved {', '.join(saved[:-1])} and {saved[-1]} to {out}")
-    return 0
-
-
-def _cmd_eval(args: argparse.Namespace) -> int:
-    if args.tasks is not None:
-        return _eval_tasks(args)
-    from torch_armor.recipes.data import eval_windows
-    from torch_armor.recipes.evaluate import perplexity
-    from torch_armor.recipes.models import load_model
-
-    _setup(args)
-    model, tokenizer = load_model(args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device)
-    windows = eval_windows(args.data, tokenizer, n_windows=args.n_eval, seq_len=args.seq_len)
-    t = time.perf_counter()
-    ppl = perplexity(model, windows, batch_size=args.batch_size, progress=not args.no_progress)
-    seconds = time.perf_counter() - t
-    if args.json:
-        print(json.dumps({"model": args.model, "data": args.data, "n_eval": args.n_eval,
-                          "seq_len": args.seq_len, "perplexity": ppl, "seconds": seconds}))
-    else:
-        print(f"perplexity: {ppl:.10g} ({args.data}, {args.n_eval} windows × {args.seq_len} tokens, {seconds:.1f} s)")
-    return 0
-
-
-def _eval_tasks(args: argparse.Namespace) -> int:
-    from torch_armor.recipes.harness import evaluate, parse_tasks, require_lm_eval, results_table, write_results
-
-    from torch_armor.recipes.models import load_model
-
-    require_lm_eval()  # before loading a model: one line naming the extra
-    tasks = parse_tasks(args.tasks)
-    _setup(args)
-    model, tokenizer = load_model(args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device)
-    t = time.perf_counter()
-    results = evaluate(model, tokenizer, tasks, include_path=args.include_path, num_fewshot=args.num_fewshot,
-                       limit=args.limit, batch_size=args.batch_size)
-    seconds = time.perf_counter() - t
-    out = args.out
-    if out is None and (Path(args.model) / REPORT_JSON).is_file():
-        out = Path(args.model) / HARNESS_JSON
-    if out is not None:
-        write_results(results, out)
-    if args.json:
-        print(json.dumps({"model": args.model, "tasks": tasks, "results": results["results"], "seconds": seconds,
-                          "json": None if out is None else str(out)}, default=str))
-    else:
-        print(results_table(results))
-        print(f"lm-evaluation-harness {results.get('lm_eval_version', '')}, {seconds:.1f} s"
-              + (f"; results written to {out}" if out is not None else ""))
-    return 0
-
-
-def _demo_protocol(args: argparse.Namespace) -> None:
-    """Fill in the options not given from the quick protocol, or the full one with ``--full``."""
-    protocol = _FULL if args.full else _QUICK
-    args.methods = args.methods or list(protocol["methods"])
-    args.n_calib = args.n_calib or protocol["n_calib"]
-    args.n_eval = args.n_eval or protocol["n_eval"]
-    if args.iters is None:
-        args.iters = protocol["iters"]
-    args.run_dir = args.run_dir or str(Path("runs") / ("demo-full" if args.full else "demo-quick"))
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from torch_armor.recipes.demo_runs import TABLE_MD, DemoRuns
-    from torch_armor.recipes.quality import quality_table, run_quality
-
-    _demo_protocol(args)
-    _setup(args)
-    config = _armor_config(args)
-    settings = {"methods": args.methods, "pattern": args.pattern, "calib": args.calib, "n_calib": args.n_calib,
-                "eval": args.data, "n_eval": args.n_eval, "seq_len": args.seq_len, "layers": args.layers,
-                "seed": args.seed, "sequential": not args.one_shot, "armor_eval": args.armor_eval,
-                "armor": repr(config)}
-    runs = DemoRuns(args.run_dir, settings, log=_log)
-    todo = [m for m in args.methods if _method_label(m) not in runs.finished]
-    protocol = _FULL if args.full else _QUICK
-    minutes = (sum(_DEMO_MINUTES["full" if args.full else "quick"][m] for m in todo)
-               * (args.n_calib + args.n_eval) / (protocol["n_calib"] + protocol["n_eval"]))
-    _log(f"demo ({'full' if args.full else 'quick'}): {', '.join(args.methods)} on SmolLM2-135M, calibration "
-         f"{args.n_calib}×{args.seq_len} tokens of {args.calib}, evaluation {args.n_eval}×{args.seq_len} tokens "
-         f"of {args.data}; " + (f"{len(args.methods) - len(todo)} row(s) already done, " if len(todo) < len(args.methods)
-                                else "") + f"about {max(1, round(minutes))} min on 2 cores. "
-         f"Rows are kept in {args.run_dir} as they finish (Ctrl-C, then the same command resumes)"
-         + ("" if args.full else "; the README's full protocol: --full (about an hour)"))
-    header = []
-
-    def on_row(row) -> None:
-        runs.add(row)
-        lines = quality_table([row]).splitlines()
-        if not header:
-            header.append(True)
-            print("\n".join(lines[:2]))
-        print(lines[2], flush=True)
-
-    result = run_quality(
-        "smollm2", methods=args.methods, configs=[config], pattern=args.pattern,
-        calib=args.calib, n_calib=args.n_calib, eval_data=args.data, n_eval=args.n_eval, seq_len=args.seq_len,
-        layers=args.layers, batch_size=args.batch_size, seed=args.seed, armor_eval=args.armor_eval,
-        sequential=not args.one_shot, progress=not args.no_progress, log=_log,
-        finished=runs.finished, on_row=on_row, armor_run_dir=runs.store_for,
-    )
-    print()
-    s = result.settings
-    print(f"SmolLM2-135M fp32, {args.pattern}; calibration {s['n_calib']}×{s['seq_len']} tokens of {s['calib']}, "
-          f"evaluation {s['n_eval']}×{s['seq_len']} tokens of {s['eval']}; {s['num_layers']} linears pruned; "
-          f"{s['threads']} threads; ARMOR evaluated {args.armor_eval}")
-    print()
-    print(result.table())
-    print()
-    print(f"total wall time {result.timings['total'] / 60:.1f} min (this run); table and rows also in "
-          f"{Path(args.run_dir) / TABLE_MD}")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result.to_dict(), fh, indent=2, default=str)
-    return 0
-
-
-#: minutes per row on 2 cores (prune + eval; full: the README's measured runs; quick: the full row
-#: scaled by its 32 of 128 windows, ARMOR by its 10 of 30 sweeps), scaled by the windows asked for
-_DEMO_MINUTES = {
-    "full": {"dense": 2.0, "magnitude": 6.0, "wanda": 20.0, "sparsegpt": 10.0, "nowag": 3.0, "armor": 11.0},
-    "quick": {"dense": 0.5, "magnitude": 1.0, "wanda": 3.0, "sparsegpt": 2.0, "nowag": 1.0, "armor": 2.0},
-}
-
-
-def _method_label(method: str) -> str:
-    return method if method == DENSE else method_named(method).label
 
 
 def _interrupted(args: argparse.Namespace) -> str:
@@ -482,19 +257,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(argv) if argv is not None else sys.argv[1:]
     args = parser.parse_args(argv)
     args.argv = argv
-    import torch_armor
+    from torch_armor import cli_commands  # imports torchao and transformers: only now, so --help is fast
+    from torch_armor.engine.interrupt import terminate_as_interrupt  # heavy, as above
 
-    torch_armor.prune_model  # noqa: B018 - loads the package as `import torch_armor` does outside the CLI
-    commands = {"prune": _cmd_prune, "eval": _cmd_eval, "demo": _cmd_demo}
-    from torch_armor.engine.interrupt import terminate_as_interrupt
+    commands = {"prune": cli_commands.cmd_prune, "eval": cli_commands.cmd_eval, "demo": cli_commands.cmd_demo}
 
     with terminate_as_interrupt():  # SIGTERM ends like Ctrl-C: one line, files consistent
         return _run(args, commands[args.command])
 
 
 def _run(args: argparse.Namespace, command) -> int:
-    from torch_armor.engine.interrupt import PruneInterrupted
-    from torch_armor.engine.options import check_device
+    from torch_armor.engine.interrupt import PruneInterrupted  # heavy: see main
+    from torch_armor.engine.options import check_device  # heavy: see main
 
     if args.debug or debug_enabled():
         check_device(getattr(args, "device", None), "--device")

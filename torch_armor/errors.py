@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import importlib
 import os
 import warnings
 from typing import Callable
@@ -99,8 +100,6 @@ def require_extra(module: str, purpose: str):
 
         >>> require_extra("no_such_module_xyz", "the plot")  # doctest: +SKIP
     """
-    import importlib
-
     try:
         return importlib.import_module(module)
     except ImportError:

@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 from typing import Iterator, Optional
 
+from safetensors import safe_open
 __all__ = ["PruneInterrupted", "Terminated", "terminate_as_interrupt", "interrupted_line", "interrupted_message", "blocks_on_disk"]
 
 
@@ -63,8 +64,6 @@ def blocks_on_disk(run_dir: Optional[Path], n_blocks: int) -> int:
     hidden = run_dir / "hidden.safetensors"
     if hidden.is_file():
         try:
-            from safetensors import safe_open
-
             with safe_open(str(hidden), framework="pt") as fh:
                 done = int((fh.metadata() or {}).get("block", 0))
         except Exception:  # noqa: BLE001 - a count for a message only

@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 from pathlib import Path
 from typing import Dict, Iterator, Tuple, Union
@@ -45,8 +46,6 @@ def _holder(path: Path) -> str:
 @contextlib.contextmanager
 def run_lock(directory: Union[str, "os.PathLike[str]"]) -> Iterator[Path]:
     """Hold ``directory`` (created if missing) exclusively; a second process gets :class:`RunDirectoryBusy`."""
-    import fcntl
-
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     path = root / LOCK_NAME

@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, List, Optional, Union
 
+from torch_armor._io import atomic_write
 from torch_armor.errors import ArmorInputError
 
 __all__ = ["check_prune_paths", "model_source_dirs", "mark_run_target", "resumes_into"]
@@ -72,8 +73,6 @@ def check_prune_paths(inputs: Iterable[PathLike] = (), out: Optional[PathLike] =
 
 def mark_run_target(run_dir: PathLike, out: PathLike) -> None:
     """Record in the (locked) run directory the output it is writing, for :func:`resumes_into`."""
-    from torch_armor._io import atomic_write
-
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     atomic_write(Path(run_dir) / TARGET_NAME, str(Path(out).expanduser().resolve()).encode())
 

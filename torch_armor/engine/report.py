@@ -21,7 +21,7 @@ from torch import nn
 from torch_armor.calibration.selection import block_index
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.engine.methods import method_label
-from torch_armor.errors import ArmorInputError
+from torch_armor.errors import ArmorInputError, require_extra
 from torch_armor.tensor.armor_tensor import ArmorTensor
 
 __all__ = ["LayerResult", "PruneReport", "wrapper_overhead"]
@@ -120,8 +120,6 @@ class PruneReport:
 
         Raises :class:`~torch_armor.errors.MissingExtraError` without matplotlib (the ``plot`` extra).
         """
-        from torch_armor.errors import require_extra
-
         matplotlib = require_extra("matplotlib", "the prune report's plot")
 
         matplotlib.use("Agg", force=True)

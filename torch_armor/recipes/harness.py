@@ -27,6 +27,7 @@ from typing import Any, Dict, Iterator, Optional, Sequence, Union
 
 from torch import nn
 
+from torch_armor._io import atomic_write
 from torch_armor.errors import ArmorInputError
 
 __all__ = ["evaluate", "require_lm_eval", "results_table", "write_results", "parse_tasks", "PAPER_TASKS"]
@@ -114,9 +115,9 @@ def evaluate(
             no task is named, or a task is unknown to the harness.
     """
     require_lm_eval()
-    import lm_eval
-    from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
+    import lm_eval  # optional extra (eval): imported only when used
+    from lm_eval.models.huggingface import HFLM  # optional extra, as above
+    from lm_eval.tasks import TaskManager  # optional extra, as above
 
     names = parse_tasks(tasks)
     if include_path is not None and not isinstance(include_path, (list, tuple)):
@@ -147,7 +148,7 @@ def evaluate(
 
 def results_table(results: Dict[str, Any]) -> str:
     """The harness's own markdown table of ``results`` (and of its groups, if any)."""
-    from lm_eval.utils import make_table
+    from lm_eval.utils import make_table  # optional extra, as above
 
     table = make_table(results)
     if results.get("groups"):
@@ -157,8 +158,6 @@ def results_table(results: Dict[str, Any]) -> str:
 
 def write_results(results: Dict[str, Any], path: Union[str, Path]) -> Path:
     """Write ``results`` as JSON (what the harness could not serialize as text); returns the path."""
-    from torch_armor._io import atomic_write
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, (json.dumps(results, indent=2, default=str) + "\n").encode())

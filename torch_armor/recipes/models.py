@@ -11,10 +11,12 @@ Example::
 from __future__ import annotations
 
 import difflib
+import socket
 import os
 import re
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple, Union
+from urllib.parse import urlparse
 
 import torch
 from torch import nn
@@ -22,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from torch_armor.calibration.selection import select_layers  # noqa: F401  (re-exported: a model recipe)
 from torch_armor.engine.sources import is_streamable_checkpoint
-from torch_armor.errors import ArmorInputError
+from torch_armor.errors import ArmorInputError, require_extra
 from torch_armor.recipes.assets import load_smollm2
 from torch_armor.tensor.hf_format import has_armor_quantization_config
 from torch_armor.tensor.layout import ARMOR_CONFIG_NAME
@@ -170,16 +172,12 @@ def load_model(
         if not Path(name).exists() and not _hub_reachable():
             kwargs["local_files_only"] = True  # the hub cache may still hold it; no retries either way
         if gguf_file:
-            from torch_armor.errors import require_extra
-
             require_extra("gguf", f"--gguf-file {gguf_file}")
         try:
             tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
             loaded = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype or torch.float32, **kwargs)
         except Exception as err:  # noqa: BLE001 - transformers raises many kinds
             if kwargs.get("local_files_only"):
-                from torch_armor.errors import ArmorInputError
-
                 raise ArmorInputError(f"MODEL {name!r} is a Hugging Face hub id, but the hub cannot be reached "
                                       "from here and its files are not in the local cache; download it on a "
                                       "machine with network access and give its directory") from None
@@ -193,12 +191,9 @@ def load_model(
 def _hub_reachable(timeout: float = 3.0) -> bool:
     """Whether the Hugging Face hub's host answers a TCP connection (one try, no retries: the
     hub client retries an unreachable host for about a minute, printing a line per try)."""
-    import socket
-    from urllib.parse import urlparse
-
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
         return False
-    from huggingface_hub import constants
+    from huggingface_hub import constants  # transformers' dependency: only when a hub id is asked for
 
     url = urlparse(constants.ENDPOINT)
     try:

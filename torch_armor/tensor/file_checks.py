@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
+from safetensors import safe_open
 
+from torch_armor.core.pattern import parse_pattern
 from torch_armor.errors import ArmorInputError
 
 __all__ = [
@@ -166,8 +168,6 @@ def _int(value: Any) -> Optional[int]:
 
 def _layer_problem(fqn: str, layer: Any, stored: Mapping[str, Tuple[List[int], str]]) -> Optional[str]:
     """What is wrong with one ARMOR layer entry, or ``None``."""
-    from torch_armor.config import parse_pattern
-
     if not isinstance(layer, dict):
         return f"is a {type(layer).__name__}, not an object"
     shape = layer.get("shape")
@@ -254,8 +254,6 @@ def check_armor_layers(layers: Any, buffers: Any, files: Mapping[Path, Mapping[s
             if key.endswith(".weight" + suffix) and key[: -len(suffix)] not in layers:
                 raise ArmorInputError(f"{where}: the weights files hold ARMOR layer {key[: -len(suffix)]!r} "
                                       f"(tensor {key!r}), which 'layers' does not list; the file was edited")
-    from safetensors import safe_open
-
     for fqn, layer in layers.items():
         parts = {}
         for name in layer["tensors"]:
@@ -295,8 +293,6 @@ def check_layer_values(fqn: str, pattern: Any, parts: Mapping[str, Any]) -> None
     values = parts.get("values")
     if not (isinstance(indices, torch.Tensor) and isinstance(values, torch.Tensor)) or indices.device.type == "meta":
         return
-    from torch_armor.config import parse_pattern
-
     p = parse_pattern(pattern)
     n, m = p.n, p.m
     bits = 2 if m <= 4 else 4 if m <= 16 else 8

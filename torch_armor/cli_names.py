@@ -1,0 +1,16 @@
+"""Names shared by the ``torch-armor`` parser (:mod:`torch_armor.cli`) and its subcommands
+(:mod:`torch_armor.cli_commands`): output file names and the demo's two protocols."""
+
+from torch_armor.engine.methods import method_names
+
+__all__ = ["REPORT_JSON", "REPORT_PNG", "HARNESS_JSON", "DENSE", "DEMO_METHODS", "QUICK_PROTOCOL", "FULL_PROTOCOL"]
+
+REPORT_JSON = "prune_report.json"
+REPORT_PNG = "prune_report.png"
+HARNESS_JSON = "lm_eval_results.json"
+DENSE = "dense"
+#: rows of the demo table, in order
+DEMO_METHODS = (DENSE,) + tuple(method_names())
+#: the demo's quick protocol (the default): a first table in minutes; --full is the README's
+QUICK_PROTOCOL = {"methods": (DENSE, "sparsegpt", "armor"), "n_calib": 16, "n_eval": 16, "iters": 10}
+FULL_PROTOCOL = {"methods": DEMO_METHODS, "n_calib": 64, "n_eval": 64, "iters": None}
