@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from torch_armor._io import atomic_write
-from torch_armor.tensor.armor_tensor import QUANTIZED, ArmorTensor
+from torch_armor.tensor.armor_tensor import QUANTIZED, ArmorTensor, from_parts, restore_storage
 from torch_armor.tensor.flatten import (
     FORMAT_VERSION,
     _DTYPES,
@@ -192,7 +192,7 @@ def from_pretrained(path: Path, device: Optional[Union[str, torch.device]], stor
     if storage is not None:
         for module in model.modules():
             w = module._parameters.get("weight")
-            if isinstance(w, ArmorTensor) and w.storage != QUANTIZED and w.storage != storage:
+            if isinstance(w, ArmorTensor) and w.storage_format != QUANTIZED and w.storage_format != storage:
                 module._parameters["weight"] = nn.Parameter(w.with_storage(storage), requires_grad=False)
     return model
 
@@ -232,11 +232,7 @@ class ArmorDeserialize(ConversionOps):
         dtype = target.dtype if target is not None else w.dtype
         if dtype != w.dtype:  # dtype= at load time: the wrappers and a floating core follow it
             w = w.to(dtype)
-        runtime = layer["runtime_storage"]
-        if w.storage != QUANTIZED and runtime != w.storage:
-            if runtime == "semi_structured" and not (w.is_cuda and w.dtype in (torch.float16, torch.bfloat16)):
-                runtime = "compact"
-            w = w.with_storage(runtime)
+        w = restore_storage(w, layer["runtime_storage"], name=full_layer_name)
         param = nn.Parameter(w, requires_grad=False)
         return {full_layer_name: param}
 
@@ -283,7 +279,7 @@ class ArmorHfQuantizer(HfQuantizer):
             storage = layer["storage"] if layer["storage"] != QUANTIZED else "dense"
             if storage == "dense" and "core" not in inner:
                 inner = {"core": torch.empty(layer["shape"], dtype=old.dtype, device="meta")}
-            w = ArmorTensor(a.to(old.dtype), b.to(old.dtype), layer["pattern"], storage, old.dtype, **inner)
+            w = from_parts(storage, a.to(old.dtype), b.to(old.dtype), layer["pattern"], old.dtype, **inner)
             module._parameters[pname] = nn.Parameter(w, requires_grad=False)
         return model
 

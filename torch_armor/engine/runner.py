@@ -210,7 +210,7 @@ class LayerSolution:
         from torch_armor.tensor.armor_tensor import armor_linear_from_factors
 
         if self.factors is not None:
-            armor_linear_from_factors(module, self.factors, storage=storage)
+            armor_linear_from_factors(module, self.factors, storage=storage, name=self.name)
             return
         old = module.weight
         module.weight = nn.Parameter(self.pruned.to(device=old.device, dtype=old.dtype),

@@ -13,7 +13,7 @@ Example (a tiny random model; pruned in place)::
     >>> calib = torch.randint(0, 50, (4, 16), generator=torch.Generator().manual_seed(0))
     >>> report = prune_model(model, calib, "armor", ArmorConfig(num_iters=2), progress=False)
     >>> len(report.layers), type(model.model.layers[1].mlp.up_proj.weight).__name__
-    (14, 'ArmorTensor')
+    (14, 'DenseArmorTensor')
 """
 
 from __future__ import annotations
@@ -43,10 +43,12 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 
 class _InMemory:
-    """A model already in memory: every block is there; pruned in place."""
+    """A model already in memory: every block is there; pruned in place, and each block goes back to
+    the device it was on (pruning on a GPU returns a CPU model on the CPU)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+        self.homes: dict = {}
 
     def prepare_inputs(self) -> None:
         pass
@@ -55,10 +57,14 @@ class _InMemory:
         pass
 
     def load_block(self, prefix: str) -> nn.Module:
-        return self.model.get_submodule(prefix)
+        block = self.model.get_submodule(prefix)
+        self.homes[prefix] = next((p.device for p in block.parameters() if p.device.type != "meta"), None)
+        return block
 
     def release_block(self, prefix: str) -> None:
-        pass
+        home = self.homes.pop(prefix, None)
+        if home is not None:
+            self.model.get_submodule(prefix).to(home)
 
     def content_hash(self) -> str:
         return hash_model(self.model)

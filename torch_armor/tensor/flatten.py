@@ -27,7 +27,7 @@ from torch import nn
 
 from torch_armor.config import parse_pattern
 from torch_armor.tensor.packing import index_bits, pack_nm, unpack_nm
-from torch_armor.tensor.armor_tensor import QUANTIZED, STORAGES, ArmorTensor
+from torch_armor.tensor.armor_tensor import QUANTIZED, STORAGES, ArmorTensor, from_parts, restore_storage
 
 __all__ = [
     "part_key",
@@ -175,10 +175,8 @@ def _unflatten_quantized(fqn: str, layer: Dict[str, Any], tensors: Dict[str, tor
             )
         inner[name] = t
     qcore = type(template).__tensor_unflatten__(inner, ctx, template.shape, template.stride())
-    return ArmorTensor(
-        tensors[part_key(fqn, "a_blocks")], tensors[part_key(fqn, "b_blocks")], str(pattern), QUANTIZED, dtype,
-        core=qcore, quant_config=config,
-    )
+    return from_parts(QUANTIZED, tensors[part_key(fqn, "a_blocks")], tensors[part_key(fqn, "b_blocks")],
+                      str(pattern), dtype, core=qcore, quant_config=config)
 
 
 def _build_layer(fqn: str, layer: Dict[str, Any], tensors: Dict[str, torch.Tensor]) -> ArmorTensor:
@@ -186,10 +184,8 @@ def _build_layer(fqn: str, layer: Dict[str, Any], tensors: Dict[str, torch.Tenso
     if layer["storage"] == QUANTIZED:
         return _unflatten_quantized(fqn, layer, tensors)
     inner = {name: tensors[part_key(fqn, name)] for name in _inner_names(layer["storage"])}
-    return ArmorTensor(
-        inner.pop("a_blocks"), inner.pop("b_blocks"), str(parse_pattern(layer["pattern"])),
-        layer["storage"], _DTYPES[layer["dtype"]], **inner,
-    )
+    return from_parts(layer["storage"], inner.pop("a_blocks"), inner.pop("b_blocks"),
+                      str(parse_pattern(layer["pattern"])), _DTYPES[layer["dtype"]], **inner)
 
 
 # --------------------------------------------------------------------------- flatten
@@ -237,12 +233,12 @@ def flatten_state(
     layers: Dict[str, Dict[str, Any]] = {}
     for key, value in state.items():
         key = f"{prefix}{key}"
-        if isinstance(value, ArmorTensor) and value.storage == QUANTIZED:
+        if isinstance(value, ArmorTensor) and value.storage_format == QUANTIZED:
             inner, layers[key] = _flatten_quantized(key, value)
             for name, t in inner.items():
                 raw[part_key(key, name)] = t
         elif isinstance(value, ArmorTensor):
-            runtime = value.storage
+            runtime = value.storage_format
             saved_storage = "compact" if parse_pattern(value.pattern).structured else "dense"
             w = value.with_storage(saved_storage) if runtime != saved_storage else value
             inner = {name: getattr(w, name) for name in _inner_names(saved_storage)}
@@ -537,12 +533,6 @@ def unflatten_armor_state(
         )
         if dev != w.device:
             w = w.to(dev)
-        target = storage or layer["runtime_storage"]
-        if w.storage == QUANTIZED:
-            target = QUANTIZED  # a quantized core stays quantized (the `storage` argument does not apply)
-        if target == "semi_structured" and not (w.device.type == "cuda" and w.dtype in (torch.float16, torch.bfloat16)):
-            target = "compact"
-        if target != w.storage:
-            w = w.with_storage(target)
+        w = restore_storage(w, layer["runtime_storage"], storage, fqn)
         setattr(module, pname, nn.Parameter(w, requires_grad=False))
     return model

@@ -1,12 +1,19 @@
 """Plain PyTorch interop of :class:`~torch_armor.tensor.armor_tensor.ArmorTensor` weights.
 
-* ``torch.save(model.state_dict())`` + ``torch.load(..., weights_only=True)``: ArmorTensor and its
-  storage name are registered safe globals.
-* ``load_state_dict`` between models with the same ArmorTensor layers copies part by part;
-  loading an ARMOR state dict into a dense model (or the reverse) raises an error saying what to
-  do instead of torchao's ``'Parameter' object has no attribute 'tensor_data_names'``.
+* ``torch.save(model.state_dict())`` + ``torch.load(..., weights_only=True)``: every format class
+  registers itself as a safe global (each in its own module).
+* ``load_state_dict`` between models with ArmorTensor layers copies part by part (``copy_``); a
+  source in another format, device or dtype is first converted to the destination's (a CPU
+  checkpoint with compact cores loads into a GPU model with 2:4 cores). Loading an ARMOR state
+  dict into a dense model (or the reverse) raises an error saying what to do instead.
+* ``weight.storage()`` (``torch.Tensor.storage``, which ``safetensors.torch.save_model`` and a model's
+  ``save_pretrained`` without the ARMOR quantizer reach) raises an error that says how to save a
+  converted model: an ArmorTensor has no single storage.
 * ``weight.requires_grad_(True)`` raises, pointing to :func:`torch_armor.enable_finetuning`
   (the ArmorTensor is a container: its gradient would never be computed).
+
+Imported by :mod:`torch_armor.tensor` (its ``__init__``), so the handlers are in place whenever
+any ArmorTensor exists.
 
 Example::
 
@@ -24,9 +31,19 @@ from __future__ import annotations
 
 import torch
 
-from torch_armor.tensor.armor_tensor import ArmorTensor, StorageKind, implements, implements_torch_function
+from torch_armor.tensor.armor_tensor import ArmorTensor, implements, implements_torch_function
 
 aten = torch.ops.aten
+
+
+@implements_torch_function(torch.Tensor.storage)
+def _(func, types, args, kwargs):
+    raise TypeError(
+        "an ArmorTensor has no single storage: it holds W = A·core·B as separate tensors "
+        f"({args[0].storage_format} core). Save a converted model with model.save_pretrained(directory) "
+        "(after import torch_armor; for a model you converted by hand call torch_armor.attach_quantizer(model) "
+        "first) or torch_armor.save_pretrained(model, directory)"
+    )
 
 
 @implements_torch_function(torch.Tensor.requires_grad_)
@@ -46,6 +63,22 @@ def _(func, types, args, kwargs):
         return func(*args, **kwargs)
 
 
+def _as_destination(dst: ArmorTensor, src: ArmorTensor) -> ArmorTensor:
+    """``src`` converted to ``dst``'s device, dtype and format (exact where the formats are)."""
+    if type(src) is type(dst) and src.device == dst.device and src.dtype == dst.dtype:
+        return src
+    if (dst.storage_format == "quantized") != (src.storage_format == "quantized"):
+        raise RuntimeError(
+            f"cannot copy {src!r} into {dst!r}: one core is quantized and the other not; quantize (or "
+            "dequantize) the model the same way first, or use load_state_dict(..., assign=True)"
+        )
+    if src.device != dst.device or src.dtype != dst.dtype:
+        src = src._moved(dst.device, dst.dtype)
+    if type(src) is not type(dst):
+        src = src.with_storage(dst.storage_format, backend=dst.backend)
+    return src
+
+
 @implements(aten.copy_.default)
 def _(func, types, args, kwargs):
     dst, src = args[0], args[1]
@@ -60,17 +93,16 @@ def _(func, types, args, kwargs):
              "torch_armor (or torch_armor.load_pretrained), or load_state_dict(state, assign=True) to take the "
              "ArmorTensors as they are; for a dense weight use weight.dense_weight()")
         )
-    names_dst, _ = dst.__tensor_flatten__()
-    names_src, _ = src.__tensor_flatten__()
-    if (tuple(dst.shape) != tuple(src.shape) or names_dst != names_src or dst.pattern != src.pattern
-            or dst.storage != src.storage or dst.block_size != src.block_size):
+    if tuple(dst.shape) != tuple(src.shape) or dst.pattern != src.pattern or dst.block_size != src.block_size:
         raise RuntimeError(
-            f"cannot copy {src!r} into {dst!r}: shapes, pattern, storage or block size differ; "
+            f"cannot copy {src!r} into {dst!r}: shapes, pattern or block size differ; "
             "use load_state_dict(..., assign=True) to replace the weight"
         )
-    for name in names_dst:
+    src = _as_destination(dst, src)
+    names, _ = dst.__tensor_flatten__()
+    if names != src.__tensor_flatten__()[0] or any(getattr(dst, n).shape != getattr(src, n).shape for n in names):
+        raise RuntimeError(f"cannot copy {src!r} into {dst!r}: their inner tensors differ; "
+                           "use load_state_dict(..., assign=True) to replace the weight")
+    for name in names:
         getattr(dst, name).copy_(getattr(src, name))
     return dst
-
-
-torch.serialization.add_safe_globals([ArmorTensor, StorageKind])
