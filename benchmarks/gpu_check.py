@@ -3,7 +3,7 @@ table and a pass/fail list of the CUDA tests.
 
     ./dev.sh setup   # or: pip install -e ".[test,demo]" into an environment with a CUDA build of torch
     python benchmarks/gpu_check.py                 # full: every CUDA test, then benchmarks/inference_gpu.py
-    python benchmarks/gpu_check.py --quick         # the tests, and one layer shape (about 5 minutes)
+    python benchmarks/gpu_check.py --quick         # the tests, and one layer shape without the whole model
     python benchmarks/gpu_check.py --dry-run       # on a CPU: checks this script (no CUDA number comes out)
 
 Steps:

@@ -4,44 +4,33 @@
     python benchmarks/inference_gpu.py --dry-run      # CPU, tiny shapes: runs every code path here
     python benchmarks/inference_gpu.py --flops-only   # meta-device FLOP trace only (no GPU needed)
 
-(``python benchmarks/gpu_check.py`` runs this and the CUDA tests in one go.)
-
-Per layer (bf16; Llama-2-7B and Llama-3-70B linears, ``d_out x d_in``), at each token count:
-
-* ``dense``: ``F.linear(x, W)``;
-* ``2:4``: ``F.linear(x, S)``, ``S`` torch's own ``to_sparse_semi_structured(W ⊙ M)`` (backend as the
-  storage policy picks), ``M`` the magnitude 2:4 mask of ``W``;
-* ``armor d_b=k``: an :class:`ArmorTensor` built with ``from_factors(..., storage="semi_structured")``
-  from random block-diagonal ``A``, ``B`` and a random 2:4 core (timing does not depend on values);
-  the block sizes include the library's default (``ArmorConfig().block_size``, 16);
-
-each eager and ``torch.compile(fullgraph=True, dynamic=False)``d (``compiled`` rows: one compile per
-variant, shape and token count; compile time is not timed). Two times per row, CUDA events:
+(``python benchmarks/gpu_check.py`` runs this and the CUDA tests in one go.) Per layer (bf16;
+Llama-2-7B and Llama-3-70B linears, ``d_out x d_in``), at each token count: ``dense``
+(``F.linear(x, W)``), ``2:4`` (torch's own ``to_sparse_semi_structured(W ⊙ M)``, backend as the storage
+policy picks, ``M`` the magnitude 2:4 mask) and ``armor d_b=k`` (``from_factors(...,
+storage="semi_structured")`` of random ``A``, ``B`` and 2:4 core; the block sizes include the library's
+default, 16), each eager and ``torch.compile(fullgraph=True, dynamic=False)``d (one compile per
+variant, shape and token count, not timed). Two times per row, CUDA events:
 
 * ``flushed ms``: median of ``--repeats`` single calls, each after a 256 MB write that flushes L2
-  *and a synchronize*, so the GPU waits for the host to launch the call: host overhead (Python,
-  dispatch) is inside the time, as it is at decode;
-* ``b2b ms``: ``--repeats`` calls back to back between two events, per call: the steady state
-  (L2-warm weights, host overhead hidden whenever the GPU is the bottleneck).
+  *and a synchronize*, so the GPU waits for the host to launch the call (host overhead counted);
+* ``b2b ms``: ``--repeats`` calls back to back, per call: the steady state.
 
-``x dense`` / ``x 2:4``: speed-up (reference / row, flushed) against the same mode's dense / 2:4 row.
-``check``: the row's output against the dense product of the same weights (``W``, ``W ⊙ M``,
-``A·core·B``), relative Frobenius error, ``ok`` below 2e-2 (bf16), else ``FAIL``. Every row is built,
-compiled, checked and timed on its own: a variant whose kernel refuses the shape shows ``refused``
-and why, a row that raises shows its error, and the other rows go on.
+``x dense`` / ``x 2:4``: speed-up (flushed) against the same mode's dense / 2:4 row. ``check``: the
+row's output against the dense product of the same weights (``W``, ``W ⊙ M``, ``A·core·B``) in fp32,
+relative Frobenius error, ``ok`` below 2e-2, else ``FAIL``. Every row is built, compiled, checked and
+timed on its own: a refused kernel shows ``refused`` and why, an error its message, the rest go on.
 
-Whole model: a random-weight bf16 Llama (hidden 2048, intermediate 5632, 22 layers, 32 heads,
-4 kv heads, vocab 32000: ~1.1B parameters), prefill ``model(ids, use_cache=False,
-logits_to_keep=1)`` at ``--prefill`` tokens and decode tokens/s (``--new-tokens`` greedy steps with a
-``DynamicCache`` after a ``--prompt-len`` prompt, batch 1), for dense / 2:4 / ARMOR
-(``--model-block-size``, default the library's 16) decoder linears (``lm_head`` stays dense). Each
-variant is built alone; its ``check`` compares its last-token logits with the same model holding the
-dense equivalents of its weights. ``peak MB``: ``torch.cuda.max_memory_allocated`` during that workload.
+Whole model: a random-weight bf16 Llama (hidden 2048, intermediate 5632, 22 layers, 32 heads, 4 kv
+heads, vocab 32000: ~1.1B parameters), prefill ``model(ids, use_cache=False, logits_to_keep=1)`` at
+``--prefill`` tokens and decode tokens/s (``--new-tokens`` greedy steps with a ``DynamicCache``, batch
+1), for dense / 2:4 / ARMOR (``--model-block-size``, default 16) decoder linears; ``check`` compares
+last-token logits with the same model holding the dense equivalents of its weights; ``peak MB``:
+``torch.cuda.max_memory_allocated`` during that workload.
 
-FLOPs: the meta-device table of ``benchmarks/armor_flops.py`` for the same shapes. ``--dry-run``
-runs the same control flow on CPU (fp32, ``time.perf_counter``, dense cores instead of
-semi-structured ones, ``torch.compile(backend="eager")``, a 2-layer tiny Llama): its numbers mean
-nothing. No CUDA number exists unless this script ran on a CUDA machine.
+FLOPs: the meta-device table of ``benchmarks/armor_flops.py``. ``--dry-run`` runs the same control
+flow on CPU (fp32, ``time.perf_counter``, dense cores, ``torch.compile(backend="eager")``, a tiny
+Llama): its numbers mean nothing. No CUDA number exists unless this script ran on a CUDA machine.
 """
 
 from __future__ import annotations
@@ -145,8 +134,7 @@ def ratio(ref, t) -> Optional[float]:
     return ref / t if isinstance(ref, float) and isinstance(t, float) and t > 0 else None
 
 
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """``‖out − ref‖ / ‖ref‖`` in float32."""
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:  # ‖out − ref‖ / ‖ref‖ in float32
     out, ref = out.float(), ref.float()
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 

@@ -51,31 +51,21 @@ def _report(title, ops):
     print(f"\n{title}: {len(ops)} ops: {dict(collections.Counter(ops))}\n  in order: {ops}")
 
 
-def test_bf16_linear_is_two_bmm_around_one_sparse_gemm_no_copy(monkeypatch):
-    """Issue #21 row 4: before, bmm 2, clone 2 (the transpose-reshapes), cusparselt_mm 1."""
+@pytest.mark.parametrize("x_dtype, casts", [(torch.bfloat16, 0), (torch.float16, 2)], ids=["bf16", "fp16"])
+def test_linear_is_two_bmm_around_one_sparse_gemm_no_copy(monkeypatch, x_dtype, casts):
+    """Issue #21 row 4: before, bmm 2, clone 2 (the transpose-reshapes), cusparselt_mm 1. Row 2: before, an
+    fp16 input into the bf16 layer densified the core (a sparse GEMM against eye(d_in)) on every call; now
+    the input is cast to bf16 and the output back (the two ``_to_copy``), never the core densified."""
     with fake_cuda(monkeypatch):
         w = _cusparselt_layer()
-        x = torch.empty(TOKENS, D, device="cuda", dtype=torch.bfloat16)
+        x = torch.empty(TOKENS, D, device="cuda", dtype=x_dtype)
         ops, out = traced_ops(lambda t: F.linear(t, w), x)
-    _report("bf16 input, bf16 layer", ops)
-    assert not _copies(ops), ops
+    _report(f"{str(x_dtype)[6:]} input, bf16 layer", ops)
+    assert not _copies(ops, allowed=("_to_copy",)), ops
+    assert ops.count("aten._to_copy.default") == casts
     assert len(_sparse_gemms(ops)) == 1 and ops.count("aten.bmm.default") == 2
     assert not [op for op in ops if op in ("aten.mm.default", "aten.addmm.default")]  # no dense GEMM
-    assert out.shape == (TOKENS, D) and out.dtype == torch.bfloat16
-
-
-def test_fp16_input_into_bf16_layer_is_cast_not_densified(monkeypatch):
-    """Issue #21 row 2: before, the core was densified (a sparse GEMM against eye(d_in)) on every call."""
-    with fake_cuda(monkeypatch):
-        w = _cusparselt_layer()
-        x = torch.empty(TOKENS, D, device="cuda", dtype=torch.float16)
-        ops, out = traced_ops(lambda t: F.linear(t, w), x)
-    _report("fp16 input, bf16 layer", ops)
-    assert not _copies(ops, allowed=("_to_copy",)), ops
-    assert len(_sparse_gemms(ops)) == 1 and ops.count("aten.bmm.default") == 2
-    assert ops.count("aten._to_copy.default") == 2  # x to bf16, y back to fp16: activations only
-    assert not [op for op in ops if op in ("aten.mm.default", "aten.addmm.default")]
-    assert out.dtype == torch.float16 and out.shape == (TOKENS, D)
+    assert out.shape == (TOKENS, D) and out.dtype == x_dtype
 
 
 def test_layer_moved_to_cuda_bf16_from_a_cpu_prune(monkeypatch):

@@ -51,7 +51,6 @@ from typing import Callable, ClassVar, Dict, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import return_and_correct_aliasing
 from torchao.utils import TorchAOBaseTensor
 
 from torch_armor.config import parse_pattern
@@ -146,17 +145,22 @@ class ArmorTensor(TorchAOBaseTensor):
     tensor_attribute_names = ["pattern", "dtype"]
     layer_name: Optional[str] = None
 
-    @staticmethod
-    def _wrapper(cls, a_blocks: torch.Tensor, b_blocks: torch.Tensor, dtype: torch.dtype):
+    # Every format is built as ``cls(a_blocks, b_blocks, *its core tensors, pattern, dtype, **optional
+    # attributes)``, in the order of its ``tensor_data_names`` (what torchao's unflatten calls).
+    def __new__(cls, *parts, **attributes):
+        a_blocks, b_blocks, dtype = parts[0], parts[1], parts[len(cls.tensor_data_names) + 1]
         shape = (a_blocks.shape[0] * a_blocks.shape[1], b_blocks.shape[0] * b_blocks.shape[1])
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=a_blocks.device,
                                                    requires_grad=False)
 
-    def _set_wrappers(self, a_blocks: torch.Tensor, b_blocks: torch.Tensor, pattern: str) -> None:
-        TorchAOBaseTensor.__init__(self)
-        self.a_blocks = a_blocks
-        self.b_blocks = b_blocks
-        self.pattern = pattern
+    def __init__(self, *parts, **attributes):
+        super().__init__()
+        names = self.tensor_data_names
+        for name, t in zip(names, parts):
+            setattr(self, name, t)
+        self.pattern = parts[len(names)]
+        for name in getattr(self, "optional_tensor_attribute_names", ()):
+            setattr(self, name, attributes.get(name))
 
     # ------------------------------------------------------------------ what each format provides
 
@@ -206,7 +210,7 @@ class ArmorTensor(TorchAOBaseTensor):
     def nm(self) -> Tuple[int, int]:
         """``(N, M)`` of the pattern; ``(0, 0)`` for unstructured."""
         p = parse_pattern(self.pattern)
-        return (p.n, p.m) if p.structured else (0, 0)
+        return p.n, p.m
 
     def dense_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """Materialize ``W_hat = A · core · B`` as a plain ``(d_out, d_in)`` tensor (for squash/export).
@@ -364,7 +368,7 @@ class ArmorTensor(TorchAOBaseTensor):
         return _build(choice, self.a_blocks, self.b_blocks, self.core_dense(), self.pattern, self.dtype,
                       self.layer_name)
 
-    def _moved(self, device: Union[str, torch.device], dtype: torch.dtype,
+    def moved(self, device: Union[str, torch.device], dtype: torch.dtype,
                non_blocking: bool = False) -> "ArmorTensor":
         """``.to(device, dtype)``: inner tensors moved and cast, the storage chosen again for the target."""
         if not dtype.is_floating_point:
@@ -434,56 +438,6 @@ def restore_storage(w: ArmorTensor, saved: str, requested: Optional[str] = None,
     return w.with_storage(requested)
 
 
-def _moved_kwargs(self: ArmorTensor, kwargs: dict) -> Tuple[torch.device, torch.dtype]:
-    return torch.device(kwargs.get("device") or self.device), kwargs.get("dtype") or self.dtype
-
-
-@implements(aten._to_copy.default)
-def _(func, types, args, kwargs):
-    self = args[0]
-    device, dtype = _moved_kwargs(self, kwargs)
-    out = self._moved(device, dtype, kwargs.get("non_blocking", False) or False)
-    return return_and_correct_aliasing(func, args, kwargs, out)
-
-
-@implements(aten.to.dtype_layout)
-def _(func, types, args, kwargs):
-    self = args[0]
-    device, dtype = _moved_kwargs(self, kwargs)
-    if device == self.device and dtype == self.dtype:
-        return self
-    return self._moved(device, dtype)
-
-
-@implements_torch_function(torch.Tensor.to)
-def _(func, types, args, kwargs):
-    self = args[0]
-    kwargs = dict(kwargs)
-    copy = kwargs.pop("copy", False)
-    device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
-    device = torch.device(device) if device is not None else self.device
-    dtype = dtype or self.dtype
-    if device == self.device and dtype == self.dtype and not copy:
-        return self
-    return self._moved(device, dtype, non_blocking)
-
-
-@implements([aten.detach.default, aten.clone.default, aten.alias.default, aten.contiguous.default])
-def _(func, types, args, kwargs):
-    self = args[0]
-    out = self._apply_fn_to_data(lambda t: func(t, *args[1:], **kwargs))
-    out.layer_name = self.layer_name
-    return return_and_correct_aliasing(func, args, kwargs, out)
-
-
-@implements(aten.t.default)
-def _(func, types, args, kwargs):
-    raise NotImplementedError(
-        "ArmorTensor does not support transposition (.t()); use F.linear(x, weight) or "
-        "weight.dense_weight().t() if you need the materialized matrix"
-    )
-
-
 @implements(aten.linear.default)
 @implements_torch_function(F.linear)
 def _(func, types, args, kwargs):
@@ -498,16 +452,6 @@ def _(func, types, args, kwargs):
             f"expects d_in={d_in} (weight shape {(d_out, d_in)})"
         )
     return w._linear(x, bias)
-
-
-@implements_torch_function(torch._has_compatible_shallow_copy_type)
-def _(func, types, args, kwargs):
-    return type(args[0]) is type(args[1]) and args[0].shape == args[1].shape
-
-
-@implements_torch_function(torch.Tensor.contiguous)
-def _(func, types, args, kwargs):
-    return args[0]
 
 
 def armor_linear_from_factors(

@@ -192,7 +192,7 @@ def checkpoint_size(directory: Any) -> ModelSize:
 
     from safetensors import safe_open
 
-    from torch_armor.tensor.flatten import _layer_keys
+    from torch_armor.tensor.flatten import part_key
 
     path = Path(directory)
     quant = json.loads((path / "config.json").read_text()).get("quantization_config") or {} \
@@ -201,7 +201,7 @@ def checkpoint_size(directory: Any) -> ModelSize:
     if not layers and (path / "armor_config.json").is_file():
         layers = json.loads((path / "armor_config.json").read_text()).get("layers")
     layers = layers or {}
-    owner = {key: fqn for fqn, layer in layers.items() for key in _layer_keys(fqn, layer)}
+    owner = {part_key(fqn, name): fqn for fqn, layer in layers.items() for name in layer["tensors"]}
     params = pbytes = dense = dense_bytes = 0
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as fh:

@@ -44,14 +44,6 @@ class DenseArmorTensor(ArmorTensor):
     storage_format = "dense"
     tensor_data_names = ["a_blocks", "b_blocks", "core"]
 
-    def __new__(cls, a_blocks, b_blocks, core, pattern, dtype):
-        return ArmorTensor._wrapper(cls, a_blocks, b_blocks, dtype)
-
-    def __init__(self, a_blocks: torch.Tensor, b_blocks: torch.Tensor, core: torch.Tensor, pattern: str,
-                 dtype: torch.dtype):
-        self._set_wrappers(a_blocks, b_blocks, pattern)
-        self.core = core
-
     @classmethod
     def from_core(cls, a, b, core, pattern, dtype, mask=None):
         return cls(a, b, core, pattern, dtype)
@@ -83,15 +75,6 @@ class CompactArmorTensor(ArmorTensor):
 
     storage_format = "compact"
     tensor_data_names = ["a_blocks", "b_blocks", "values", "indices"]
-
-    def __new__(cls, a_blocks, b_blocks, values, indices, pattern, dtype):
-        return ArmorTensor._wrapper(cls, a_blocks, b_blocks, dtype)
-
-    def __init__(self, a_blocks: torch.Tensor, b_blocks: torch.Tensor, values: torch.Tensor,
-                 indices: torch.Tensor, pattern: str, dtype: torch.dtype):
-        self._set_wrappers(a_blocks, b_blocks, pattern)
-        self.values = values
-        self.indices = indices
 
     @classmethod
     def from_core(cls, a, b, core, pattern, dtype, mask: Optional[torch.Tensor] = None):

@@ -1,5 +1,8 @@
 """Plain PyTorch interop of :class:`~torch_armor.tensor.armor_tensor.ArmorTensor` weights.
 
+* ``.to()``, ``.cuda()``, ``.half()``, ``module.to(...)``: every inner tensor is moved and cast and the
+  storage is chosen again for the target (:meth:`ArmorTensor.moved`); ``detach``/``clone``/``alias``
+  apply to every inner tensor; ``.t()`` and other ops on the factored matrix raise, saying what to use.
 * ``torch.save(model.state_dict())`` + ``torch.load(..., weights_only=True)``: every format class
   registers itself as a safe global (each in its own module).
 * ``load_state_dict`` between models with ArmorTensor layers copies part by part (``copy_``); a
@@ -29,11 +32,74 @@ Example::
 
 from __future__ import annotations
 
+from typing import Tuple
+
 import torch
+from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from torch_armor.tensor.armor_tensor import ArmorTensor, implements, implements_torch_function
 
 aten = torch.ops.aten
+
+
+def _moved_kwargs(self: ArmorTensor, kwargs: dict) -> Tuple[torch.device, torch.dtype]:
+    return torch.device(kwargs.get("device") or self.device), kwargs.get("dtype") or self.dtype
+
+
+@implements(aten._to_copy.default)
+def _(func, types, args, kwargs):
+    self = args[0]
+    device, dtype = _moved_kwargs(self, kwargs)
+    out = self.moved(device, dtype, kwargs.get("non_blocking", False) or False)
+    return return_and_correct_aliasing(func, args, kwargs, out)
+
+
+@implements(aten.to.dtype_layout)
+def _(func, types, args, kwargs):
+    self = args[0]
+    device, dtype = _moved_kwargs(self, kwargs)
+    if device == self.device and dtype == self.dtype:
+        return self
+    return self.moved(device, dtype)
+
+
+@implements_torch_function(torch.Tensor.to)
+def _(func, types, args, kwargs):
+    self = args[0]
+    kwargs = dict(kwargs)
+    copy = kwargs.pop("copy", False)
+    device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+    device = torch.device(device) if device is not None else self.device
+    dtype = dtype or self.dtype
+    if device == self.device and dtype == self.dtype and not copy:
+        return self
+    return self.moved(device, dtype, non_blocking)
+
+
+@implements([aten.detach.default, aten.clone.default, aten.alias.default, aten.contiguous.default])
+def _(func, types, args, kwargs):
+    self = args[0]
+    out = self._apply_fn_to_data(lambda t: func(t, *args[1:], **kwargs))
+    out.layer_name = self.layer_name
+    return return_and_correct_aliasing(func, args, kwargs, out)
+
+
+@implements(aten.t.default)
+def _(func, types, args, kwargs):
+    raise NotImplementedError(
+        "ArmorTensor does not support transposition (.t()); use F.linear(x, weight) or "
+        "weight.dense_weight().t() if you need the materialized matrix"
+    )
+
+
+@implements_torch_function(torch._has_compatible_shallow_copy_type)
+def _(func, types, args, kwargs):
+    return type(args[0]) is type(args[1]) and args[0].shape == args[1].shape
+
+
+@implements_torch_function(torch.Tensor.contiguous)
+def _(func, types, args, kwargs):
+    return args[0]
 
 
 @implements_torch_function(torch.Tensor.storage)
@@ -73,7 +139,7 @@ def _as_destination(dst: ArmorTensor, src: ArmorTensor) -> ArmorTensor:
             "dequantize) the model the same way first, or use load_state_dict(..., assign=True)"
         )
     if src.device != dst.device or src.dtype != dst.dtype:
-        src = src._moved(dst.device, dst.dtype)
+        src = src.moved(dst.device, dst.dtype)
     if type(src) is not type(dst):
         src = src.with_storage(dst.storage_format, backend=dst.backend)
     return src

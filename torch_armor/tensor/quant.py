@@ -109,15 +109,6 @@ class QuantizedArmorTensor(ArmorTensor):
     tensor_data_names = ["a_blocks", "b_blocks", "core"]
     optional_tensor_attribute_names = ["quant_config"]
 
-    def __new__(cls, a_blocks, b_blocks, core, pattern, dtype, quant_config=None):
-        return ArmorTensor._wrapper(cls, a_blocks, b_blocks, dtype)
-
-    def __init__(self, a_blocks: torch.Tensor, b_blocks: torch.Tensor, core: torch.Tensor, pattern: str,
-                 dtype: torch.dtype, quant_config: Optional[AOBaseConfig] = None):
-        self._set_wrappers(a_blocks, b_blocks, pattern)
-        self.core = core
-        self.quant_config = quant_config
-
     def core_dense(self) -> torch.Tensor:
         dequantize = getattr(self.core, "dequantize", None)
         if dequantize is None:
@@ -163,7 +154,7 @@ class QuantizedArmorTensor(ArmorTensor):
             state = dict(state, quant_config=config_from_dict(config[_CONFIG_KEY]))
         TorchAOBaseTensor.__setstate__(self, state)
 
-    def _moved(self, device, dtype: torch.dtype, non_blocking: bool = False) -> ArmorTensor:
+    def moved(self, device, dtype: torch.dtype, non_blocking: bool = False) -> ArmorTensor:
         if not dtype.is_floating_point:
             raise ValueError(
                 f"ArmorTensor holds floating-point factors and cannot be cast to {dtype}; "

@@ -102,14 +102,6 @@ class CusparseltArmorTensor(SemiStructuredArmorTensor):
     backend = "cusparselt"
     tensor_data_names = ["a_blocks", "b_blocks", "packed"]
 
-    def __new__(cls, a_blocks, b_blocks, packed, pattern, dtype):
-        return ArmorTensor._wrapper(cls, a_blocks, b_blocks, dtype)
-
-    def __init__(self, a_blocks: torch.Tensor, b_blocks: torch.Tensor, packed: torch.Tensor, pattern: str,
-                 dtype: torch.dtype):
-        self._set_wrappers(a_blocks, b_blocks, pattern)
-        self.packed = packed
-
     @classmethod
     def from_core(cls, a, b, core, pattern, dtype, mask=None):
         packed = torch._cslt_compress(core.contiguous()).view(core.shape[0], -1)
@@ -139,15 +131,6 @@ class CutlassArmorTensor(SemiStructuredArmorTensor):
 
     backend = "cutlass"
     tensor_data_names = ["a_blocks", "b_blocks", "packed", "meta"]
-
-    def __new__(cls, a_blocks, b_blocks, packed, meta, pattern, dtype):
-        return ArmorTensor._wrapper(cls, a_blocks, b_blocks, dtype)
-
-    def __init__(self, a_blocks: torch.Tensor, b_blocks: torch.Tensor, packed: torch.Tensor, meta: torch.Tensor,
-                 pattern: str, dtype: torch.dtype):
-        self._set_wrappers(a_blocks, b_blocks, pattern)
-        self.packed = packed
-        self.meta = meta
 
     @classmethod
     def from_core(cls, a, b, core, pattern, dtype, mask=None):
