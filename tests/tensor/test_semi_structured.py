@@ -219,14 +219,16 @@ def test_cusparselt_buffers_copy_and_load_weights_only(tmp_path):
     assert type(back) is CusparseltArmorTensor and torch.equal(back.packed, w.packed)
 
 
-def test_refusing_kernel_falls_back_to_dense_with_one_warning(monkeypatch):
-    """The trial matmul at conversion: here the CUTLASS kernel really refuses (it has no CPU implementation),
-    so the layer keeps a dense core and says why, naming the layer."""
+@pytest.mark.parametrize("backend, why", [("cutlass", "trial matmul failed"), ("cusparselt", "compression failed")])
+def test_refusing_kernel_falls_back_to_dense_with_one_warning(monkeypatch, backend, why):
+    """The conversion-time checks: here the kernels really refuse (this CPU build has no 2:4 kernels: CUTLASS
+    packs on CPU but cannot multiply, cuSPARSELt cannot even compress), so the layer keeps a dense core and
+    says why, naming the layer."""
     monkeypatch.setattr(policy, "_WARNED", set())
-    gpu = policy.DeviceInfo("cuda", (8, 0), frozenset({"cutlass"}))
+    gpu = policy.DeviceInfo("cuda", (8, 0), frozenset({backend}))
     monkeypatch.setattr(policy, "device_info", lambda d: gpu)  # this CPU claims to be an sm80 GPU
     w = ArmorTensor.from_factors(random_pattern_factors(64, 128, 16), storage="dense", dtype=torch.bfloat16,
                                  name="layers.3.mlp.down")
-    with pytest.warns(policy.ArmorStorageWarning, match=r"layers\.3\.mlp\.down: .*trial matmul failed"):
-        out = w.with_storage("semi_structured", backend="cutlass")
+    with pytest.warns(policy.ArmorStorageWarning, match=rf"layers\.3\.mlp\.down: .*{backend}.*{why}"):
+        out = w.with_storage("semi_structured", backend=backend)
     assert out.storage_format == "dense" and torch.equal(out.core_dense(), w.core_dense())

@@ -44,6 +44,14 @@ _TRIALS: Dict[Tuple, Optional[str]] = {}  # (device, backend, dtype, shape) -> N
 _EYE_COLUMNS = 1024  # densify a cuSPARSELt core this many columns at a time
 
 
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+
+
+def _refused(backend: str, core: torch.Tensor, why: str) -> str:
+    return f"the {backend} 2:4 kernel refused a {tuple(core.shape)} {core.dtype} core: {why}"
+
+
 def _is_fake(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake
 
@@ -54,6 +62,21 @@ class SemiStructuredArmorTensor(ArmorTensor):
     """An ARMOR weight whose 2:4 core lives in a CUDA sparse kernel's format."""
 
     storage_format = "semi_structured"
+
+    @classmethod
+    def from_core(cls, a, b, core, pattern, dtype, mask=None):
+        try:
+            parts = cls._compress(core.contiguous())
+        except (RuntimeError, NotImplementedError, ValueError) as exc:
+            raise KernelRefused(_refused(cls.backend, core, f"its compression failed: {_first_line(exc)}")) from None
+        w = cls(a, b, *parts, pattern, dtype)
+        w._trial(core)
+        return w
+
+    @staticmethod
+    def _compress(core: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """The kernel's inner tensors of a contiguous dense 2:4 core (after ``a_blocks``, ``b_blocks``)."""
+        raise NotImplementedError
 
     def _core_mm(self, y: torch.Tensor) -> torch.Tensor:
         """``core · y`` for the row-major ``(d_in, T)`` operand ``y``: ``(d_out, T)``."""
@@ -88,11 +111,9 @@ class SemiStructuredArmorTensor(ArmorTensor):
                 err = float((got - want).norm() / want.norm().clamp_min(1e-30))
                 _TRIALS[key] = None if err <= 2e-2 else f"its trial matmul disagrees with the dense core ({err:.2g})"
             except (RuntimeError, NotImplementedError, ValueError) as exc:
-                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
-                _TRIALS[key] = f"its trial matmul failed: {first}"
+                _TRIALS[key] = f"its trial matmul failed: {_first_line(exc)}"
         if _TRIALS[key] is not None:
-            raise KernelRefused(f"the {self.backend} 2:4 kernel refused a {tuple(core.shape)} {core.dtype} core: "
-                                f"{_TRIALS[key]}")
+            raise KernelRefused(_refused(self.backend, core, _TRIALS[key]))
 
 
 @register_format
@@ -102,12 +123,9 @@ class CusparseltArmorTensor(SemiStructuredArmorTensor):
     backend = "cusparselt"
     tensor_data_names = ["a_blocks", "b_blocks", "packed"]
 
-    @classmethod
-    def from_core(cls, a, b, core, pattern, dtype, mask=None):
-        packed = torch._cslt_compress(core.contiguous()).view(core.shape[0], -1)
-        w = cls(a, b, packed, pattern, dtype)
-        w._trial(core)
-        return w
+    @staticmethod
+    def _compress(core: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        return (torch._cslt_compress(core).view(core.shape[0], -1),)
 
     def _core_mm(self, y: torch.Tensor) -> torch.Tensor:
         return torch._cslt_sparse_mm(self.packed, y, bias=None, alpha=None, out_dtype=None, transpose_result=False,
@@ -132,14 +150,11 @@ class CutlassArmorTensor(SemiStructuredArmorTensor):
     backend = "cutlass"
     tensor_data_names = ["a_blocks", "b_blocks", "packed", "meta"]
 
-    @classmethod
-    def from_core(cls, a, b, core, pattern, dtype, mask=None):
+    @staticmethod
+    def _compress(core: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         from torch.sparse._semi_structured_conversions import sparse_semi_structured_from_dense_cutlass
 
-        packed, meta = sparse_semi_structured_from_dense_cutlass(core.contiguous())
-        w = cls(a, b, packed, meta, pattern, dtype)
-        w._trial(core)
-        return w
+        return tuple(sparse_semi_structured_from_dense_cutlass(core))
 
     def _core_mm(self, y: torch.Tensor) -> torch.Tensor:
         return torch._sparse_semi_structured_mm(self.packed, self.meta, y)
