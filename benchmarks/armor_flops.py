@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from torch_armor.tensor.armor_tensor import ArmorTensor
+from torch_armor.tensor.armor_tensor import from_parts
 
 SHAPES = ["4096x4096", "11008x4096", "4096x11008", "8192x8192", "28672x8192", "8192x28672"]
 Row = Dict[str, object]
@@ -42,8 +42,8 @@ def flop_rows(shapes: Sequence[str], block_sizes: Sequence[int], tokens: int = 1
                 continue
             wrapper, gemm24 = 2 * d_b * (d_in + d_out), d_out * d_in
             meta = dict(device="meta", dtype=torch.bfloat16)
-            w = ArmorTensor(torch.empty(d_out // d_b, d_b, d_b, **meta), torch.empty(d_in // d_b, d_b, d_b, **meta),
-                            "2:4", "dense", torch.bfloat16, core=torch.empty(d_out, d_in, **meta))
+            w = from_parts("dense", torch.empty(d_out // d_b, d_b, d_b, **meta), torch.empty(d_in // d_b, d_b, d_b, **meta),
+                           "2:4", torch.bfloat16, core=torch.empty(d_out, d_in, **meta))
             with FlopCounterMode(display=False) as counter:
                 F.linear(torch.empty(tokens, d_in, **meta), w)
             ops = {str(op).split(".")[-1]: n for op, n in counter.get_flop_counts()["Global"].items()}

@@ -4,32 +4,33 @@
     python benchmarks/inference_gpu.py --dry-run      # CPU, tiny shapes: runs every code path here
     python benchmarks/inference_gpu.py --flops-only   # meta-device FLOP trace only (no GPU needed)
 
-Per layer (bf16; Llama-2-7B and Llama-3-70B linears, ``d_out x d_in``), at each token count:
+(``python benchmarks/gpu_check.py`` runs this and the CUDA tests in one go.) Per layer (bf16;
+Llama-2-7B and Llama-3-70B linears, ``d_out x d_in``), at each token count: ``dense``
+(``F.linear(x, W)``), ``2:4`` (torch's own ``to_sparse_semi_structured(W ⊙ M)``, backend as the storage
+policy picks, ``M`` the magnitude 2:4 mask) and ``armor d_b=k`` (``from_factors(...,
+storage="semi_structured")`` of random ``A``, ``B`` and 2:4 core; the block sizes include the library's
+default, 16), each eager and ``torch.compile(fullgraph=True, dynamic=False)``d (one compile per
+variant, shape and token count, not timed). Two times per row, CUDA events:
 
-* ``dense``: ``F.linear(x, W)``;
-* ``2:4``: ``F.linear(x, to_semi_structured(W ⊙ M))``, ``M`` the magnitude 2:4 mask of ``W``;
-* ``armor d_b=k``: an :class:`ArmorTensor` built with ``from_factors(..., storage="semi_structured")``
-  from random block-diagonal ``A``, ``B`` and a random 2:4 core (timing does not depend on values);
+* ``flushed ms``: median of ``--repeats`` single calls, each after a 256 MB write that flushes L2
+  *and a synchronize*, so the GPU waits for the host to launch the call (host overhead counted);
+* ``b2b ms``: ``--repeats`` calls back to back, per call: the steady state.
 
-each eager and ``torch.compile(fullgraph=True, dynamic=False)``d (``compiled`` rows: one compile per
-variant, shape and token count; compile time is not timed). Times: CUDA events, ``--warmup``
-calls, then the median of ``--repeats`` calls, each preceded by a 256 MB write that flushes L2 so
-small-token rows do not read L2-hot weights. ``x dense`` / ``x 2:4``: speed-up (reference time /
-row time) against the same mode's dense / 2:4 row of the same shape and token count. A variant whose
-kernel refuses the shape (``to_semi_structured`` falls back to a dense core, or the call raises)
-shows ``refused`` and why, never a time.
+``x dense`` / ``x 2:4``: speed-up (flushed) against the same mode's dense / 2:4 row. ``check``: the
+row's output against the dense product of the same weights (``W``, ``W ⊙ M``, ``A·core·B``) in fp32,
+relative Frobenius error, ``ok`` below 2e-2, else ``FAIL``. Every row is built, compiled, checked and
+timed on its own: a refused kernel shows ``refused`` and why, an error its message, the rest go on.
 
-Whole model: a random-weight bf16 Llama (hidden 2048, intermediate 5632, 22 layers, 32 heads,
-4 kv heads, vocab 32000: ~1.1B parameters), prefill ``model(ids, use_cache=False,
-logits_to_keep=1)`` at ``--prefill`` tokens and decode tokens/s (``--new-tokens`` greedy steps with a
-``DynamicCache`` after a ``--prompt-len`` prompt, batch 1), for dense / 2:4 / ARMOR
-(``--model-block-size``) decoder linears (``lm_head`` stays dense). Each variant is built alone;
-``peak MB``: ``torch.cuda.max_memory_allocated`` during that workload (weights included).
+Whole model: a random-weight bf16 Llama (hidden 2048, intermediate 5632, 22 layers, 32 heads, 4 kv
+heads, vocab 32000: ~1.1B parameters), prefill ``model(ids, use_cache=False, logits_to_keep=1)`` at
+``--prefill`` tokens and decode tokens/s (``--new-tokens`` greedy steps with a ``DynamicCache``, batch
+1), for dense / 2:4 / ARMOR (``--model-block-size``, default 16) decoder linears; ``check`` compares
+last-token logits with the same model holding the dense equivalents of its weights; ``peak MB``:
+``torch.cuda.max_memory_allocated`` during that workload.
 
-FLOPs: the meta-device table of ``benchmarks/armor_flops.py`` for the same shapes. ``--dry-run``
-runs the same control flow on CPU (fp32, ``time.perf_counter``, dense cores instead of
-semi-structured ones, ``torch.compile(backend="eager")``, a 2-layer tiny Llama): its numbers mean
-nothing. No CUDA number exists unless this script ran on a CUDA machine.
+FLOPs: the meta-device table of ``benchmarks/armor_flops.py``. ``--dry-run`` runs the same control
+flow on CPU (fp32, ``time.perf_counter``, dense cores, ``torch.compile(backend="eager")``, a tiny
+Llama): its numbers mean nothing. No CUDA number exists unless this script ran on a CUDA machine.
 """
 
 from __future__ import annotations
@@ -52,10 +53,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torch_armor.core.config import ArmorConfig
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.core.proxy import nm_mask_from_scores
+from torch_armor.tensor import policy
 from torch_armor.tensor.armor_tensor import ArmorTensor
-from torch_armor.tensor.packing import to_semi_structured
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from armor_flops import FLOP_COLS, SHAPES, flop_rows  # noqa: E402  (benchmarks/armor_flops.py)
@@ -63,6 +65,8 @@ from armor_flops import FLOP_COLS, SHAPES, flop_rows  # noqa: E402  (benchmarks/
 NO_CUDA = "no CUDA device: run this on an NVIDIA GPU (sm80+; Hopper uses cuSPARSELt)"
 TOKENS = [1, 16, 128, 1024, 8192, 16384]
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_BLOCK = ArmorConfig().block_size
+CHECK_TOL = 2e-2
 Row = Dict[str, object]
 
 
@@ -70,7 +74,11 @@ Row = Dict[str, object]
 
 
 class Clock:
-    """Milliseconds of one call: CUDA events on CUDA (after an L2 flush), ``time.perf_counter`` on CPU."""
+    """Milliseconds of calls: CUDA events on CUDA, ``time.perf_counter`` on CPU.
+
+    :meth:`time` is one call after an L2 flush and a synchronize (host overhead counted);
+    :meth:`back_to_back` is the mean of ``n`` calls launched back to back.
+    """
 
     def __init__(self, cuda: bool):
         self.cuda = cuda
@@ -82,12 +90,29 @@ class Clock:
             fn()
             return (time.perf_counter() - start) * 1e3
         self.flush.zero_()
+        torch.cuda.synchronize()  # the GPU is idle when the call starts: its launch cost is timed
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
         torch.cuda.synchronize()
         return start.elapsed_time(end)
+
+    def back_to_back(self, fn: Callable[[], object], n: int) -> float:
+        if not self.cuda:
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            return (time.perf_counter() - start) * 1e3 / n
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / n
 
 
 def median_ms(run: Callable[[], float], warmup: int, repeats: int) -> float:
@@ -98,14 +123,24 @@ def median_ms(run: Callable[[], float], warmup: int, repeats: int) -> float:
 
 
 def refusal(err: BaseException, mode: str = "eager") -> str:
-    """One line for a call that raised: a kernel refusing the shape, or (compiled rows) a failed compile."""
+    """One line for a call that raised: a kernel refusing the shape, (compiled rows) a failed compile, or
+    (``mode="build"``) a weight that could not be built."""
     first = (str(err).strip().splitlines() or [type(err).__name__])[0][:100]
-    return ("compile failed: " if mode == "compiled" else "refused: ") + first
+    return {"compiled": "compile failed: ", "build": "error: "}.get(mode, "refused: ") + first
 
 
 def ratio(ref, t) -> Optional[float]:
     """Speed-up ``ref / t``; ``None`` when either is not a time."""
     return ref / t if isinstance(ref, float) and isinstance(t, float) and t > 0 else None
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:  # ‖out − ref‖ / ‖ref‖ in float32
+    out, ref = out.float(), ref.float()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def check_note(err: Optional[float]) -> str:
+    return "" if err is None else (f"ok {err:.1e}" if err <= CHECK_TOL else f"FAIL {err:.1e}")
 
 
 # ------------------------------------------------------------------------------ weights
@@ -118,16 +153,23 @@ def random_24(d_out: int, d_in: int, device, dtype, gen: torch.Generator) -> tor
 
 
 def sparse_weight(w24: torch.Tensor, semi: bool):
-    """``(weight, note)``: ``w24`` as a semi-structured tensor, or why the kernel refused it."""
+    """``(weight, note)``: ``w24`` as torch's own semi-structured tensor (the backend the storage policy
+    picks for it), or ``None`` and why the kernel refused it."""
     if not semi:
         return w24, ""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = to_semi_structured(w24)
-    if out is w24:
-        why = str(caught[0].message).split(";")[0] if caught else "kernel cannot take this shape"
-        return None, "refused: " + why
-    return out, ""
+    from torch.sparse import SparseSemiStructuredTensor, to_sparse_semi_structured
+
+    choice = policy.choose_storage(policy.device_info(w24.device), w24.dtype, tuple(w24.shape), "2:4")
+    if choice.storage != "semi_structured":
+        return None, "refused: " + choice.reason
+    previous = SparseSemiStructuredTensor._FORCE_CUTLASS
+    SparseSemiStructuredTensor._FORCE_CUTLASS = choice.backend == "cutlass"
+    try:
+        return to_sparse_semi_structured(w24.contiguous()), ""
+    except (RuntimeError, ValueError, NotImplementedError) as err:
+        return None, refusal(err)
+    finally:
+        SparseSemiStructuredTensor._FORCE_CUTLASS = previous
 
 
 def armor_weight(d_out: int, d_in: int, d_b: int, device, dtype, semi: bool, gen: torch.Generator):
@@ -140,13 +182,63 @@ def armor_weight(d_out: int, d_in: int, d_b: int, device, dtype, semi: bool, gen
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         w = ArmorTensor.from_factors(factors, storage="semi_structured" if semi else "dense")
-    if semi and w.storage != "semi_structured":
-        why = str(caught[0].message).split(";")[0] if caught else "kernel cannot take this shape"
+    if semi and w.storage_format != "semi_structured":
+        why = str(caught[0].message).split(" because ")[-1].split(";")[0] if caught else "kernel refused the core"
         return None, "refused: " + why
     return w, ""
 
 
+def dense_of(w) -> torch.Tensor:
+    """The dense matrix a weight stands for (the reference its row is checked against)."""
+    if isinstance(w, ArmorTensor):
+        return w.dense_weight()
+    return w.to_dense() if type(w) is not torch.Tensor else w
+
+
 # ------------------------------------------------------------------------------ per layer
+
+
+def build_weights(args, shape: str, device: str, dtype: torch.dtype, semi: bool, gen) -> Dict[str, tuple]:
+    """``{variant: (weight or None, note, dense reference in fp32 or None)}``, each built on its own."""
+    d_out, d_in = (int(s) for s in shape.split("x"))
+    w24 = random_24(d_out, d_in, device, dtype, gen)
+    builders: Dict[str, Callable] = {
+        "dense": lambda: (torch.randn(d_out, d_in, device=device, dtype=dtype, generator=gen), ""),
+        "2:4": lambda: sparse_weight(w24, semi),
+    }
+    for d_b in args.block_sizes:
+        builders[f"armor d_b={d_b}"] = (
+            (lambda d_b=d_b: armor_weight(d_out, d_in, d_b, device, dtype, semi, gen))
+            if d_out % d_b == 0 and d_in % d_b == 0 else (lambda d_b=d_b: (None, f"skipped: d_b={d_b} does not divide {shape}")))
+    weights = {}
+    for name, build in builders.items():
+        try:
+            w, note = build()
+            ref = None
+            if w is not None:
+                ref = (w24 if name == "2:4" else w.dense_weight(torch.float32) if isinstance(w, ArmorTensor) else w).float()
+            weights[name] = (w, note, ref)
+        except Exception as err:  # noqa: BLE001 - one variant failing is a result, the others go on
+            weights[name] = (None, refusal(err, "build"), None)
+    return weights
+
+
+def time_row(args, clock: Clock, w, ref: torch.Tensor, x: torch.Tensor, mode: str) -> Row:
+    """Compile (``mode == "compiled"``), check against ``ref`` and time one variant; a failure is its note."""
+    fn: Callable = lambda t: F.linear(t, w)  # noqa: E731
+    try:
+        if mode == "compiled":
+            fn = torch.compile(fn, fullgraph=True, dynamic=False, backend=args.compile_backend)
+        with torch.no_grad():
+            start = time.perf_counter()
+            out = fn(x)  # compiles the compiled variants for this token count
+            compile_s = time.perf_counter() - start if mode == "compiled" else 0.0
+            err = rel_error(out, F.linear(x.float(), ref))
+            ms = median_ms(lambda: clock.time(lambda: fn(x)), args.warmup, args.repeats)
+            b2b = clock.back_to_back(lambda: fn(x), args.repeats)
+        return {"ms": ms, "b2b_ms": b2b, "check": check_note(err), "error": err, "compile_s": compile_s, "note": ""}
+    except Exception as err:  # noqa: BLE001 - a kernel refusing a shape is a result
+        return {"note": refusal(err, mode), "compile_s": 0.0}
 
 
 def bench_layers(args, clock: Clock, device: str, dtype: torch.dtype, semi: bool) -> List[Row]:
@@ -154,54 +246,29 @@ def bench_layers(args, clock: Clock, device: str, dtype: torch.dtype, semi: bool
     modes = ["eager"] + ([] if args.no_compile else ["compiled"])
     gen = torch.Generator(device).manual_seed(0)
     for shape in args.shapes:
-        d_out, d_in = (int(s) for s in shape.split("x"))
-        w24 = random_24(d_out, d_in, device, dtype, gen)
-        weights = {"dense": (torch.randn(d_out, d_in, device=device, dtype=dtype, generator=gen), ""),
-                   "2:4": sparse_weight(w24, semi)}
-        for d_b in args.block_sizes:
-            ok = d_out % d_b == 0 and d_in % d_b == 0
-            weights[f"armor d_b={d_b}"] = (armor_weight(d_out, d_in, d_b, device, dtype, semi, gen) if ok
-                                           else (None, f"skipped: d_b={d_b} does not divide {shape}"))
-        del w24
+        d_in = int(shape.split("x")[1])
+        weights = build_weights(args, shape, device, dtype, semi, gen)
         compile_s = 0.0
         for tokens in args.tokens:
             # fresh compiles per token count: the variants share one code object, whose recompile limit
             # (8) would otherwise be hit; fail_on_recompile_limit_hit makes that an error, not eager runs
             torch._dynamo.reset()
             torch._dynamo.config.fail_on_recompile_limit_hit = True
-            fns: Dict[tuple, Callable] = {}
-            for name, (w, _) in weights.items():
-                if w is not None:
-                    fns[name, "eager"] = (lambda x, w=w: F.linear(x, w))
-                    if "compiled" in modes:
-                        fns[name, "compiled"] = torch.compile(fns[name, "eager"], fullgraph=True, dynamic=False,
-                                                              backend=args.compile_backend)
             x = torch.randn(tokens, d_in, device=device, dtype=dtype, generator=gen)
-            times: Dict[tuple, object] = {}
+            results: Dict[tuple, Row] = {}
             for mode in modes:
-                for name, (w, note) in weights.items():
-                    if (name, mode) not in fns:
-                        times[name, mode] = note
-                        continue
-                    fn = fns[name, mode]
-                    try:
-                        with torch.no_grad():
-                            start = time.perf_counter()
-                            fn(x)  # compiles the compiled variants for this token count
-                            compile_s += time.perf_counter() - start if mode == "compiled" else 0.0
-                            times[name, mode] = median_ms(lambda: clock.time(lambda: fn(x)), args.warmup,
-                                                          args.repeats)
-                    except Exception as err:  # noqa: BLE001 - a kernel refusing a shape is a result
-                        times[name, mode] = refusal(err, mode)
+                for name, (w, note, ref) in weights.items():
+                    results[name, mode] = time_row(args, clock, w, ref, x, mode) if w is not None else {"note": note}
+                    compile_s += results[name, mode].get("compile_s", 0.0)
             for mode in modes:
                 for name in weights:
-                    t = times[name, mode]
-                    ref = {k: times[k, mode] for k in ("dense", "2:4")}
+                    r = results[name, mode]
+                    refs = {k: results[k, mode].get("ms") for k in ("dense", "2:4")}
                     rows.append({"shape": shape, "tokens": tokens, "variant": name, "mode": mode,
-                                 "ms": t if isinstance(t, float) else None,
-                                 "x_dense": ratio(ref["dense"], t), "x_24": ratio(ref["2:4"], t),
-                                 "note": t if isinstance(t, str) else ""})
-            del x, fns
+                                 "ms": r.get("ms"), "b2b_ms": r.get("b2b_ms"),
+                                 "x_dense": ratio(refs["dense"], r.get("ms")), "x_24": ratio(refs["2:4"], r.get("ms")),
+                                 "check": r.get("check", ""), "error": r.get("error"), "note": r.get("note", "")})
+            del x
         if "compiled" in modes:
             print(f"  (compiled the variants of {shape} for {len(args.tokens)} token counts in {compile_s:.0f} s)",
                   file=sys.stderr)
@@ -225,7 +292,8 @@ def llama_config(dry_run: bool):
 
 
 def build_model(cfg, variant: str, d_b: int, device: str, dtype: torch.dtype, semi: bool):
-    """``(model, note)``: the random Llama with its decoder linears as ``variant``."""
+    """``(model, note, check)``: the random Llama with its decoder linears as ``variant``; ``check`` compares
+    its last-token logits with the same model holding the dense equivalents of those weights."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -233,6 +301,7 @@ def build_model(cfg, variant: str, d_b: int, device: str, dtype: torch.dtype, se
         model = LlamaForCausalLM(cfg).to(dtype).eval()
     gen = torch.Generator(device).manual_seed(1)
     kept = total = 0
+    swapped = []
     for name, module in model.named_modules():
         if not (isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in LINEARS) or variant == "dense":
             continue
@@ -243,15 +312,24 @@ def build_model(cfg, variant: str, d_b: int, device: str, dtype: torch.dtype, se
             w, _ = sparse_weight(w24, semi)
             w = w24 if w is None else w
             kept += int(w is not w24)
+            dense = w24
         else:
             w, _ = armor_weight(d_out, d_in, d_b, device, dtype, semi, gen)
             if w is None:  # the kernel refused the core: keep ARMOR with a dense core
                 w, _ = armor_weight(d_out, d_in, d_b, device, dtype, False, gen)
             else:
-                kept += int(w.storage == "semi_structured")
-        module.weight = nn.Parameter(w, requires_grad=False)
+                kept += int(w.storage_format == "semi_structured")
+            dense = w.dense_weight()
+        module.weight = nn.Parameter(dense, requires_grad=False)
+        swapped.append((module, w))
+    ids = torch.randint(0, cfg.vocab_size, (1, 64), device=device, generator=torch.Generator(device).manual_seed(3))
+    with torch.no_grad():
+        ref = model(ids, use_cache=False, logits_to_keep=1).logits
+        for module, w in swapped:
+            module.weight = nn.Parameter(w, requires_grad=False)
+        err = rel_error(model(ids, use_cache=False, logits_to_keep=1).logits, ref)
     note = f"{kept}/{total} linears semi-structured" if semi and total else ""
-    return model, note
+    return model, note, (check_note(err) if swapped else "")
 
 
 def resident_mb(model: nn.Module) -> float:
@@ -282,32 +360,41 @@ def bench_model(args, clock: Clock, device: str, dtype: torch.dtype, semi: bool)
     cfg = llama_config(args.dry_run)
     cuda = device == "cuda"
     rows: List[Row] = []
+    work = [(f"prefill {n}", n, None) for n in args.prefill] + [(f"decode {args.new_tokens}", args.prompt_len,
+                                                                 args.new_tokens)]
     for variant in ("dense", "2:4", f"armor d_b={args.model_block_size}"):
-        model, note = build_model(cfg, variant, args.model_block_size, device, dtype, semi)
+        try:
+            model, note, check = build_model(cfg, variant, args.model_block_size, device, dtype, semi)
+        except Exception as err:  # noqa: BLE001 - one variant failing is a result, the others go on
+            rows += [{"variant": variant, "workload": label, "note": refusal(err, "build")} for label, _, _ in work]
+            continue
         weights = resident_mb(model)
         gen = torch.Generator(device).manual_seed(2)
-        work = [(f"prefill {n}", n, None) for n in args.prefill] + [(f"decode {args.new_tokens}", args.prompt_len,
-                                                                     args.new_tokens)]
         for label, n, new in work:
             ids = torch.randint(0, cfg.vocab_size, (1, n), device=device, generator=gen)
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-            with torch.no_grad():
-                if new is None:
-                    ms = median_ms(lambda: clock.time(lambda: model(ids, use_cache=False, logits_to_keep=1)),
-                                   1, args.model_repeats)
-                else:
-                    ms = median_ms(lambda: decode_ms(model, ids, new, clock), 1, max(1, args.model_repeats // 2))
+            try:
+                with torch.no_grad():
+                    if new is None:
+                        ms = median_ms(lambda: clock.time(lambda: model(ids, use_cache=False, logits_to_keep=1)),
+                                       1, args.model_repeats)
+                    else:
+                        ms = median_ms(lambda: decode_ms(model, ids, new, clock), 1, max(1, args.model_repeats // 2))
+            except Exception as err:  # noqa: BLE001
+                rows.append({"variant": variant, "workload": label, "note": refusal(err), "check": check})
+                continue
             rows.append({"variant": variant, "workload": label, "ms": ms,
                          "tok_s": (new if new else n) / ms * 1e3, "weights_mb": weights,
-                         "peak_mb": torch.cuda.max_memory_allocated() / 1e6 if cuda else None, "note": note})
+                         "peak_mb": torch.cuda.max_memory_allocated() / 1e6 if cuda else None, "note": note,
+                         "check": check})
         del model
         if cuda:
             torch.cuda.empty_cache()
     for row in rows:
-        ref = {r["variant"]: r["ms"] for r in rows if r["workload"] == row["workload"]}
-        row["x_dense"], row["x_24"] = ratio(ref["dense"], row["ms"]), ratio(ref["2:4"], row["ms"])
+        ref = {r["variant"]: r.get("ms") for r in rows if r["workload"] == row["workload"]}
+        row["x_dense"], row["x_24"] = ratio(ref.get("dense"), row.get("ms")), ratio(ref.get("2:4"), row.get("ms"))
     return rows
 
 
@@ -327,10 +414,12 @@ def table(title: str, cols: Sequence[tuple], rows: Sequence[Row]) -> str:
 
 
 LAYER_COLS = [("shape", "shape", ""), ("tokens", "tokens", ""), ("variant", "variant", ""), ("mode", "mode", ""),
-              ("median ms", "ms", ".4f"), ("x dense", "x_dense", ".2f"), ("x 2:4", "x_24", ".2f"), ("note", "note", "")]
+              ("flushed ms", "ms", ".4f"), ("b2b ms", "b2b_ms", ".4f"), ("x dense", "x_dense", ".2f"),
+              ("x 2:4", "x_24", ".2f"), ("check", "check", ""), ("note", "note", "")]
 MODEL_COLS = [("variant", "variant", ""), ("workload", "workload", ""), ("median ms", "ms", ".2f"),
               ("tokens/s", "tok_s", ".1f"), ("x dense", "x_dense", ".2f"), ("x 2:4", "x_24", ".2f"),
-              ("weights MB", "weights_mb", ".1f"), ("peak MB", "peak_mb", ".1f"), ("note", "note", "")]
+              ("weights MB", "weights_mb", ".1f"), ("peak MB", "peak_mb", ".1f"), ("check", "check", ""),
+              ("note", "note", "")]
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -340,7 +429,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--flops-only", action="store_true", help="only the meta-device FLOP table")
     p.add_argument("--shapes", nargs="+", default=None, help=f"d_out x d_in (default: {' '.join(SHAPES)})")
     p.add_argument("--tokens", type=int, nargs="+", default=None, help=f"default: {TOKENS}")
-    p.add_argument("--block-sizes", type=int, nargs="+", default=None, help="default: 16 64 128")
+    p.add_argument("--block-sizes", type=int, nargs="+", default=None,
+                   help=f"default: {DEFAULT_BLOCK} (the library's) 64 128")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--repeats", type=int, default=50, help="timed calls per layer row")
     p.add_argument("--no-compile", action="store_true")
@@ -350,14 +440,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--prefill", type=int, nargs="+", default=None, help="prefill lengths (default 2048 8192)")
     p.add_argument("--prompt-len", type=int, default=None, help="decode prompt length (default 128)")
     p.add_argument("--new-tokens", type=int, default=None, help="decode steps (default 128)")
-    p.add_argument("--model-block-size", type=int, default=None, help="ARMOR d_b of the model (default 128)")
+    p.add_argument("--model-block-size", type=int, default=None,
+                   help=f"ARMOR d_b of the model (default: the library's, {DEFAULT_BLOCK})")
     p.add_argument("--model-repeats", type=int, default=5)
     p.add_argument("--json", type=Path, default=None, help="also save every row here")
     args = p.parse_args(argv)
     dry = args.dry_run
     defaults = dict(shapes=["64x128"] if dry else SHAPES, tokens=[1, 16] if dry else TOKENS,
-                    block_sizes=[16, 32, 64] if dry else [16, 64, 128], prefill=[16, 32] if dry else [2048, 8192],
-                    prompt_len=8 if dry else 128, new_tokens=4 if dry else 128, model_block_size=16 if dry else 128,
+                    block_sizes=[DEFAULT_BLOCK, 32, 64] if dry else sorted({DEFAULT_BLOCK, 64, 128}), prefill=[16, 32] if dry else [2048, 8192],
+                    prompt_len=8 if dry else 128, new_tokens=4 if dry else 128, model_block_size=DEFAULT_BLOCK,
                     compile_backend="eager" if dry else "inductor")
     for key, value in defaults.items():
         if getattr(args, key) is None:
@@ -382,6 +473,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         device = "cpu" if args.dry_run else "cuda"
         dtype = torch.float32 if args.dry_run else torch.bfloat16
         name = torch.cuda.get_device_name() if device == "cuda" else "CPU (dry run: numbers mean nothing)"
+        if device == "cuda":
+            info = policy.device_info("cuda")
+            name += f" (sm{info.capability[0]}{info.capability[1]}, 2:4 backends: {', '.join(sorted(info.backends))})"
         out.append(f"device: {name}, {str(dtype).removeprefix('torch.')}")
         result["device"] = name
         clock = Clock(device == "cuda")
@@ -392,7 +486,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             result["model"] = bench_model(args, clock, device, dtype, semi=device == "cuda")
             out.append(table("whole model: random Llama, batch 1", MODEL_COLS, result["model"]))
     out.append(table("FLOPs per token (meta device; tokens cancel)", FLOP_COLS, flops))
+    failed = [r for r in result.get("layers", []) + result.get("model", []) if str(r.get("check", "")).startswith("FAIL")]
+    result["failed_checks"] = len(failed)
     print("\n".join(out))
+    if failed:
+        print(f"{len(failed)} row(s) disagree with their dense reference (check column FAIL)", file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0

@@ -50,16 +50,22 @@ def test_dry_run_tables(dry_run):
     tables = _tables(out)
     assert set(tables) == {"per layer", "whole model", "FLOPs per token (meta device; tokens cancel)"}
     header, rows = tables["per layer"]
-    assert header == ["shape", "tokens", "variant", "mode", "median ms", "x dense", "x 2:4", "note"]
+    assert header == ["shape", "tokens", "variant", "mode", "flushed ms", "b2b ms", "x dense", "x 2:4", "check", "note"]
     assert len(rows) == 1 * 2 * 5 * 2  # shape 64x128, tokens 1 and 16, dense/2:4/3 d_b, eager/compiled
     assert not any("refused" in r or "failed" in r for r in rows), rows
+    assert all("| ok " in r for r in rows)  # every row agrees with the dense product of its weights
+    assert sum("armor d_b=16 |" in r for r in rows) == 4  # the library's default block size is a row
     header, rows = tables["whole model"]
     assert header[:4] == ["variant", "workload", "median ms", "tokens/s"] and "peak MB" in header
+    assert "check" in header
     assert len(rows) == 3 * 3  # dense/2:4/armor x prefill 16, prefill 32, decode 4
+    assert sum(r.startswith("| armor d_b=16 |") for r in rows) == 3
     header, rows = tables["FLOPs per token (meta device; tokens cancel)"]
     assert "wrapper %" in header and len(rows) == 3 and all(r.rstrip(" |").endswith("ok") for r in rows)
     assert len(saved["layers"]) == 20 and len(saved["model"]) == 9 and len(saved["flops"]) == 3
     assert all(isinstance(r["ms"], float) and r["ms"] > 0 for r in saved["layers"] + saved["model"])
+    assert all(isinstance(r["b2b_ms"], float) and r["b2b_ms"] > 0 for r in saved["layers"])
+    assert saved["failed_checks"] == 0 and all(r["error"] < 1e-5 for r in saved["layers"])
     dense = [r for r in saved["layers"] if r["variant"] == "dense"]
     assert all(r["x_dense"] == 1.0 for r in dense)
 
@@ -71,19 +77,64 @@ def test_cuda_without_gpu_exits_2():
     assert proc.stderr.strip() == NO_CUDA and proc.stdout == ""
 
 
-def test_refused_kernel_is_reported(monkeypatch):
-    """A 2:4 kernel that refuses the shape gives a note, never a time (CUDA path, faked here)."""
+def _bench_module():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import inference_gpu
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
+    return inference_gpu
 
-    def refuse(core, backend=None):
-        warnings.warn("cusparselt semi-structured kernels cannot take a core of shape (8, 8); keeps dense")
-        return core
 
-    monkeypatch.setattr(inference_gpu, "to_semi_structured", refuse)
-    w, note = inference_gpu.sparse_weight(torch.zeros(8, 8), semi=True)
-    assert w is None and note == "refused: cusparselt semi-structured kernels cannot take a core of shape (8, 8)"
+def test_refused_kernel_is_reported(monkeypatch):
+    """A 2:4 kernel that refuses the shape gives a note, never a time (CUDA path, policy faked here)."""
+    inference_gpu = _bench_module()
+    hopper_without_cusparselt = inference_gpu.policy.DeviceInfo("cuda", (9, 0), frozenset({"cutlass"}))
+    monkeypatch.setattr(inference_gpu.policy, "device_info", lambda device: hopper_without_cusparselt)
+    w, note = inference_gpu.sparse_weight(torch.zeros(64, 64, dtype=torch.bfloat16), semi=True)
+    assert w is None and note.startswith("refused: ") and "sm8x only" in note
     assert inference_gpu.refusal(RuntimeError("bad shape\nmore"), "compiled") == "compile failed: bad shape"
+
+
+def test_a_failing_row_is_reported_and_the_others_go_on(monkeypatch):
+    inference_gpu = _bench_module()
+    real = inference_gpu.armor_weight
+
+    def broken(d_out, d_in, d_b, *args):
+        if d_b == 32:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real(d_out, d_in, d_b, *args)
+
+    monkeypatch.setattr(inference_gpu, "armor_weight", broken)
+    args = inference_gpu.parse_args(["--dry-run", "--no-compile", "--tokens", "4"])
+    rows = inference_gpu.bench_layers(args, inference_gpu.Clock(False), "cpu", torch.float32, semi=False)
+    by_variant = {r["variant"]: r for r in rows}
+    assert by_variant["armor d_b=32"]["ms"] is None and "illegal memory access" in by_variant["armor d_b=32"]["note"]
+    assert all(isinstance(by_variant[v]["ms"], float) for v in ("dense", "2:4", "armor d_b=16", "armor d_b=64"))
+
+
+CHECK = ROOT / "benchmarks" / "gpu_check.py"
+
+
+def _check(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, str(CHECK), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message printed without CUDA")
+def test_gpu_check_without_gpu_exits_2():
+    proc = _check(timeout=60)
+    assert proc.returncode == 2 and "no CUDA device" in proc.stderr
+
+
+def test_gpu_check_lists_every_test_and_fails_on_a_failing_one(tmp_path):
+    tests = tmp_path / "test_probe.py"
+    tests.write_text("def test_fine():\n    pass\n\ndef test_broken():\n    assert 1 == 2, 'kernel off'\n")
+    proc = _check("--dry-run", "--out", str(tmp_path / "out"), "--tests", str(tests), "--bench-args=--flops-only")
+    assert proc.returncode == 1, proc.stderr
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "## CUDA tests: 1 passed, 1 failed, 0 skipped" in summary
+    assert "- PASS " in summary and "test_fine" in summary and "- FAIL " in summary and "kernel off" in summary
+    assert "FLOPs per token" in summary and summary.rstrip().endswith("reference or missing)")
+    assert (tmp_path / "out" / "inference_gpu.json").is_file() and (tmp_path / "out" / "cuda_tests.xml").is_file()

@@ -27,7 +27,7 @@ The ``torch.ao.pruning`` protocol works on any model, with your own forward pass
     >>> _ = model(torch.randn(256, 64))      # calibrate
     >>> model = sparsifier.convert(model)     # factorize and swap in ArmorTensor weights
     >>> type(model[0].weight).__name__
-    'ArmorTensor'
+    'CompactArmorTensor'
 """
 
 import importlib as _importlib

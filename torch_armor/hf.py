@@ -41,7 +41,7 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from torch_armor.errors import ArmorInputError
-from torch_armor.tensor.armor_tensor import QUANTIZED, ArmorTensor
+from torch_armor.tensor.armor_tensor import QUANTIZED, ArmorTensor, from_parts, restore_storage
 from torch_armor.tensor.file_checks import (check_checkpoint_files, check_layer_entries, refuse_meta_device_map)
 from torch_armor.tensor.finetune import trainable_parts
 from torch_armor.tensor.flatten import flatten_armor_state
@@ -140,11 +140,7 @@ class ArmorDeserialize(ConversionOps):
         dtype = target.dtype if target is not None else w.dtype
         if dtype != w.dtype:  # dtype= at load time: the wrappers and a floating core follow it
             w = w.to(dtype)
-        runtime = layer["runtime_storage"]
-        if w.storage != QUANTIZED and runtime != w.storage:
-            if runtime == "semi_structured" and not (w.is_cuda and w.dtype in (torch.float16, torch.bfloat16)):
-                runtime = "compact"
-            w = w.with_storage(runtime)
+        w = restore_storage(w, layer["runtime_storage"], name=full_layer_name)
         param = nn.Parameter(w, requires_grad=False)
         return {full_layer_name: param}
 
@@ -194,7 +190,7 @@ class ArmorHfQuantizer(HfQuantizer):
             storage = layer["storage"] if layer["storage"] != QUANTIZED else "dense"
             if storage == "dense" and "core" not in inner:
                 inner = {"core": torch.empty(layer["shape"], dtype=old.dtype, device="meta")}
-            w = ArmorTensor(a.to(old.dtype), b.to(old.dtype), layer["pattern"], storage, old.dtype, **inner)
+            w = from_parts(storage, a.to(old.dtype), b.to(old.dtype), layer["pattern"], old.dtype, **inner)
             module._parameters[pname] = nn.Parameter(w, requires_grad=False)
         return model
 

@@ -85,7 +85,7 @@ class ArmorSparsifier(CalibratedSparsifier):
         >>> _ = model(torch.randn(128, 32))          # calibrate
         >>> model = sparsifier.convert(model)         # step() + swap the weights
         >>> type(model[0].weight).__name__, sparsifier.factors["0.weight"].relative_loss < 1
-        ('ArmorTensor', True)
+        ('CompactArmorTensor', True)
     """
 
     def __init__(

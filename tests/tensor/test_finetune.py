@@ -37,7 +37,7 @@ def test_gradients_match_dense_weight_autograd(storage):
     torch.testing.assert_close(lin.weight_b_blocks.grad, b.grad, rtol=1e-12, atol=1e-10)
     torch.testing.assert_close(lin.weight_values.grad.reshape(-1), kept.grad, rtol=1e-12, atol=1e-10)
     torch.testing.assert_close(lin.bias.grad, bias.grad, rtol=1e-12, atol=1e-10)
-    assert lin.weight.storage == "compact" and lin.weight.grad is None
+    assert lin.weight.storage_format == "compact" and lin.weight.grad is None
 
 
 def test_requires_grad_on_the_weight_says_how():

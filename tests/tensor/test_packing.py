@@ -1,4 +1,4 @@
-"""Tests for torch_armor.tensor.packing: compact N:M round trips, CUTLASS layout, backend choice."""
+"""Tests for torch_armor.tensor.packing: compact N:M round trips, CUTLASS layout."""
 
 from __future__ import annotations
 
@@ -11,14 +11,11 @@ from hypothesis import strategies as st
 
 from torch_armor.tensor.packing import (
     check_nm_mask,
-    choose_semi_structured_backend,
     cutlass_pack,
     cutlass_unpack,
     index_bits,
     pack_nm,
     packed_nbytes,
-    semi_structured_supported,
-    to_semi_structured,
     unpack_nm,
 )
 
@@ -169,55 +166,3 @@ def test_cutlass_values_match_compact_values():
 def test_cutlass_rejects(dense, match):
     with pytest.raises(ValueError, match=match):
         cutlass_pack(dense)
-
-
-# ----------------------------------------------------------------------- backend choice
-
-
-def test_choose_backend(monkeypatch):
-    assert choose_semi_structured_backend() in ("cusparselt", "cutlass")
-    monkeypatch.setattr(torch.backends.cusparselt, "is_available", lambda: True)
-    assert choose_semi_structured_backend() == "cusparselt"
-    monkeypatch.setattr(torch.backends.cusparselt, "is_available", lambda: False)
-    assert choose_semi_structured_backend() == "cutlass"
-
-
-def test_to_semi_structured_cpu_errors():
-    core = torch.tensor([1.0, 0.0, 0.0, 2.0]).repeat(64, 16)
-    assert not semi_structured_supported(core)
-    with pytest.raises(ValueError, match="CUDA only"):
-        to_semi_structured(core.half())
-    with pytest.raises(ValueError, match="backend must be"):
-        to_semi_structured(core.half(), backend="triton")
-
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-@needs_cuda
-@pytest.mark.parametrize("backend", ["cutlass", "cusparselt"])
-def test_to_semi_structured_cuda(backend):
-    from torch.sparse import SparseSemiStructuredTensor
-
-    if backend == "cusparselt" and not torch.backends.cusparselt.is_available():
-        pytest.skip("cuSPARSELt not available")
-    gen = torch.Generator().manual_seed(4)
-    core = (torch.randn(128, 128, generator=gen) * random_nm_mask(128, 128, 2, 4, gen)).half().cuda()
-    before = SparseSemiStructuredTensor._FORCE_CUTLASS
-    sparse = to_semi_structured(core, backend)
-    assert isinstance(sparse, SparseSemiStructuredTensor)
-    assert sparse.BACKEND == backend
-    assert SparseSemiStructuredTensor._FORCE_CUTLASS == before
-    x = torch.randn(64, 128, device="cuda", dtype=torch.half)
-    torch.testing.assert_close(torch.nn.functional.linear(x, sparse), x @ core.t(), rtol=1e-2, atol=1e-2)
-
-
-@needs_cuda
-def test_to_semi_structured_small_shape_falls_back_once():
-    core = torch.tensor([1.0, 0.0, 0.0, 2.0], device="cuda").repeat(8, 2).half()  # (8, 8): too small
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out1 = to_semi_structured(core)
-        out2 = to_semi_structured(core)
-    assert out1 is core and out2 is core
-    assert sum("dense core" in str(w.message) for w in caught) == 1

@@ -100,7 +100,7 @@ def test_quantize_core_keeps_wrappers(name, bound):
     f = random_factors(64, 128, 16)
     w = ArmorTensor.from_factors(f, storage="compact")
     q = quantize_armor_core(w, CONFIGS[name])
-    assert q.storage == "quantized" and type(q.core).__name__ == "Int8Tensor"
+    assert q.storage_format == "quantized" and type(q.core).__name__ == "Int8Tensor"
     assert q.core.qdata.dtype == torch.int8 and q.core.qdata.shape == (64, 128)
     assert q.a_blocks is w.a_blocks and q.b_blocks is w.b_blocks  # A, B untouched, fp32
     assert q.dtype == torch.float32 and q.shape == w.shape and q.quant_config is CONFIGS[name]
@@ -126,7 +126,7 @@ def test_bf16_activation_dtype():
     assert rel_err(out, F.linear(x, w)) < 0.03
     # .to(dtype) casts A and B; the int8 core and its scales are moved, not cast
     q32 = q.to(torch.float32)
-    assert q32.a_blocks.dtype == torch.float32 and q32.storage == "quantized"
+    assert q32.a_blocks.dtype == torch.float32 and q32.storage_format == "quantized"
     assert torch.equal(q32.core.qdata, q.core.qdata)
 
 
@@ -141,7 +141,7 @@ def test_quantized_core_errors_and_dequantize():
     with pytest.raises(TypeError, match="ArmorTensor"):
         quantize_armor_core(torch.randn(4, 4), WO)
     d = dequantize_armor_core(q, "compact")
-    assert d.storage == "compact"
+    assert d.storage_format == "compact"
     x = torch.randn(4, 64)
     torch.testing.assert_close(F.linear(x, d), F.linear(x, q), rtol=1e-4, atol=1e-5)
 
@@ -154,7 +154,7 @@ def test_quantize_only_touches_armor_linears():
     x = torch.randn(4, 64)
     ref = model(x)
     quantize_(model, ArmorCoreConfig(WO))
-    assert model[0].weight.storage == model[2].weight.storage == "quantized"
+    assert model[0].weight.storage_format == model[2].weight.storage_format == "quantized"
     assert type(model[3].weight) is nn.Parameter and type(model[3].weight.data) is torch.Tensor
     assert "core=Int8Tensor" in repr(model[0])
     assert rel_err(model(x), ref) < 0.01
@@ -166,7 +166,7 @@ def test_quantize_only_touches_armor_linears():
 def test_apply_to_dense_quantizes_the_rest():
     model = converted_mlp()
     quantize_(model, ArmorCoreConfig(WO, apply_to_dense=True))
-    assert model[0].weight.storage == "quantized"
+    assert model[0].weight.storage_format == "quantized"
     assert type(model[3].weight).__name__ == "Int8Tensor"
 
 
@@ -177,7 +177,7 @@ def test_plain_config_on_converted_model_says_use_armor_core_config():
             quantize_(copy.deepcopy(model), cfg)
     # the documented way to quantize only the dense layers with a plain config
     quantize_(model, WO, filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and not is_armor_linear(m))
-    assert isinstance(model[0].weight, ArmorTensor) and model[0].weight.storage == "compact"
+    assert isinstance(model[0].weight, ArmorTensor) and model[0].weight.storage_format == "compact"
     assert type(model[3].weight).__name__ == "Int8Tensor"
 
 
@@ -203,7 +203,7 @@ def test_tiny_llama_error_vs_fp32(llamas, eval_ids, name, bound):
         quantize_(dense_q, CONFIGS[name], filter_fn=lambda m, fqn: fqn in names)
         dense_err = rel_err(dense_q(eval_ids).logits, dense_ref)
     q_proj = model.model.layers[0].self_attn.q_proj.weight
-    assert q_proj.storage == "quantized" and q_proj.a_blocks.dtype == torch.float32
+    assert q_proj.storage_format == "quantized" and q_proj.a_blocks.dtype == torch.float32
     assert type(model.lm_head.weight.data) is torch.Tensor  # not a decoder linear: untouched
     err = rel_err(out, ref)
     print(f"{name}: relative logit error vs fp32: ARMOR core {err:.4%}, torchao on the dense model {dense_err:.4%}")
@@ -219,7 +219,7 @@ def test_save_load_quantized_bit_identical(converted_llama, eval_ids, tmp_path, 
     save_pretrained(model, tmp_path / "int8")
     loaded = load_pretrained(tmp_path / "int8")
     w = loaded.model.layers[1].mlp.down_proj.weight
-    assert w.storage == "quantized" and type(w.core).__name__ == "Int8Tensor"
+    assert w.storage_format == "quantized" and type(w.core).__name__ == "Int8Tensor"
     assert w.quant_config == CONFIGS[name]
     with torch.no_grad():
         assert torch.equal(loaded(eval_ids).logits, model(eval_ids).logits)

@@ -55,17 +55,17 @@ def test_sequential_roundtrip_bit_identical(saved):
     x = torch.randn(4, 9, 64)
     with torch.no_grad():
         assert torch.equal(loaded(x), model(x))
-    assert isinstance(loaded[0].weight, ArmorTensor) and loaded[0].weight.storage == "compact"
-    assert isinstance(loaded[2].weight, ArmorTensor) and loaded[2].weight.storage == "dense"
+    assert isinstance(loaded[0].weight, ArmorTensor) and loaded[0].weight.storage_format == "compact"
+    assert isinstance(loaded[2].weight, ArmorTensor) and loaded[2].weight.storage_format == "dense"
     assert loaded[2].weight.pattern == "4:8"
     assert type(loaded[4].weight) is nn.Parameter
     # a factory works too, and storage can be overridden
     other = load_pretrained(path, make_sequential, storage="dense")
-    assert other[0].weight.storage == "dense"
+    assert other[0].weight.storage_format == "dense"
     with torch.no_grad():
         assert torch.equal(other(x), model(x))
     other = load_pretrained(path, make_sequential, storage="auto", device="cpu")
-    assert other[0].weight.storage == "compact" and other[2].weight.storage == "compact"
+    assert other[0].weight.storage_format == "compact" and other[2].weight.storage_format == "compact"
     with torch.no_grad():
         assert torch.equal(other(x), model(x))
 
@@ -261,8 +261,8 @@ def test_tiny_llama_roundtrip(tmp_path):
         loaded = load_pretrained(tmp_path, spec)
         assert type(loaded) is type(model)
         w = loaded.model.layers[1].self_attn.q_proj.weight
-        assert isinstance(w, ArmorTensor) and w.storage == "compact"
-        assert loaded.model.layers[0].mlp.up_proj.weight.storage == "dense"
+        assert isinstance(w, ArmorTensor) and w.storage_format == "compact"
+        assert loaded.model.layers[0].mlp.up_proj.weight.storage_format == "dense"
         with torch.no_grad():
             assert torch.equal(loaded(ids).logits, ref)
 
@@ -326,7 +326,7 @@ def test_sharded_llama_matches_memory_and_single_file(tmp_path, tiny_llama_facto
     assert config["model_class"] == model_class and len(config["layers"]) == 2 * 7
     loaded = load_pretrained(ckpt)
     assert type(loaded) is type(model)
-    assert loaded.model.layers[1].mlp.up_proj.weight.storage == "dense"
+    assert loaded.model.layers[1].mlp.up_proj.weight.storage_format == "dense"
     assert loaded.model.layers[0].mlp.down_proj.weight.pattern == "4:8"
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, ref)
@@ -359,7 +359,7 @@ def test_sharded_sequential_roundtrip(tmp_path):
     x = torch.randn(4, 64)
     with torch.no_grad():
         assert torch.equal(loaded(x), model(x))
-    assert loaded[2].weight.storage == "dense" and loaded[0].weight.storage == "compact"
+    assert loaded[2].weight.storage_format == "dense" and loaded[0].weight.storage_format == "compact"
 
 
 def test_single_shard_is_a_save_pretrained_checkpoint(tmp_path):

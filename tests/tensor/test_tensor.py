@@ -1,9 +1,8 @@
-"""Tests for torch_armor.tensor.armor_tensor.ArmorTensor: linear correctness, conversions, compile, CUDA storage."""
+"""Tests for torch_armor.tensor.armor_tensor.ArmorTensor: linear correctness, conversions, compile, interop."""
 
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
@@ -14,8 +13,6 @@ from torch import nn
 
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.tensor.armor_tensor import ArmorTensor, armor_linear_from_factors
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def assert_half_close(out: torch.Tensor, ref: torch.Tensor, rel: float = 1e-2) -> None:
@@ -43,7 +40,7 @@ def test_linear_matches_dense_fp32(storage, lead):
 def test_linear_other_patterns(pattern, storage):
     f = random_pattern_factors(24, 48, 8, pattern=pattern, seed=1)
     w = ArmorTensor.from_factors(f, storage=storage)
-    assert w.pattern == pattern and w.storage == storage
+    assert w.pattern == pattern and w.storage_format == storage
     x = torch.randn(4, 7, 48)
     torch.testing.assert_close(F.linear(x, w), x @ f.dense().T, rtol=1e-5, atol=1e-5)
 
@@ -73,16 +70,16 @@ def test_with_storage_roundtrip_exact():
     f = random_pattern_factors(32, 64, 16, seed=4)
     w = ArmorTensor.from_factors(f, storage="compact")
     d = w.with_storage("dense")
-    assert d.storage == "dense" and d.core is not None and d.values is None
+    assert d.storage_format == "dense" and type(d).__name__ == "DenseArmorTensor" and d.core is not None
     back = d.with_storage("compact")
     assert torch.equal(back.values, w.values) and torch.equal(back.indices, w.indices)
     assert w.with_storage("compact") is w
-    assert w.with_storage("auto").storage == "compact"  # CPU N:M
+    assert w.with_storage("auto").storage_format == "compact"  # CPU N:M
 
 
 def test_auto_storage_on_cpu():
-    assert ArmorTensor.from_factors(random_pattern_factors(16, 32, 8)).storage == "compact"
-    assert ArmorTensor.from_factors(random_pattern_factors(16, 32, 8, pattern="unstructured:0.5")).storage == "dense"
+    assert ArmorTensor.from_factors(random_pattern_factors(16, 32, 8)).storage_format == "compact"
+    assert ArmorTensor.from_factors(random_pattern_factors(16, 32, 8, pattern="unstructured:0.5")).storage_format == "dense"
 
 
 def test_compact_storage_is_smaller():
@@ -105,7 +102,7 @@ def test_to_dtype_really_converts(storage):
         (lambda t: t.to("cpu", torch.float16), torch.float16),
     ]:
         c = conv(w)
-        assert isinstance(c, ArmorTensor) and c.dtype == dtype and c.storage == storage
+        assert isinstance(c, ArmorTensor) and c.dtype == dtype and c.storage_format == storage
         assert c.a_blocks.dtype == dtype and c.b_blocks.dtype == dtype
         if storage == "compact":
             assert c.values.dtype == dtype and c.indices.dtype == torch.uint8
@@ -114,7 +111,7 @@ def test_to_dtype_really_converts(storage):
             assert c.core.dtype == dtype
         torch.testing.assert_close(c.core_dense(), f.core.to(dtype))
         torch.testing.assert_close(c.a_blocks, f.a_blocks.to(dtype))
-    assert w.to("cpu") is w and w.cpu().storage == storage
+    assert w.to("cpu") is w and w.cpu().storage_format == storage
     assert torch.equal(w.float().dense_weight(), w.dense_weight())
     with pytest.raises(ValueError, match="cannot be cast to torch.int8"):
         w.to(torch.int8)
@@ -215,44 +212,7 @@ def test_compile_fullgraph_inductor():
         torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
 
 
-# ------------------------------------------------------------------------------- CUDA
-
-
-@needs_cuda
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_cuda_semi_structured(dtype):
-    f = random_pattern_factors(128, 256, 64, seed=10)
-    w = ArmorTensor.from_factors(f, storage="auto", dtype=dtype, device="cuda")
-    assert w.storage == "semi_structured" and w.device.type == "cuda"
-    x = torch.randn(4, 16, 256, device="cuda", dtype=dtype)
-    ref = x.float() @ f.dense().cuda().T
-    assert_half_close(F.linear(x, w), ref)
-    assert torch.equal(w.core_dense().cpu(), f.core.to(dtype))
-    cpu = w.to("cpu")
-    assert cpu.storage == "compact" and torch.equal(cpu.core_dense(), f.core.to(dtype))
-    back = cpu.to("cuda").with_storage("semi_structured")
-    assert back.storage == "semi_structured"
-
-
-@needs_cuda
-def test_cuda_small_shape_falls_back_to_dense():
-    f = random_pattern_factors(16, 16, 8, seed=11)
-    with warnings.catch_warnings(record=True):
-        warnings.simplefilter("always")
-        w = ArmorTensor.from_factors(f, storage="semi_structured", dtype=torch.float16, device="cuda")
-    assert w.storage == "dense"
-    x = torch.randn(3, 16, device="cuda", dtype=torch.float16)
-    assert_half_close(F.linear(x, w), x.float() @ f.dense().cuda().T)
-
-
-@needs_cuda
-@pytest.mark.parametrize("storage", ["compact", "dense"])
-def test_cuda_compact_dense(storage):
-    f = random_pattern_factors(64, 128, 32, seed=12)
-    w = ArmorTensor.from_factors(f, storage=storage).to("cuda")
-    assert w.storage == storage and w.a_blocks.is_cuda
-    x = torch.randn(5, 128, device="cuda")
-    torch.testing.assert_close(F.linear(x, w), x @ f.dense().cuda().T, rtol=1e-4, atol=1e-4)
+# CUDA: tests/tensor/test_cuda.py (real GPU), tests/tensor/test_semi_structured.py (fake CUDA traces)
 
 
 # ----------------------------------------------------------------- plain PyTorch interop (issue #13)
@@ -269,13 +229,16 @@ def _converted_llama():
     return model
 
 
-def test_storage_name_is_a_string_whose_call_says_how_to_save(tmp_path):
-    """Before: safetensors.torch.save_model / save_pretrained died with "'str' object is not callable"."""
+def test_storage_is_the_tensor_method_and_says_how_to_save(tmp_path):
+    """Before #13: safetensors.torch.save_model / save_pretrained died with "'str' object is not callable";
+    before #21 the format name shadowed ``Tensor.storage`` (now ``storage_format``)."""
     from safetensors.torch import save_model
 
     model = _converted_llama()
     w = model.model.layers[0].mlp.up_proj.weight
-    assert w.storage == "compact" and isinstance(w.storage, str) and f"{w.storage}" == "compact"
+    assert w.storage_format == "compact" and w.storage.__func__ is torch.Tensor.storage
+    with pytest.raises(TypeError, match="no single storage"):
+        w.storage()
     with pytest.raises(TypeError, match=r"model\.save_pretrained\(directory\)"):
         save_model(model, str(tmp_path / "x.safetensors"))
     with pytest.raises(TypeError, match="attach_quantizer"):
@@ -292,7 +255,7 @@ def test_torch_save_state_dict_loads_with_weights_only(tmp_path):
     torch.save(model.state_dict(), tmp_path / "sd.pt")
     state = torch.load(tmp_path / "sd.pt", weights_only=True)
     w = state["model.layers.1.self_attn.k_proj.weight"]
-    assert isinstance(w, ArmorTensor) and w.storage == "compact"
+    assert isinstance(w, ArmorTensor) and w.storage_format == "compact"
     other = _converted_llama()
     for p in other.parameters():  # different values, same structure
         if not isinstance(p, ArmorTensor):
@@ -316,3 +279,51 @@ def test_armor_state_dict_into_dense_model_says_what_to_do():
     dense = make_tiny_llama().state_dict()
     with pytest.raises(RuntimeError, match="dense tensor cannot be copied into an ArmorTensor"):
         _converted_llama().load_state_dict(dense)
+
+
+@pytest.mark.parametrize("src_storage, dst_storage", [("compact", "dense"), ("dense", "compact"), ("dense", "dense")])
+def test_load_state_dict_across_storages(src_storage, dst_storage, tmp_path):
+    """Issue #21 row 7: a checkpoint loads into a model whose cores are in another storage (copy_ converts)."""
+    torch.manual_seed(0)
+    src, dst = nn.Linear(64, 32), nn.Linear(64, 32)
+    armor_linear_from_factors(src, random_pattern_factors(32, 64, 16, seed=1), storage=src_storage)
+    armor_linear_from_factors(dst, random_pattern_factors(32, 64, 16, seed=2), storage=dst_storage)
+    torch.save(src.state_dict(), tmp_path / "sd.pt")
+    dst.load_state_dict(torch.load(tmp_path / "sd.pt", weights_only=True))
+    assert dst.weight.storage_format == dst_storage
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(dst(x), src(x), rtol=1e-6, atol=1e-6)
+    with pytest.raises(RuntimeError, match="block size differ"):
+        armor_linear_from_factors(dst, random_pattern_factors(32, 64, 8, seed=2))
+        dst.load_state_dict(src.state_dict())
+
+
+def test_quantized_core_saves_and_loads_weights_only(tmp_path):
+    from torchao.quantization import Int8WeightOnlyConfig
+
+    from torch_armor.tensor.quant import quantize_armor_core
+
+    w = quantize_armor_core(ArmorTensor.from_factors(random_pattern_factors(32, 64, 16)),
+                            Int8WeightOnlyConfig(set_inductor_config=False))
+    torch.save({"w": w}, tmp_path / "q.pt")
+    back = torch.load(tmp_path / "q.pt", weights_only=True)["w"]
+    assert back.storage_format == "quantized" and torch.equal(back.core.qdata, w.core.qdata)
+    other = quantize_armor_core(ArmorTensor.from_factors(random_pattern_factors(32, 64, 16, seed=5)),
+                                Int8WeightOnlyConfig(set_inductor_config=False))
+    other.copy_(back)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(F.linear(x, other), F.linear(x, w))
+
+
+def test_one_class_per_storage_and_no_storage_branch_in_forward():
+    """Each format computes its own linear; the shared code never asks which storage it holds."""
+    import inspect
+
+    from torch_armor.tensor import armor_tensor, layout
+
+    forward = [inspect.getsource(layout)] + [inspect.getsource(cls._linear) for cls in armor_tensor._FORMATS.values()]
+    assert len(forward) == 1 + 5  # dense, compact, cuSPARSELt, CUTLASS, quantized
+    assert not [src for src in forward if "storage" in src or "backend" in src]
+    names = {type(ArmorTensor.from_factors(random_pattern_factors(32, 64, 16), storage=s)).__name__
+             for s in ("compact", "dense")}
+    assert names == {"CompactArmorTensor", "DenseArmorTensor"}

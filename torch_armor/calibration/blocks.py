@@ -173,14 +173,22 @@ def capture_block_inputs(
 
 def run_block(block: nn.Module, inp: BlockInput, device: torch.device) -> torch.Tensor:
     """The block's output hidden states for one batch, computed on ``device`` in the block's dtype
-    and returned like the input (its device and dtype)."""
+    and returned like the input (its device and dtype). Computing on CUDA, host-side hidden states
+    live in pinned memory (pinned once, on first use), so the copies each way are DMA transfers."""
     hidden = inp.hidden
+    if torch.device(device).type == "cuda" and hidden.device.type == "cpu" and inp.path is None \
+            and not hidden.is_pinned():
+        hidden = hidden.pin_memory()
+        inp.hidden = hidden
     param = next((p for p in block.parameters() if p.device.type != "meta"), None)
     compute_dtype = param.dtype if param is not None else hidden.dtype
     with torch.no_grad():
-        out = block(hidden.to(device=device, dtype=compute_dtype), **to_device(inp.kwargs, device))
+        out = block(hidden.to(device=device, dtype=compute_dtype, non_blocking=hidden.is_pinned()),
+                    **to_device(inp.kwargs, device))
     if isinstance(out, (tuple, list)):
         out = out[0]
+    if hidden.is_pinned() and out.device.type != "cpu":  # back into pinned memory (a blocking copy)
+        return torch.empty(out.shape, dtype=hidden.dtype, pin_memory=True).copy_(out.detach())
     return out.detach().to(device=hidden.device, dtype=hidden.dtype)
 
 

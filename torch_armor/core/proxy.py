@@ -156,6 +156,10 @@ def nowag_prune(
     return mask, weight * mask
 
 
+#: float64 elements :func:`proxy_loss` works on at a time
+LOSS_CHUNK = 1 << 22
+
+
 def proxy_loss(weight: torch.Tensor, approx: torch.Tensor, act_sq_norm: torch.Tensor) -> torch.Tensor:
     """NoWag proxy loss ``Σ ((W − W_hat)_ij / (r_i c_j))² h_j`` (float64 scalar).
 
@@ -170,10 +174,22 @@ def proxy_loss(weight: torch.Tensor, approx: torch.Tensor, act_sq_norm: torch.Te
     """
     if approx.shape != weight.shape:
         raise ArmorInputError(f"approx shape {tuple(approx.shape)} differs from weight shape {tuple(weight.shape)}")
-    w = weight.double()
-    _, row_norm, col_norm = normalize_weight(w)
-    diff = (w - approx.double()) / row_norm[:, None] / col_norm
-    return (diff.square() * act_sq_norm.double()).sum()
+    # float64 for the sum, a block of rows at a time: never a full-size float64 copy of the layer
+    rows = max(1, LOSS_CHUNK // max(weight.shape[1], 1))
+    col_sq = torch.zeros(weight.shape[1], dtype=torch.float64, device=weight.device)
+    for w in weight.split(rows):
+        col_sq += w.double().square().sum(0)
+    col_norm = col_sq.sqrt()
+    col_norm = torch.where(col_norm > 0, col_norm, torch.ones_like(col_norm))
+    h = act_sq_norm.double()
+    total = torch.zeros((), dtype=torch.float64, device=weight.device)
+    for w, ap in zip(weight.split(rows), approx.split(rows)):
+        w = w.double()
+        row_norm = (w / col_norm).square_().sum(1).sqrt_()
+        row_norm = torch.where(row_norm > 0, row_norm, torch.ones_like(row_norm))
+        diff = (w - ap.double()).div_(row_norm[:, None]).div_(col_norm)
+        total += (diff.square_() * h).sum()
+    return total
 
 
 def relative_proxy_loss(

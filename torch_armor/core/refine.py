@@ -67,24 +67,27 @@ def _dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _pcg(apply_h, rhs: torch.Tensor, precondition, steps: int) -> torch.Tensor:
-    """``steps`` of preconditioned CG on ``H x = rhs`` from ``x = 0`` (``H`` SPD on the subspace)."""
+    """``steps`` of preconditioned CG on ``H x = rhs`` from ``x = 0`` (``H`` SPD on the subspace).
+
+    Stops (every later step leaves ``x`` as it is) once the curvature or ``rᵀz`` is not positive;
+    the test stays on the device, so no step waits for the host."""
     x = torch.zeros_like(rhs)
     r = rhs
     z = precondition(r)
     p = z
     rz = _dot(r, z)
+    going = torch.ones((), dtype=torch.bool, device=rhs.device)
     for _ in range(steps):
         hp = apply_h(p)
         curv = _dot(p, hp)
-        if not bool(curv > 0) or not bool(rz > 0):
-            break
-        alpha = rz / curv
-        x = x + alpha * p
-        r = r - alpha * hp
+        going = going & (curv > 0) & (rz > 0)
+        alpha = rz / torch.where(going, curv, torch.ones_like(curv))
+        x = torch.where(going, x + alpha * p, x)
+        r = torch.where(going, r - alpha * hp, r)
         z = precondition(r)
         rz_new = _dot(r, z)
-        p = z + (rz_new / rz) * p
-        rz = rz_new
+        p = torch.where(going, z + (rz_new / torch.where(going, rz, torch.ones_like(rz))) * p, p)
+        rz = torch.where(going, rz_new, rz)
     return x
 
 

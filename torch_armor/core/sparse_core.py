@@ -46,8 +46,18 @@ def _supports_list(n: int, m: int) -> Tuple[Tuple[int, ...], ...]:
 
 
 def supports(n: int, m: int, device: Optional[torch.device] = None) -> torch.Tensor:
-    """All ``C(m, n)`` supports of a group, as a ``(C, n)`` long tensor in lexicographic order."""
-    return torch.tensor(_supports_list(n, m), dtype=torch.long, device=device)
+    """All ``C(m, n)`` supports of a group, as a ``(C, n)`` long tensor in lexicographic order
+    (on CUDA made once per device, so the sweeps do no host-to-device copy; read-only)."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type != "cuda":
+        return torch.tensor(_supports_list(n, m), dtype=torch.long, device=device)
+    return _supports_on_cuda(n, m, device)
+
+
+@lru_cache(maxsize=None)
+def _supports_on_cuda(n: int, m: int, device: torch.device) -> torch.Tensor:
+    with torch.inference_mode(False):  # a normal tensor even if first asked for under inference_mode
+        return torch.tensor(_supports_list(n, m), dtype=torch.long, device=device)
 
 
 def psd_pinv(k: torch.Tensor, rel_tol: float = 1e-6) -> torch.Tensor:

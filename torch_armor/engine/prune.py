@@ -19,7 +19,7 @@ Example (a tiny random model; pruned in place)::
     >>> report = prune_model(model, calib, ArmorConfig(optimizer=BcdConfig(iters=2)),
     ...                      options=PruneOptions(progress=False))
     >>> len(report.layers), type(model.model.layers[1].mlp.up_proj.weight).__name__
-    (14, 'ArmorTensor')
+    (14, 'DenseArmorTensor')
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ class LayerSolution:
         """Write the result into ``module``: an ArmorTensor weight for ARMOR (``storage`` of its
         core), the pruned weight (same dtype, device and ``requires_grad``) otherwise."""
         if self.factors is not None:
-            armor_linear_from_factors(module, self.factors, storage=storage)
+            armor_linear_from_factors(module, self.factors, storage=storage, name=self.name)
             return
         old = module.weight
         module.weight = nn.Parameter(self.pruned.to(device=old.device, dtype=old.dtype),

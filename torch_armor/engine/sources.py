@@ -76,10 +76,12 @@ class BlockSink(Protocol):
 
 
 class InMemory:
-    """A model already in memory: every block is there; pruned in place."""
+    """A model already in memory: every block is there; pruned in place, and each block goes back to
+    the device it was on (pruning on a GPU returns a CPU model on the CPU)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+        self.homes: dict = {}
 
     def prepare_inputs(self) -> None:
         pass
@@ -88,10 +90,14 @@ class InMemory:
         pass
 
     def load_block(self, prefix: str) -> nn.Module:
-        return self.model.get_submodule(prefix)
+        block = self.model.get_submodule(prefix)
+        self.homes[prefix] = next((p.device for p in block.parameters() if p.device.type != "meta"), None)
+        return block
 
     def release_block(self, prefix: str) -> None:
-        pass
+        home = self.homes.pop(prefix, None)
+        if home is not None:
+            self.model.get_submodule(prefix).to(home)
 
     def content_hash(self) -> str:
         return hash_model(self.model)

@@ -1,6 +1,7 @@
-"""ArmorTensor and its storages; the ARMOR checkpoint format (layout, flatten, safetensors_io,
-serialization, hf_format)."""
+"""ARMOR weights as tensors: one class per core storage format, the storage policy, save and load.
 
-# ArmorTensor's handlers for requires_grad_, copy_ and torch.load's safe globals live in interop,
-# which imports armor_tensor: registered here, once, whatever module of the package is imported first.
-from torch_armor.tensor import interop  # noqa: F401
+Importing the package registers every format (dense, compact, semi-structured, quantized) and the
+plain-PyTorch interop handlers, so any ArmorTensor found anywhere can be moved, copied and loaded.
+"""
+
+from torch_armor.tensor import armor_tensor, formats, interop, quant, semi_structured  # noqa: F401

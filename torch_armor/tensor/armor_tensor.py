@@ -2,26 +2,30 @@
 
 An :class:`ArmorTensor` stands in for ``module.weight`` of an ``nn.Linear``. It holds the
 block-diagonal wrappers ``a_blocks (d_out/d_b, d_b, d_b)`` and ``b_blocks (d_in/d_b, d_b, d_b)``
-and the N:M sparse core in one of three storages:
+and the N:M sparse core. As in torchao (``Int4Tensor``, ``Int4PreshuffledTensor``), each storage
+format of the core is its own class, chosen once when the weight is built, with its own inner
+tensors (its flatten/unflatten) and its own linear:
 
-* ``"compact"``: kept values ``(d_out, d_in·N/M)`` + bit-packed in-group indices (see
-  :func:`torch_armor.tensor.packing.pack_nm`): half the core bytes plus one bit per entry for 2:4.
-  Any device and dtype; each linear call unpacks the core to dense (a cheap scatter), so
-  it saves memory, not time.
-* ``"dense"``: the core as a dense matrix with exact zeros (fastest on CPU; any pattern,
-  including unstructured).
-* ``"semi_structured"``: a :class:`torch.sparse.SparseSemiStructuredTensor` (CUDA,
-  fp16/bf16, 2:4), backend chosen explicitly (cuSPARSELt when available, else CUTLASS).
-  Shapes the kernel cannot take fall back to ``"dense"`` with a one-time warning.
-* ``"quantized"``: a torchao quantized tensor (e.g. ``Int8Tensor``) built by
-  :func:`torch_armor.tensor.quant.quantize_armor_core` / ``quantize_(model, ArmorCoreConfig(...))``;
-  the core matmul is ``F.linear(x_b, core)``, so torchao's own dispatch does the int8 math.
-  ``A`` and ``B`` stay in the weight's (activation) dtype; ``quant_config`` records the
-  torchao config that built the core (used to save and reload it).
+* :class:`~torch_armor.tensor.formats.DenseArmorTensor` (``"dense"``): the core as a dense matrix
+  with exact zeros; any device, any pattern (unstructured included).
+* :class:`~torch_armor.tensor.formats.CompactArmorTensor` (``"compact"``): kept values
+  ``(d_out, d_in·N/M)`` + bit-packed in-group positions (:func:`~torch_armor.tensor.packing.pack_nm`):
+  half the core bytes plus one bit per entry for 2:4; for CPU and disk (each call unpacks it).
+* :class:`~torch_armor.tensor.semi_structured.CusparseltArmorTensor` /
+  :class:`~torch_armor.tensor.semi_structured.CutlassArmorTensor` (``"semi_structured"``): the CUDA
+  2:4 core as the kernel's own packed buffers, run through ``torch._cslt_sparse_mm`` /
+  ``torch._sparse_semi_structured_mm`` in a layout that copies no activation.
+* :class:`~torch_armor.tensor.quant.QuantizedArmorTensor` (``"quantized"``): a torchao quantized
+  core (e.g. ``Int8Tensor``), built by ``quantize_(model, ArmorCoreConfig(...))``.
 
-``F.linear(x, w, bias)`` computes ``y = ((x·Bᵀ) · coreᵀ) · Aᵀ + bias`` with two batched
-block products around one (sparse) matmul; ``y`` matches ``x @ W_hat.T + bias`` within
-floating-point tolerance.
+Which one a weight gets is :func:`torch_armor.tensor.policy.choose_storage`'s answer for its
+device, dtype and shape — at conversion (``storage="auto"``) and again on every ``.to()``,
+``.half()``, ``.bfloat16()`` — unless a storage is asked for by name. ``weight.storage_format``
+names it (``weight.storage()`` stays the ``torch.Tensor`` method).
+
+``F.linear(x, w, bias)`` computes ``y = ((x·Bᵀ) · coreᵀ) · Aᵀ + bias`` with two batched block
+products around one (sparse) matmul; ``y`` matches ``x @ W_hat.T + bias`` within floating-point
+tolerance.
 
 Example::
 
@@ -33,7 +37,7 @@ Example::
     ...                        torch.randn(d_in // d_b, d_b, d_b), core != 0, "2:4")
     >>> w = ArmorTensor.from_factors(factors, storage="compact")
     >>> w
-    ArmorTensor(shape=(8, 16), block_size=4, pattern=2:4, storage=compact, dtype=torch.float32, device=cpu)
+    CompactArmorTensor(shape=(8, 16), block_size=4, pattern=2:4, storage=compact, dtype=torch.float32, device=cpu)
     >>> x = torch.randn(3, d_in)
     >>> torch.allclose(torch.nn.functional.linear(x, w), x @ factors.dense().T, atol=1e-5)
     True
@@ -42,74 +46,86 @@ Example::
 from __future__ import annotations
 
 import hashlib
-from typing import Optional, Union
+from typing import Callable, ClassVar, Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import return_and_correct_aliasing
 from torchao.utils import TorchAOBaseTensor
 
-from torch_armor.core.blockdiag import block_diag_left, block_diag_right
 from torch_armor.core.pattern import parse_pattern
+from torch_armor.core.blockdiag import block_diag_left, block_diag_right
 from torch_armor.core.factors import ArmorFactors
-from torch_armor.tensor.packing import check_nm_mask, pack_nm, semi_structured_supported, to_semi_structured, unpack_nm
+from torch_armor.tensor import policy
+from torch_armor.tensor.packing import check_nm_mask
+from torch_armor.tensor.policy import QUANTIZED, STORAGES, KernelRefused, StorageChoice
 
-__all__ = ["ArmorTensor", "StorageKind", "armor_linear_from_factors", "STORAGES", "QUANTIZED"]
+__all__ = [
+    "ArmorTensor",
+    "armor_linear_from_factors",
+    "from_parts",
+    "restore_storage",
+    "register_format",
+    "implements",
+    "implements_torch_function",
+    "STORAGES",
+    "QUANTIZED",
+]
 
 aten = torch.ops.aten
 
-STORAGES = ("compact", "dense", "semi_structured")
-#: storage kind of a core quantized by torch_armor.tensor.quant (not a target of ``with_storage``)
-QUANTIZED = "quantized"
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
+#: ``(storage, backend)`` -> ArmorTensor class, filled by :func:`register_format`
+_FORMATS: Dict[Tuple[str, Optional[str]], type] = {}
+_ATEN: Dict[object, Callable] = {}
+_TORCH_FUNCTIONS: Dict[object, Callable] = {}
 
 
-class StorageKind(str):
-    """The name of an ArmorTensor's core storage (``"compact"``, ``"dense"``…): a ``str``.
-
-    ``ArmorTensor.storage`` shadows ``torch.Tensor.storage()``; calling it (as
-    ``safetensors.torch.save_model`` or a model's ``save_pretrained`` without the ARMOR quantizer
-    do) raises an error that says how to save a converted model instead.
-    """
-
-    def __call__(self, *args, **kwargs):
-        raise TypeError(
-            "an ArmorTensor has no single storage: it holds W = A·core·B as separate tensors "
-            f"(core storage: {str(self)!r}). Save a converted model with model.save_pretrained(directory) "
-            "(after import torch_armor; for a model you converted by hand call "
-            "torch_armor.attach_quantizer(model) first) or torch_armor.save_pretrained(model, directory)"
-        )
+def register_format(cls: type) -> type:
+    """Class decorator: ``cls`` is the ArmorTensor class of ``(cls.storage_format, cls.backend)``."""
+    _FORMATS[(cls.storage_format, cls.backend)] = cls
+    return cls
 
 
-def _blockwise_right_t(x2d: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """``x2d @ blockdiag(blocks)ᵀ`` for ``x2d (T, n·d_b)``, one bmm over the ``n`` blocks."""
-    n, d_b, _ = blocks.shape
-    t = x2d.shape[0]
-    out = torch.bmm(x2d.reshape(t, n, d_b).transpose(0, 1), blocks.transpose(1, 2))  # (n, T, d_b)
-    return out.transpose(0, 1).reshape(t, n * d_b)
+def implements(ops) -> Callable:
+    """Decorator: handle these aten ops for every ArmorTensor class (``fn(func, types, args, kwargs)``)."""
+    def decorator(fn: Callable) -> Callable:
+        for op in ops if isinstance(ops, (list, tuple)) else [ops]:
+            _ATEN[op] = fn
+        return fn
+    return decorator
+
+
+def implements_torch_function(fns) -> Callable:
+    """Decorator: handle these torch functions for every ArmorTensor class."""
+    def decorator(fn: Callable) -> Callable:
+        for f in fns if isinstance(fns, (list, tuple)) else [fns]:
+            _TORCH_FUNCTIONS[f] = fn
+        return fn
+    return decorator
+
+
+def _format_class(choice: StorageChoice) -> type:
+    return _FORMATS[(choice.storage, choice.backend)]
 
 
 class ArmorTensor(TorchAOBaseTensor):
     """The weight ``W_hat = blockdiag(a_blocks) · core · blockdiag(b_blocks)`` of one linear layer.
 
-    Build it with :meth:`from_factors` (or :func:`armor_linear_from_factors` to swap it into an
-    ``nn.Linear``). Logical shape ``(d_out, d_in)`` and dtype are those of ``W_hat``.
+    The base of one class per core storage (see the module docstring). Build it with
+    :meth:`from_factors` (or :func:`armor_linear_from_factors` to swap it into an ``nn.Linear``).
+    Logical shape ``(d_out, d_in)`` and dtype are those of ``W_hat``.
 
-    Tensor data: ``a_blocks``, ``b_blocks`` (always), and for the core either ``core``
-    (``"dense"``: a dense matrix; ``"semi_structured"``: a SparseSemiStructuredTensor;
-    ``"quantized"``: a torchao quantized tensor) or ``values`` + ``indices`` (``"compact"``).
+    Attributes: ``a_blocks``, ``b_blocks``, the core's own tensors, ``pattern`` (``"N:M"`` or
+    ``"unstructured:F"``), ``storage_format``, ``backend`` (semi-structured only) and ``layer_name``
+    (the module path, when known: fallback warnings name it).
 
-    Attributes: ``pattern`` (``"N:M"`` or ``"unstructured:F"``), ``storage``, ``dtype``, and
-    ``quant_config`` (the torchao config of a ``"quantized"`` core, else ``None``).
-
-    Only ``F.linear``, device/dtype moves, ``detach``/``clone`` and the like are supported:
-    other ops (``view``, ``abs``, ``t``...) raise ``NotImplementedError`` saying what to use
-    instead (``dense_weight()``, or ``ArmorCoreConfig`` to quantize with torchao).
+    Only ``F.linear``, device/dtype moves, ``detach``/``clone``/``copy_`` and the like are
+    supported: other ops (``view``, ``abs``, ``t``...) raise ``NotImplementedError`` saying what
+    to use instead (``dense_weight()``, or ``ArmorCoreConfig`` to quantize with torchao).
 
     ``.to(device)``, ``.to(dtype)``, ``.half()``, ``.bfloat16()`` really convert the inner tensors
-    (indices stay ``uint8``). A semi-structured core moved off CUDA or to fp32 becomes compact;
-    use :meth:`with_storage` to pick a storage explicitly.
+    and re-choose the storage for the new device and dtype (a CUDA bf16/fp16 2:4 core becomes
+    semi-structured, a core moved off CUDA compact); :meth:`with_storage` picks one by name.
 
     Example::
 
@@ -118,56 +134,70 @@ class ArmorTensor(TorchAOBaseTensor):
         >>> f = ArmorFactors(torch.eye(d_b).repeat(2, 1, 1), core, torch.eye(d_b).repeat(2, 1, 1),
         ...                  core != 0, "2:4")
         >>> w = ArmorTensor.from_factors(f, storage="dense").bfloat16()
-        >>> w.dtype, w.core.dtype, w.storage
+        >>> w.dtype, w.core.dtype, w.storage_format
         (torch.bfloat16, torch.bfloat16, 'dense')
         >>> torch.equal(w.dense_weight().float(), core)
         True
     """
 
-    tensor_data_names = ["a_blocks", "b_blocks"]
-    tensor_attribute_names = ["pattern", "storage", "dtype"]
-    optional_tensor_data_names = ["core", "values", "indices"]
-    optional_tensor_attribute_names = ["quant_config"]
+    storage_format: ClassVar[str] = ""
+    backend: ClassVar[Optional[str]] = None
+    tensor_attribute_names = ["pattern", "dtype"]
+    layer_name: Optional[str] = None
 
-    def __new__(
-        cls,
-        a_blocks: torch.Tensor,
-        b_blocks: torch.Tensor,
-        pattern: str,
-        storage: str,
-        dtype: torch.dtype,
-        core: Optional[torch.Tensor] = None,
-        values: Optional[torch.Tensor] = None,
-        indices: Optional[torch.Tensor] = None,
-        quant_config: Optional[object] = None,
-    ):
+    # Every format is built as ``cls(a_blocks, b_blocks, *its core tensors, pattern, dtype, **optional
+    # attributes)``, in the order of its ``tensor_data_names`` (what torchao's unflatten calls).
+    def __new__(cls, *parts, **attributes):
+        a_blocks, b_blocks, dtype = parts[0], parts[1], parts[len(cls.tensor_data_names) + 1]
         shape = (a_blocks.shape[0] * a_blocks.shape[1], b_blocks.shape[0] * b_blocks.shape[1])
-        return torch.Tensor._make_wrapper_subclass(
-            cls, shape, dtype=dtype, device=a_blocks.device, requires_grad=False
-        )
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=a_blocks.device,
+                                                   requires_grad=False)
 
-    def __init__(
-        self,
-        a_blocks: torch.Tensor,
-        b_blocks: torch.Tensor,
-        pattern: str,
-        storage: str,
-        dtype: torch.dtype,
-        core: Optional[torch.Tensor] = None,
-        values: Optional[torch.Tensor] = None,
-        indices: Optional[torch.Tensor] = None,
-        quant_config: Optional[object] = None,
-    ):
+    def __init__(self, *parts, **attributes):
         super().__init__()
-        self.a_blocks = a_blocks
-        self.b_blocks = b_blocks
-        self.pattern = pattern
-        self.storage = StorageKind(storage)
-        # dtype is set by _make_wrapper_subclass in __new__
-        self.core = core
-        self.values = values
-        self.indices = indices
-        self.quant_config = quant_config
+        names = self.tensor_data_names
+        for name, t in zip(names, parts):
+            setattr(self, name, t)
+        self.pattern = parts[len(names)]
+        for name in getattr(self, "optional_tensor_attribute_names", ()):
+            setattr(self, name, attributes.get(name))
+
+    # ------------------------------------------------------------------ what each format provides
+
+    @classmethod
+    def from_core(cls, a: torch.Tensor, b: torch.Tensor, core: torch.Tensor, pattern: str, dtype: torch.dtype,
+                  mask: Optional[torch.Tensor] = None) -> "ArmorTensor":
+        """This format built from a dense core already on its device and dtype (checked by the caller);
+        ``mask``, when given, is the support (a kept entry may be exactly zero)."""
+        raise NotImplementedError
+
+    def core_dense(self) -> torch.Tensor:
+        """The core ``W' ⊙ M`` as a dense ``(d_out, d_in)`` matrix (exact; a quantized core dequantized)."""
+        raise NotImplementedError
+
+    def _linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _movable(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether moving/casting the inner tensors one by one gives this format on ``device``/``dtype``."""
+        return True
+
+    def _parts_to(self, device: torch.device, dtype: torch.dtype, non_blocking: bool) -> "ArmorTensor":
+        """This weight with every inner tensor moved (floating ones cast), same format."""
+        return self._apply_fn_to_data(lambda t: _move(t, device, dtype, non_blocking))._with_dtype(dtype)
+
+    def _with_dtype(self, dtype: torch.dtype) -> "ArmorTensor":
+        if dtype == self.dtype:
+            return self
+        names, attrs = self.__tensor_flatten__()
+        return type(self).__tensor_unflatten__({n: getattr(self, n) for n in names}, dict(attrs, dtype=dtype),
+                                               None, None)
+
+    def stored_parameters(self) -> int:
+        """Elements that are parameters: ``A``, ``B`` and the kept core values (not positions, not zeros)."""
+        n, m = self.nm
+        kept = self.shape[0] * self.shape[1] * n // m if m else int((self.core_dense() != 0).sum())
+        return self.a_blocks.numel() + self.b_blocks.numel() + kept
 
     # ------------------------------------------------------------------ properties
 
@@ -177,31 +207,10 @@ class ArmorTensor(TorchAOBaseTensor):
         return self.a_blocks.shape[-1]
 
     @property
-    def nm(self) -> tuple[int, int]:
+    def nm(self) -> Tuple[int, int]:
         """``(N, M)`` of the pattern; ``(0, 0)`` for unstructured."""
         p = parse_pattern(self.pattern)
         return p.n, p.m
-
-    def core_dense(self) -> torch.Tensor:
-        """The core ``W' ⊙ M`` as a dense ``(d_out, d_in)`` matrix in the weight's dtype.
-
-        For ``"compact"`` storage this unpacks (exactly); ``"dense"`` returns the stored tensor;
-        ``"quantized"`` dequantizes (the values the quantized matmul effectively uses).
-        """
-        if self.storage == QUANTIZED:
-            dequantize = getattr(self.core, "dequantize", None)
-            if dequantize is None:
-                raise NotImplementedError(
-                    f"the quantized core is a {type(self.core).__name__} without dequantize(); "
-                    "it can run F.linear but cannot be materialized"
-                )
-            return dequantize().to(self.dtype)
-        if self.storage == "compact":
-            n, m = self.nm
-            return unpack_nm(self.values, self.indices, n, m, self.shape[1])
-        if self.storage == "semi_structured":
-            return self.core.to_dense()
-        return self.core
 
     def dense_weight(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """Materialize ``W_hat = A · core · B`` as a plain ``(d_out, d_in)`` tensor (for squash/export).
@@ -219,9 +228,9 @@ class ArmorTensor(TorchAOBaseTensor):
 
     def _stable_hash_for_caching(self) -> str:
         """Process-independent key of this weight's metadata, for torch.compile's AOT cache."""
-        names, _ = self.__tensor_flatten__()
+        names, attrs = self.__tensor_flatten__()
         parts = [type(self).__qualname__, str(tuple(self.shape)), str(self.requires_grad),
-                 self.pattern, self.storage, str(self.dtype), repr(self.quant_config)]
+                 *(f"{k}={v!r}" for k, v in sorted(attrs.items()))]
         for name in names:
             t = getattr(self, name)
             parts.append(f"{name}:{type(t).__qualname__}:{tuple(t.shape)}:{tuple(t.stride())}:{t.dtype}:{t.device.type}")
@@ -229,25 +238,34 @@ class ArmorTensor(TorchAOBaseTensor):
 
     def __repr__(self) -> str:
         d_out, d_in = self.shape
+        backend = f", backend={self.backend}" if self.backend else ""
         return (
-            f"{self.__class__.__name__}(shape=({d_out}, {d_in}), block_size={self.block_size}, "
-            f"pattern={self.pattern}, storage={self.storage}, dtype={self.dtype}, device={self.device})"
+            f"{type(self).__name__}(shape=({d_out}, {d_in}), block_size={self.block_size}, "
+            f"pattern={self.pattern}, storage={self.storage_format}{backend}, dtype={self.dtype}, device={self.device})"
         )
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        """Run the ops registered with ``implements``; explain what to do for any other op."""
-        kwargs = {} if kwargs is None else kwargs
-        table = getattr(cls, "_ATEN_OP_TABLE", {}).get(cls, {})
-        if func in table:
-            return table[func](func, types, args, kwargs)
+        """Run the ops registered with :func:`implements`; explain what to do for any other op."""
+        handler = _ATEN.get(func)
+        if handler is not None:
+            return handler(func, types, args, kwargs or {})
         raise NotImplementedError(
-            f"ArmorTensor does not support {func}: it stores W = A·core·B in factored form and "
-            "only runs F.linear, device/dtype moves, detach and clone. To quantize a converted "
-            "model with torchao, wrap the config: quantize_(model, "
-            "torch_armor.tensor.quant.ArmorCoreConfig(Int8WeightOnlyConfig())) quantizes the core; for the "
-            "materialized matrix use weight.dense_weight()"
+            f"ArmorTensor does not support {func}: it stores W = A·core·B in factored form and only runs "
+            "F.linear, device/dtype moves, detach, clone and copy_. To save a converted model use "
+            "model.save_pretrained(directory) (after import torch_armor; for a model converted by hand call "
+            "torch_armor.attach_quantizer(model) first) or torch_armor.save_pretrained(model, directory); to "
+            "quantize it with torchao, quantize_(model, torch_armor.tensor.quant.ArmorCoreConfig("
+            "Int8WeightOnlyConfig())); for the materialized matrix use weight.dense_weight()"
         )
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        handler = _TORCH_FUNCTIONS.get(func)
+        if handler is not None:
+            return handler(func, types, args, kwargs or {})
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
 
     # ---------------------------------------------------------------- constructors
 
@@ -259,17 +277,21 @@ class ArmorTensor(TorchAOBaseTensor):
         dtype: Optional[torch.dtype] = None,
         device: Optional[Union[str, torch.device]] = None,
         backend: Optional[str] = None,
+        *,
+        name: Optional[str] = None,
     ) -> "ArmorTensor":
         """Build the weight from :class:`~torch_armor.core.factors.ArmorFactors`.
 
         Args:
             factors: ``a_blocks``, ``core`` (zero off ``mask``), ``b_blocks``, ``mask``, ``pattern``.
-            storage: ``"compact"``, ``"dense"``, ``"semi_structured"`` or ``"auto"``:
-                semi-structured on CUDA for fp16/bf16 2:4 cores the kernel can take, dense for
-                other CUDA cores and for unstructured patterns, compact otherwise (CPU N:M).
+            storage: ``"compact"``, ``"dense"``, ``"semi_structured"`` or ``"auto"`` (the storage
+                policy, :func:`~torch_armor.tensor.policy.choose_storage`: 2:4 kernels on CUDA for
+                fp16/bf16 2:4 cores they take, dense for other CUDA cores and for unstructured
+                patterns, compact otherwise).
             dtype: floating dtype of all inner tensors (default: the core's dtype).
             device: where to put it (default: the core's device).
-            backend: semi-structured backend (``"cusparselt"``/``"cutlass"``; default: automatic).
+            backend: semi-structured backend (``"cusparselt"``/``"cutlass"``; default: the best available).
+            name: the layer's module path, for warnings.
 
         Raises:
             ValueError: inconsistent shapes, a mask that breaks the pattern, a core nonzero off
@@ -306,6 +328,8 @@ class ArmorTensor(TorchAOBaseTensor):
         if not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating dtype, got {dtype}")
         device = torch.device(device) if device is not None else core.device
+        choice = policy.choose_storage(policy.device_info(device), dtype, (d_out, d_in), pattern, storage,
+                                       backend=backend)
         a = a.to(device=device, dtype=dtype).contiguous()
         b = b.to(device=device, dtype=dtype).contiguous()
         core = core.to(device=device, dtype=dtype).contiguous()
@@ -318,52 +342,13 @@ class ArmorTensor(TorchAOBaseTensor):
             )
         if pattern.structured:
             check_nm_mask(mask, pattern.n, pattern.m)
-
-        storage = cls._resolve_storage(storage, str(pattern), core, backend)
-        if storage == "compact":
-            values, indices = pack_nm(core, pattern.n, pattern.m, mask=mask)
-            return cls(a, b, str(pattern), "compact", dtype, values=values, indices=indices)
-        if storage == "semi_structured":
-            sparse = to_semi_structured(core, backend)
-            kind = "semi_structured" if sparse is not core else "dense"
-            return cls(a, b, str(pattern), kind, dtype, core=sparse)
-        return cls(a, b, str(pattern), "dense", dtype, core=core)
-
-    @staticmethod
-    def _resolve_storage(storage: str, pattern: str, core: torch.Tensor, backend: Optional[str]) -> str:
-        p = parse_pattern(pattern)
-        if storage == "auto":
-            if not p.structured:
-                return "dense"
-            if core.is_cuda:
-                if (p.n, p.m) == (2, 4) and semi_structured_supported(core, backend):
-                    return "semi_structured"
-                return "dense"
-            return "compact"
-        if storage not in STORAGES:
-            raise ValueError(f"storage must be one of {STORAGES + ('auto',)}, got {storage!r}")
-        if storage in ("compact", "semi_structured") and not p.structured:
-            raise ValueError(
-                f"storage={storage!r} needs an N:M pattern, the factors are {pattern!r}; use storage='dense'"
-            )
-        if storage == "semi_structured":
-            if (p.n, p.m) != (2, 4):
-                raise ValueError(
-                    f"semi-structured kernels take 2:4 only, the factors are {pattern}; use 'compact' or 'dense'"
-                )
-            if not core.is_cuda or core.dtype not in _HALF_DTYPES:
-                raise ValueError(
-                    "storage='semi_structured' needs a CUDA float16/bfloat16 core, got "
-                    f"{core.device} {core.dtype}; pass device='cuda' and dtype=torch.float16, "
-                    "or use storage='compact'/'dense'"
-                )
-        return storage
+        return _build(choice, a, b, core, str(pattern), dtype, name, mask)
 
     def with_storage(self, storage: str, backend: Optional[str] = None) -> "ArmorTensor":
         """The same weight with its core re-stored (``"compact"``, ``"dense"``, ``"semi_structured"``, ``"auto"``).
 
         Exact: the core's values are unchanged (a semi-structured request the kernel cannot
-        take gives ``"dense"``, with a one-time warning).
+        take gives ``"dense"``, with a warning).
 
         Raises:
             ValueError: the core is ``"quantized"`` (re-storing it would silently dequantize);
@@ -373,100 +358,84 @@ class ArmorTensor(TorchAOBaseTensor):
 
             >>> core = torch.tensor([[1.0, 0.0, 0.0, 2.0]] * 4)
             >>> f = ArmorFactors(torch.eye(4)[None], core, torch.eye(4)[None], core != 0, "2:4")
-            >>> ArmorTensor.from_factors(f, storage="compact").with_storage("dense").storage
+            >>> ArmorTensor.from_factors(f, storage="compact").with_storage("dense").storage_format
             'dense'
         """
-        if self.storage == QUANTIZED:
-            if storage == QUANTIZED:
-                return self
-            raise ValueError(
-                f"this ArmorTensor's core is quantized ({type(self.core).__name__}); re-storing it as "
-                f"{storage!r} would dequantize it. Call torch_armor.tensor.quant.dequantize_armor_core(weight) "
-                "first to get a floating-point core, then with_storage()"
-            )
-        core = self.core_dense()
-        target = self._resolve_storage(storage, self.pattern, core, backend)
-        if target == self.storage:
+        choice = policy.choose_storage(policy.device_info(self.device), self.dtype, tuple(self.shape),
+                                       self.pattern, storage, backend=backend)
+        if _format_class(choice) is type(self):
             return self
-        a, b, dtype = self.a_blocks, self.b_blocks, self.dtype
-        if target == "compact":
-            n, m = self.nm
-            values, indices = pack_nm(core, n, m)
-            return self.__class__(a, b, self.pattern, "compact", dtype, values=values, indices=indices)
-        if target == "semi_structured":
-            sparse = to_semi_structured(core, backend)
-            kind = "semi_structured" if sparse is not core else "dense"
-            return self.__class__(a, b, self.pattern, kind, dtype, core=sparse)
-        return self.__class__(a, b, self.pattern, "dense", dtype, core=core)
+        return _build(choice, self.a_blocks, self.b_blocks, self.core_dense(), self.pattern, self.dtype,
+                      self.layer_name)
 
-    def _converted(
-        self, device: torch.device, dtype: torch.dtype, non_blocking: bool = False
-    ) -> "ArmorTensor":
-        """Copy with every floating inner tensor moved to ``device`` and cast to ``dtype``."""
+    def moved(self, device: Union[str, torch.device], dtype: torch.dtype,
+               non_blocking: bool = False) -> "ArmorTensor":
+        """``.to(device, dtype)``: inner tensors moved and cast, the storage chosen again for the target."""
         if not dtype.is_floating_point:
             raise ValueError(
                 f"ArmorTensor holds floating-point factors and cannot be cast to {dtype}; "
                 "quantize the core with torch_armor's quantization helpers instead"
             )
         device = torch.device(device)
-
-        def move(t: Optional[torch.Tensor], cast: bool = True) -> Optional[torch.Tensor]:
-            if t is None:
-                return None
-            return t.to(device=device, dtype=dtype if cast else t.dtype, non_blocking=non_blocking)
-
-        a, b = move(self.a_blocks), move(self.b_blocks)
-        if self.storage == QUANTIZED:
-            # torchao quantized tensors keep their own (integer) data and scales: move, don't cast
-            core = self.core.to(device=device, non_blocking=non_blocking)
-            return self.__class__(a, b, self.pattern, QUANTIZED, dtype, core=core, quant_config=self.quant_config)
-        if self.storage == "compact":
-            return self.__class__(
-                a, b, self.pattern, "compact", dtype, values=move(self.values), indices=move(self.indices, False)
-            )
-        if self.storage == "semi_structured":
-            here = self.core.device
-            same = device.type == here.type and device.index in (None, here.index) and dtype == self.dtype
-            if same:
-                return self.__class__(a, b, self.pattern, "semi_structured", dtype, core=self.core)
-            core = move(self.core_dense())
-            if device.type == "cuda" and dtype in _HALF_DTYPES:
-                sparse = to_semi_structured(core, getattr(self.core, "BACKEND", None))
-                kind = "semi_structured" if sparse is not core else "dense"
-                return self.__class__(a, b, self.pattern, kind, dtype, core=sparse)
-            n, m = self.nm
-            values, indices = pack_nm(core, n, m)
-            return self.__class__(a, b, self.pattern, "compact", dtype, values=values, indices=indices)
-        return self.__class__(a, b, self.pattern, "dense", dtype, core=move(self.core))
+        choice = policy.choose_storage(policy.device_info(device), dtype, tuple(self.shape), self.pattern,
+                                       current=self.storage_format)
+        if _format_class(choice) is type(self) and self._movable(device, dtype):
+            out = self._parts_to(device, dtype, non_blocking)
+            out.layer_name = self.layer_name
+            policy.warn_fallback(self.layer_name, tuple(self.shape), choice)
+            return out
+        a, b, core = (_move(t, device, dtype, non_blocking) for t in (self.a_blocks, self.b_blocks, self.core_dense()))
+        return _build(choice, a, b, core, self.pattern, dtype, self.layer_name)
 
 
-implements = ArmorTensor.implements
-implements_torch_function = ArmorTensor.implements_torch_function
+def _move(t: torch.Tensor, device: torch.device, dtype: torch.dtype, non_blocking: bool = False) -> torch.Tensor:
+    """``t`` on ``device``, cast to ``dtype`` if floating (itself when nothing changes). The aten op, not
+    ``Tensor.to``: the storage policy has already queried (and so initialized) the target device."""
+    dtype = dtype if t.is_floating_point() else t.dtype
+    if t.device == device and t.dtype == dtype:
+        return t
+    return torch.ops.aten._to_copy.default(t, device=device, dtype=dtype, non_blocking=non_blocking)
 
 
-def _armor_linear(x: torch.Tensor, w: ArmorTensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``x @ W_hatᵀ + bias`` as ``((x · Bᵀ) · coreᵀ) · Aᵀ + bias``, computed in ``x``'s dtype."""
-    d_out, d_in = w.shape
-    if x.shape[-1] != d_in:
-        raise ValueError(
-            f"linear: input has {x.shape[-1]} features in its last dimension, the ArmorTensor weight "
-            f"expects d_in={d_in} (weight shape {(d_out, d_in)})"
-        )
-    lead = x.shape[:-1]
-    dtype = x.dtype
-    x2d = x.reshape(-1, d_in)
-    h = _blockwise_right_t(x2d, w.b_blocks.to(dtype))
-    if w.storage == QUANTIZED:
-        h = F.linear(h, w.core)  # torchao's dispatch (int8 weight-only / dynamic activation ...)
-    elif w.storage == "semi_structured" and dtype == w.dtype:
-        h = F.linear(h, w.core)
-    else:
-        core = w.core_dense()
-        h = torch.mm(h, core.to(dtype).t())
-    y = _blockwise_right_t(h, w.a_blocks.to(dtype))
-    if bias is not None:
-        y = y + bias
-    return y.reshape(*lead, d_out)
+def _build(choice: StorageChoice, a: torch.Tensor, b: torch.Tensor, core: torch.Tensor, pattern: str,
+           dtype: torch.dtype, name: Optional[str], mask: Optional[torch.Tensor] = None) -> ArmorTensor:
+    """The weight in ``choice``'s format (dense, with the kernel's reason, where the kernel refuses the core)."""
+    try:
+        w = _format_class(choice).from_core(a, b, core, pattern, dtype, mask)
+    except KernelRefused as err:
+        choice = StorageChoice("dense", reason=str(err))
+        w = _format_class(choice).from_core(a, b, core, pattern, dtype, mask)
+    policy.warn_fallback(name, tuple(core.shape), choice)
+    w.layer_name = name
+    return w
+
+
+def from_parts(storage: str, a_blocks: torch.Tensor, b_blocks: torch.Tensor, pattern: str, dtype: torch.dtype,
+               backend: Optional[str] = None, **parts) -> ArmorTensor:
+    """The ArmorTensor of ``storage`` (and ``backend``) from its inner tensors, as they were saved
+    (``core=`` for dense, ``values=``/``indices=`` for compact...; ``quant_config=`` for quantized)."""
+    cls = _FORMATS[(storage, backend)]
+    config = {k: parts.pop(k) for k in getattr(cls, "optional_tensor_attribute_names", []) if k in parts}
+    inner = [parts.pop(n) for n in cls.tensor_data_names[2:]]
+    if parts:
+        raise ValueError(f"{storage} ArmorTensor has no inner tensors {sorted(parts)}")
+    return cls(a_blocks, b_blocks, *inner, pattern, dtype, **config)
+
+
+def restore_storage(w: ArmorTensor, saved: str, requested: Optional[str] = None,
+                    name: Optional[str] = None) -> ArmorTensor:
+    """The storage a loaded weight gets: ``requested`` if given; on CUDA the policy's choice for its
+    dtype and shape (a checkpoint pruned on CPU or in fp32 still gets 2:4 cores on a GPU); elsewhere
+    the storage it was saved with (a semi-structured one becomes compact). Quantized cores stay."""
+    w.layer_name = name if name is not None else w.layer_name
+    if w.storage_format == QUANTIZED:
+        return w
+    cuda = w.device.type == "cuda"
+    if requested is None:
+        requested = "auto" if cuda else ("compact" if saved == "semi_structured" else saved)
+    elif requested == "semi_structured" and not (cuda and w.dtype in policy.HALF_DTYPES):
+        requested = "auto" if cuda else "compact"  # no 2:4 kernel here: the best this device has
+    return w.with_storage(requested)
 
 
 @implements(aten.linear.default)
@@ -476,43 +445,24 @@ def _(func, types, args, kwargs):
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
     if not isinstance(w, ArmorTensor):
         raise NotImplementedError("ArmorTensor linear: only the weight may be an ArmorTensor")
-    return _armor_linear(x, w, bias)
-
-
-@implements(aten.t.default)
-def _(func, types, args, kwargs):
-    raise NotImplementedError(
-        "ArmorTensor does not support transposition (.t()); use F.linear(x, weight) or "
-        "weight.dense_weight().t() if you need the materialized matrix"
-    )
-
-
-@implements(aten._to_copy.default)
-def _(func, types, args, kwargs):
-    self = args[0]
-    device = kwargs.get("device") or self.device
-    dtype = kwargs.get("dtype") or self.dtype
-    out = self._converted(device, dtype, kwargs.get("non_blocking", False) or False)
-    return return_and_correct_aliasing(func, args, kwargs, out)
-
-
-@implements(aten.to.dtype_layout)
-def _(func, types, args, kwargs):
-    self = args[0]
-    device = kwargs.get("device") or self.device
-    dtype = kwargs.get("dtype") or self.dtype
-    if torch.device(device) == self.device and dtype == self.dtype:
-        return self
-    return self._converted(device, dtype)
+    d_out, d_in = w.shape
+    if x.shape[-1] != d_in:
+        raise ValueError(
+            f"linear: input has {x.shape[-1]} features in its last dimension, the ArmorTensor weight "
+            f"expects d_in={d_in} (weight shape {(d_out, d_in)})"
+        )
+    return w._linear(x, bias)
 
 
 def armor_linear_from_factors(
-    linear: nn.Linear, factors: ArmorFactors, storage: str = "auto", backend: Optional[str] = None
+    linear: nn.Linear, factors: ArmorFactors, storage: str = "auto", backend: Optional[str] = None,
+    *, name: Optional[str] = None,
 ) -> nn.Linear:
     """Replace ``linear.weight`` in place by an :class:`ArmorTensor` built from ``factors``.
 
     The weight keeps the module's current device and dtype; ``bias`` is untouched. The new
     weight is ``nn.Parameter(ArmorTensor, requires_grad=False)``, as torchao swaps weights.
+    ``name`` (the module path) names the layer in storage warnings.
 
     Raises:
         ValueError: ``linear`` is not an ``nn.Linear`` or its shape differs from the factors'.
@@ -523,7 +473,7 @@ def armor_linear_from_factors(
         >>> core = torch.tensor([[0.0, 1.0, 0.0, 1.0]] * 4).repeat(1, 2)
         >>> f = ArmorFactors(torch.eye(4)[None], core, torch.eye(4).repeat(2, 1, 1), core != 0, "2:4")
         >>> type(armor_linear_from_factors(lin, f).weight).__name__
-        'ArmorTensor'
+        'CompactArmorTensor'
     """
     if not isinstance(linear, nn.Linear):
         raise ValueError(f"expected an nn.Linear, got {type(linear).__name__}")
@@ -535,7 +485,6 @@ def armor_linear_from_factors(
     weight = linear.weight
     dtype = weight.dtype
     device = weight.device if weight.device.type != "meta" else factors.core.device
-    new = ArmorTensor.from_factors(factors, storage=storage, dtype=dtype, device=device, backend=backend)
+    new = ArmorTensor.from_factors(factors, storage=storage, dtype=dtype, device=device, backend=backend, name=name)
     linear.weight = nn.Parameter(new, requires_grad=False)
     return linear
-

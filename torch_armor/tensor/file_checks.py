@@ -338,7 +338,7 @@ def copy_mismatch(src: Any, dst: Any) -> ArmorInputError:
     """The error for copying one ArmorTensor into another of a different layout: both layouts named.
     (``load_state_dict`` adds the parameter's name in front of it.)"""
     def layout(t: Any) -> str:
-        return (f"shape {tuple(t.shape)}, block size {t.block_size}, pattern {t.pattern}, storage {t.storage}, "
+        return (f"shape {tuple(t.shape)}, block size {t.block_size}, pattern {t.pattern}, storage {t.storage_format}, "
                 f"dtype {str(t.dtype).removeprefix('torch.')}")
 
     return ArmorInputError(f"cannot copy an ArmorTensor of {layout(src)} into one of {layout(dst)}: rebuild the "

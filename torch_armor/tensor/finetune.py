@@ -87,12 +87,12 @@ def enable_finetuning(model: nn.Module, *, wrappers: bool = True, core: bool = T
         w = module._parameters.get("weight")
         if not isinstance(w, ArmorTensor) or getattr(w, "_parts_trainable", False):
             continue
-        if w.storage == QUANTIZED:
+        if w.storage_format == QUANTIZED:
             raise ValueError(
                 f"{name}: the core is quantized; fine-tune before quantizing, or "
                 "torch_armor.tensor.quant.dequantize_armor_core(weight) first"
             )
-        if w.storage != "compact":
+        if w.storage_format != "compact":
             w = w.with_storage("compact")  # raises for unstructured patterns, saying so
             module._parameters["weight"] = nn.Parameter(w, requires_grad=False)
         for inner, pname in PART_NAMES.items():
@@ -168,11 +168,10 @@ def model_size(model: nn.Module) -> ModelSize:
         if isinstance(p, ArmorTensor):
             dense += p.numel()
             dense_bytes += p.numel() * p.element_size()
-            for name, t in _armor_parts(p):
+            params += p.stored_parameters()
+            for _, t in _armor_parts(p):
                 seen.add(id(t))
                 pbytes += _nbytes(t)
-                if name != "indices":
-                    params += t.numel() if name != "core" or p.storage != "dense" else int((t != 0).sum())
             continue
         params += p.numel()
         pbytes += _nbytes(p)
@@ -193,7 +192,7 @@ def checkpoint_size(directory: Any) -> ModelSize:
 
     from safetensors import safe_open
 
-    from torch_armor.tensor.layout import layer_keys as _layer_keys
+    from torch_armor.tensor.layout import part_key  # local: layout imports this package's armor_tensor
 
     path = Path(directory)
     quant = json.loads((path / "config.json").read_text()).get("quantization_config") or {} \
@@ -202,7 +201,7 @@ def checkpoint_size(directory: Any) -> ModelSize:
     if not layers and (path / "armor_config.json").is_file():
         layers = json.loads((path / "armor_config.json").read_text()).get("layers")
     layers = layers or {}
-    owner = {key: fqn for fqn, layer in layers.items() for key in _layer_keys(fqn, layer)}
+    owner = {part_key(fqn, name): fqn for fqn, layer in layers.items() for name in layer["tensors"]}
     params = pbytes = dense = dense_bytes = 0
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as fh:

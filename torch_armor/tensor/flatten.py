@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from torch_armor.errors import ArmorInputError
-from torch_armor.tensor.armor_tensor import QUANTIZED, STORAGES, ArmorTensor
+from torch_armor.tensor.armor_tensor import QUANTIZED, STORAGES, ArmorTensor, restore_storage
 from torch_armor.tensor.layout import (FORMAT_NAME, FORMAT_VERSION, build_layer, layer_keys, layer_parts, part_key,
                                        tensor_spec, validate_metadata)
 
@@ -230,13 +230,6 @@ def unflatten_armor_state(
         )
         if dev != w.device:
             w = w.to(dev)
-        target = storage or layer["runtime_storage"]
-        if w.storage == QUANTIZED:
-            target = QUANTIZED  # a quantized core stays quantized (the `storage` argument does not apply)
-        if storage is None and target == "semi_structured" and not (  # as saved: portable; asked for: checked
-                w.device.type == "cuda" and w.dtype in (torch.float16, torch.bfloat16)):
-            target = "compact"
-        if target != w.storage:
-            w = w.with_storage(target)
+        w = restore_storage(w, layer["runtime_storage"], storage, fqn)
         setattr(module, pname, nn.Parameter(w, requires_grad=False))
     return model

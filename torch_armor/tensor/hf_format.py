@@ -164,6 +164,6 @@ def load_hf_quantized(path: Path, device: Optional[Union[str, torch.device]], st
     if storage is not None:
         for module in model.modules():
             w = module._parameters.get("weight")
-            if isinstance(w, ArmorTensor) and w.storage != QUANTIZED and w.storage != storage:
+            if isinstance(w, ArmorTensor) and w.storage_format != QUANTIZED and w.storage_format != storage:
                 module._parameters["weight"] = nn.Parameter(w.with_storage(storage), requires_grad=False)
     return model

@@ -1,12 +1,22 @@
 """Plain PyTorch interop of :class:`~torch_armor.tensor.armor_tensor.ArmorTensor` weights.
 
-* ``torch.save(model.state_dict())`` + ``torch.load(..., weights_only=True)``: ArmorTensor and its
-  storage name are registered safe globals.
-* ``load_state_dict`` between models with the same ArmorTensor layers copies part by part;
-  loading an ARMOR state dict into a dense model (or the reverse) raises an error saying what to
-  do instead of torchao's ``'Parameter' object has no attribute 'tensor_data_names'``.
+* ``.to()``, ``.cuda()``, ``.half()``, ``module.to(...)``: every inner tensor is moved and cast and the
+  storage is chosen again for the target (:meth:`ArmorTensor.moved`); ``detach``/``clone``/``alias``
+  apply to every inner tensor; ``.t()`` and other ops on the factored matrix raise, saying what to use.
+* ``torch.save(model.state_dict())`` + ``torch.load(..., weights_only=True)``: every format class
+  registers itself as a safe global (each in its own module).
+* ``load_state_dict`` between models with ArmorTensor layers copies part by part (``copy_``); a
+  source in another format, device or dtype is first converted to the destination's (a CPU
+  checkpoint with compact cores loads into a GPU model with 2:4 cores). Loading an ARMOR state
+  dict into a dense model (or the reverse) raises an error saying what to do instead.
+* ``weight.storage()`` (``torch.Tensor.storage``, which ``safetensors.torch.save_model`` and a model's
+  ``save_pretrained`` without the ARMOR quantizer reach) raises an error that says how to save a
+  converted model: an ArmorTensor has no single storage.
 * ``weight.requires_grad_(True)`` raises, pointing to :func:`torch_armor.enable_finetuning`
   (the ArmorTensor is a container: its gradient would never be computed).
+
+Imported by :mod:`torch_armor.tensor` (its ``__init__``), so the handlers are in place whenever
+any ArmorTensor exists.
 
 Example::
 
@@ -22,12 +32,85 @@ Example::
 
 from __future__ import annotations
 
-import torch
+from typing import Tuple
 
-from torch_armor.tensor.armor_tensor import ArmorTensor, StorageKind, implements, implements_torch_function
+import torch
+from torch.utils._python_dispatch import return_and_correct_aliasing
+
 from torch_armor.tensor.file_checks import copy_mismatch
+from torch_armor.tensor.armor_tensor import ArmorTensor, implements, implements_torch_function
 
 aten = torch.ops.aten
+
+
+def _moved_kwargs(self: ArmorTensor, kwargs: dict) -> Tuple[torch.device, torch.dtype]:
+    return torch.device(kwargs.get("device") or self.device), kwargs.get("dtype") or self.dtype
+
+
+@implements(aten._to_copy.default)
+def _(func, types, args, kwargs):
+    self = args[0]
+    device, dtype = _moved_kwargs(self, kwargs)
+    out = self.moved(device, dtype, kwargs.get("non_blocking", False) or False)
+    return return_and_correct_aliasing(func, args, kwargs, out)
+
+
+@implements(aten.to.dtype_layout)
+def _(func, types, args, kwargs):
+    self = args[0]
+    device, dtype = _moved_kwargs(self, kwargs)
+    if device == self.device and dtype == self.dtype:
+        return self
+    return self.moved(device, dtype)
+
+
+@implements_torch_function(torch.Tensor.to)
+def _(func, types, args, kwargs):
+    self = args[0]
+    kwargs = dict(kwargs)
+    copy = kwargs.pop("copy", False)
+    device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+    device = torch.device(device) if device is not None else self.device
+    dtype = dtype or self.dtype
+    if device == self.device and dtype == self.dtype and not copy:
+        return self
+    return self.moved(device, dtype, non_blocking)
+
+
+@implements([aten.detach.default, aten.clone.default, aten.alias.default, aten.contiguous.default])
+def _(func, types, args, kwargs):
+    self = args[0]
+    out = self._apply_fn_to_data(lambda t: func(t, *args[1:], **kwargs))
+    out.layer_name = self.layer_name
+    return return_and_correct_aliasing(func, args, kwargs, out)
+
+
+@implements(aten.t.default)
+def _(func, types, args, kwargs):
+    raise NotImplementedError(
+        "ArmorTensor does not support transposition (.t()); use F.linear(x, weight) or "
+        "weight.dense_weight().t() if you need the materialized matrix"
+    )
+
+
+@implements_torch_function(torch._has_compatible_shallow_copy_type)
+def _(func, types, args, kwargs):
+    return type(args[0]) is type(args[1]) and args[0].shape == args[1].shape
+
+
+@implements_torch_function(torch.Tensor.contiguous)
+def _(func, types, args, kwargs):
+    return args[0]
+
+
+@implements_torch_function(torch.Tensor.storage)
+def _(func, types, args, kwargs):
+    raise TypeError(
+        "an ArmorTensor has no single storage: it holds W = A·core·B as separate tensors "
+        f"({args[0].storage_format} core). Save a converted model with model.save_pretrained(directory) "
+        "(after import torch_armor; for a model you converted by hand call torch_armor.attach_quantizer(model) "
+        "first) or torch_armor.save_pretrained(model, directory)"
+    )
 
 
 @implements_torch_function(torch.Tensor.requires_grad_)
@@ -47,6 +130,22 @@ def _(func, types, args, kwargs):
         return func(*args, **kwargs)
 
 
+def _as_destination(dst: ArmorTensor, src: ArmorTensor) -> ArmorTensor:
+    """``src`` converted to ``dst``'s device, dtype and format (exact where the formats are)."""
+    if type(src) is type(dst) and src.device == dst.device and src.dtype == dst.dtype:
+        return src
+    if (dst.storage_format == "quantized") != (src.storage_format == "quantized"):
+        raise RuntimeError(
+            f"cannot copy {src!r} into {dst!r}: one core is quantized and the other not; quantize (or "
+            "dequantize) the model the same way first, or use load_state_dict(..., assign=True)"
+        )
+    if src.device != dst.device or src.dtype != dst.dtype:
+        src = src.moved(dst.device, dst.dtype)
+    if type(src) is not type(dst):
+        src = src.with_storage(dst.storage_format, backend=dst.backend)
+    return src
+
+
 @implements(aten.copy_.default)
 def _(func, types, args, kwargs):
     dst, src = args[0], args[1]
@@ -61,14 +160,13 @@ def _(func, types, args, kwargs):
              "torch_armor (or torch_armor.load_pretrained), or load_state_dict(state, assign=True) to take the "
              "ArmorTensors as they are; for a dense weight use weight.dense_weight()")
         )
-    names_dst, _ = dst.__tensor_flatten__()
-    names_src, _ = src.__tensor_flatten__()
-    if (tuple(dst.shape) != tuple(src.shape) or names_dst != names_src or dst.pattern != src.pattern
-            or dst.storage != src.storage or dst.block_size != src.block_size):
+    if tuple(dst.shape) != tuple(src.shape) or dst.pattern != src.pattern or dst.block_size != src.block_size:
         raise copy_mismatch(src, dst)
-    for name in names_dst:
+    src = _as_destination(dst, src)
+    names, _ = dst.__tensor_flatten__()
+    if names != src.__tensor_flatten__()[0] or any(getattr(dst, n).shape != getattr(src, n).shape for n in names):
+        raise RuntimeError(f"cannot copy {src!r} into {dst!r}: their inner tensors differ; "
+                           "use load_state_dict(..., assign=True) to replace the weight")
+    for name in names:
         getattr(dst, name).copy_(getattr(src, name))
     return dst
-
-
-torch.serialization.add_safe_globals([ArmorTensor, StorageKind])

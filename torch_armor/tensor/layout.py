@@ -32,7 +32,7 @@ import torch
 
 from torch_armor.core.pattern import parse_pattern
 from torch_armor.errors import ArmorInputError
-from torch_armor.tensor.armor_tensor import QUANTIZED, STORAGES, ArmorTensor
+from torch_armor.tensor.armor_tensor import QUANTIZED, STORAGES, ArmorTensor, from_parts
 from torch_armor.tensor.file_checks import check_layer_values
 from torch_armor.tensor.packing import index_bits, pack_nm, unpack_nm
 from torch_armor.tensor.quant import quant_config_from_dict, quant_config_to_dict, quantized_core_template
@@ -185,10 +185,8 @@ def _unflatten_quantized(fqn: str, layer: Dict[str, Any], tensors: Dict[str, tor
             )
         inner[name] = t
     qcore = type(template).__tensor_unflatten__(inner, ctx, template.shape, template.stride())
-    return ArmorTensor(
-        tensors[part_key(fqn, "a_blocks")], tensors[part_key(fqn, "b_blocks")], str(pattern), QUANTIZED, dtype,
-        core=qcore, quant_config=config,
-    )
+    return from_parts(QUANTIZED, tensors[part_key(fqn, "a_blocks")], tensors[part_key(fqn, "b_blocks")],
+                      str(pattern), dtype, core=qcore, quant_config=config)
 
 
 def build_layer(fqn: str, layer: Dict[str, Any], tensors: Dict[str, torch.Tensor]) -> ArmorTensor:
@@ -197,18 +195,16 @@ def build_layer(fqn: str, layer: Dict[str, Any], tensors: Dict[str, torch.Tensor
     if layer["storage"] == QUANTIZED:
         return _unflatten_quantized(fqn, layer, tensors)
     inner = {name: tensors[part_key(fqn, name)] for name in _inner_names(layer["storage"])}
-    return ArmorTensor(
-        inner.pop("a_blocks"), inner.pop("b_blocks"), str(parse_pattern(layer["pattern"])),
-        layer["storage"], DTYPES[layer["dtype"]], **inner,
-    )
+    return from_parts(layer["storage"], inner.pop("a_blocks"), inner.pop("b_blocks"),
+                      str(parse_pattern(layer["pattern"])), DTYPES[layer["dtype"]], **inner)
 
 
 def layer_parts(key: str, value: ArmorTensor) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
     """The stored parts (``{inner name: tensor}``, keys for :func:`part_key`) and the description
     of one converted weight: the core compact for N:M patterns, dense otherwise, quantized as is."""
-    if value.storage == QUANTIZED:
+    if value.storage_format == QUANTIZED:
         return _flatten_quantized(key, value)
-    runtime = value.storage
+    runtime = value.storage_format
     saved_storage = "compact" if parse_pattern(value.pattern).structured else "dense"
     w = value.with_storage(saved_storage) if runtime != saved_storage else value
     inner = {name: getattr(w, name) for name in _inner_names(saved_storage)}

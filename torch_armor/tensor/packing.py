@@ -1,6 +1,4 @@
-"""Storage formats for the N:M sparse core, and the CUDA semi-structured backend choice.
-
-Three formats live here, all pure functions on plain tensors:
+"""Packings of the N:M sparse core, as pure functions on plain tensors.
 
 * **Compact N:M** (:func:`pack_nm` / :func:`unpack_nm`): any ``N:M`` pattern, any device,
   any floating dtype. The kept values of every group of ``M`` consecutive input columns are
@@ -12,10 +10,9 @@ Three formats live here, all pure functions on plain tensors:
 * **CUTLASS 2:4** (:func:`cutlass_pack` / :func:`cutlass_unpack`): the layout the CUTLASS
   sparse GEMM reads (fp16/bf16, reordered ``int16`` metadata). PyTorch's packer is pure
   Python, so it runs (and is tested) on CPU.
-* **torch semi-structured** (:func:`to_semi_structured`): wraps
-  :func:`torch.sparse.to_sparse_semi_structured` (CUDA only), choosing the backend
-  explicitly (:func:`choose_semi_structured_backend`), and falling back to the dense core
-  with a one-time warning when the kernel cannot take the shape.
+
+Which packing a layer uses on which device is :mod:`torch_armor.tensor.policy`'s call; the CUDA
+kernels' own formats live in :mod:`torch_armor.tensor.semi_structured`.
 
 Example::
 
@@ -30,7 +27,6 @@ Example::
 
 from __future__ import annotations
 
-import warnings
 from typing import Optional, Tuple
 
 import torch
@@ -43,17 +39,12 @@ __all__ = [
     "packed_nbytes",
     "cutlass_pack",
     "cutlass_unpack",
-    "choose_semi_structured_backend",
-    "semi_structured_supported",
-    "to_semi_structured",
 ]
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 # CUTLASS sparse GEMM minimum sparse-operand shape for fp16/bf16 (rows, cols);
 # both dimensions must also be multiples of these.
 _CUTLASS_MIN_SHAPE = (32, 64)
-# Keys of (backend, shape, dtype) already warned about in to_semi_structured.
-_WARNED_FALLBACKS: set = set()
 
 
 def index_bits(m: int) -> int:
@@ -300,111 +291,3 @@ def cutlass_unpack(packed: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
             f"got {tuple(packed.shape)} {packed.dtype} and {tuple(meta.shape)} {meta.dtype}"
         )
     return sparse_semi_structured_to_dense_cutlass(packed, meta)
-
-
-# ------------------------------------------------------------------- torch semi-structured
-
-
-def choose_semi_structured_backend() -> str:
-    """``"cusparselt"`` when PyTorch was built with a working cuSPARSELt, else ``"cutlass"``.
-
-    Example::
-
-        >>> choose_semi_structured_backend() in ("cusparselt", "cutlass")
-        True
-    """
-    try:
-        available = bool(torch.backends.cusparselt.is_available())
-    except Exception:  # very old or stripped builds
-        available = False
-    return "cusparselt" if available else "cutlass"
-
-
-def semi_structured_supported(core: torch.Tensor, backend: Optional[str] = None) -> bool:
-    """Whether :func:`torch.sparse.to_sparse_semi_structured` can take this core as is.
-
-    Checks device (CUDA), dtype (fp16/bf16), 2-D and the backend's minimum-shape rule.
-
-    Example::
-
-        >>> semi_structured_supported(torch.zeros(64, 64))  # CPU, fp32
-        False
-    """
-    from torch.sparse import SparseSemiStructuredTensorCUSPARSELT, SparseSemiStructuredTensorCUTLASS
-
-    backend = backend or choose_semi_structured_backend()
-    if core.dim() != 2 or not core.is_cuda or core.dtype not in _HALF_DTYPES:
-        return False
-    cls = SparseSemiStructuredTensorCUTLASS if backend == "cutlass" else SparseSemiStructuredTensorCUSPARSELT
-    cfg = cls._DTYPE_SHAPE_CONSTRAINTS[core.dtype]
-    rows, cols = core.shape
-    return not (
-        rows < cfg.sparse_min_rows
-        or rows % cfg.sparse_min_rows
-        or cols < cfg.sparse_min_cols
-        or cols % cfg.sparse_min_cols
-    )
-
-
-def to_semi_structured(core: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
-    """Convert a 2:4 core to :class:`torch.sparse.SparseSemiStructuredTensor` (CUDA).
-
-    The backend is set explicitly through ``SparseSemiStructuredTensor._FORCE_CUTLASS``
-    (restored afterwards): ``backend=None`` picks :func:`choose_semi_structured_backend`.
-    A core whose shape the kernel cannot take (minimum sizes, alignment) or whose conversion
-    fails is returned dense, with one warning per ``(backend, shape, dtype)``; the caller
-    sees a plain tensor and should treat it as dense storage.
-
-    Raises:
-        ValueError: the core is not on CUDA, not fp16/bf16, or not 2:4.
-
-    Example::
-
-        >>> if torch.cuda.is_available():  # needs CUDA fp16/bf16
-        ...     core = torch.tensor([1.0, 0.0, 0.0, 2.0], device="cuda").repeat(64, 16).half()
-        ...     sparse = to_semi_structured(core)
-    """
-    from torch.sparse import SparseSemiStructuredTensor, to_sparse_semi_structured
-
-    if backend is None:
-        backend = choose_semi_structured_backend()
-    if backend not in ("cusparselt", "cutlass"):
-        raise ValueError(f"backend must be 'cusparselt' or 'cutlass', got {backend!r}")
-    if not isinstance(core, torch.Tensor) or core.dim() != 2:
-        raise ValueError("to_semi_structured needs a 2-D core")
-    if not core.is_cuda:
-        raise ValueError(
-            f"semi-structured sparse kernels run on CUDA only; the core is on {core.device}. "
-            "Move it with .to('cuda') or use compact/dense storage on CPU"
-        )
-    if core.dtype not in _HALF_DTYPES:
-        raise ValueError(
-            f"semi-structured 2:4 kernels take float16/bfloat16, got {core.dtype}; convert with .half() or .bfloat16()"
-        )
-    check_nm_mask(core != 0, 2, 4)
-
-    key = (backend, tuple(core.shape), core.dtype)
-    if not semi_structured_supported(core, backend):
-        if key not in _WARNED_FALLBACKS:
-            _WARNED_FALLBACKS.add(key)
-            warnings.warn(
-                f"{backend} semi-structured kernels cannot take a core of shape {tuple(core.shape)} "
-                f"({core.dtype}); this layer keeps a dense core (same outputs, no 2:4 speed-up)",
-                stacklevel=2,
-            )
-        return core
-    previous = SparseSemiStructuredTensor._FORCE_CUTLASS
-    SparseSemiStructuredTensor._FORCE_CUTLASS = backend == "cutlass"
-    try:
-        return to_sparse_semi_structured(core.contiguous())
-    except (RuntimeError, ValueError, NotImplementedError) as err:
-        if key not in _WARNED_FALLBACKS:
-            _WARNED_FALLBACKS.add(key)
-            warnings.warn(
-                f"{backend} semi-structured conversion failed for a core of shape {tuple(core.shape)} "
-                f"({core.dtype}): {err}; this layer keeps a dense core",
-                stacklevel=2,
-            )
-        return core
-    finally:
-        SparseSemiStructuredTensor._FORCE_CUTLASS = previous

@@ -6,7 +6,7 @@ torchao weight-swap config (``Int8WeightOnlyConfig()``, ``Int8DynamicActivationI
 :class:`~torch_armor.tensor.armor_tensor.ArmorTensor` weight; the block-diagonal wrappers ``A`` and ``B``
 stay in the activation dtype. The quantized core is built by torchao itself (its registered
 handler runs on a temporary ``nn.Linear`` that holds the dense core), stored in the
-ArmorTensor with storage ``"quantized"``, and the core matmul is ``F.linear(x·Bᵀ, core)``,
+:class:`QuantizedArmorTensor` (``storage_format == "quantized"``), and the core matmul is ``F.linear(x·Bᵀ, core)``,
 so torchao's own dispatch does the int8 math, eager and under ``torch.compile``.
 
 Plain ``quantize_(model, Int8WeightOnlyConfig())`` on a converted model raises
@@ -57,7 +57,7 @@ Example::
     >>> ref = model(x)
     >>> quantize_(model, ArmorCoreConfig(Int8WeightOnlyConfig(set_inductor_config=False)))
     >>> w = model[0].weight
-    >>> w.storage, type(w.core).__name__, w.a_blocks.dtype
+    >>> w.storage_format, type(w.core).__name__, w.a_blocks.dtype
     ('quantized', 'Int8Tensor', torch.float32)
     >>> bool((model(x) - ref).norm() < 1e-2 * ref.norm())
     True
@@ -71,14 +71,18 @@ from functools import partial
 from typing import Any, Dict, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torchao.core.config import AOBaseConfig, config_from_dict, config_to_dict
 from torchao.quantization import quantize_
 from torchao.quantization.transform_module import register_quantize_module_handler
+from torchao.utils import TorchAOBaseTensor
 
-from torch_armor.tensor.armor_tensor import QUANTIZED, ArmorTensor
+from torch_armor.tensor.armor_tensor import QUANTIZED, ArmorTensor, from_parts, register_format
+from torch_armor.tensor.linear_layout import rowwise_linear
 
 __all__ = [
+    "QuantizedArmorTensor",
     "ArmorCoreConfig",
     "quantize_armor_core",
     "dequantize_armor_core",
@@ -87,6 +91,83 @@ __all__ = [
     "quant_config_from_dict",
     "quantized_core_template",
 ]
+
+
+_CONFIG_KEY = "torchao_config"
+
+
+@register_format
+class QuantizedArmorTensor(ArmorTensor):
+    """An ARMOR weight whose core is a torchao quantized tensor (``storage_format == "quantized"``).
+
+    ``A`` and ``B`` stay floating (the activation dtype); ``quant_config`` is the torchao config that
+    built the core (saved, to rebuild it on load). Moves keep the core's own integer data and scales
+    (``.to(dtype)`` casts ``A`` and ``B`` only); re-storing it as another format raises.
+    """
+
+    storage_format = QUANTIZED
+    tensor_data_names = ["a_blocks", "b_blocks", "core"]
+    optional_tensor_attribute_names = ["quant_config"]
+
+    def core_dense(self) -> torch.Tensor:
+        dequantize = getattr(self.core, "dequantize", None)
+        if dequantize is None:
+            raise NotImplementedError(
+                f"the quantized core is a {type(self.core).__name__} without dequantize(); "
+                "it can run F.linear but cannot be materialized"
+            )
+        return dequantize().to(self.dtype)
+
+    def stored_parameters(self) -> int:
+        names, _ = self.core.__tensor_flatten__()  # torchao keeps the int8 data dense, plus its scales
+        return self.a_blocks.numel() + self.b_blocks.numel() + sum(getattr(self.core, n).numel() for n in names)
+
+    def _linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        d_out, d_in = self.shape
+        dtype = x.dtype
+        # the core matmul goes through torchao's dispatch (int8 weight-only / dynamic activation ...)
+        y = rowwise_linear(x.reshape(-1, d_in), self.a_blocks.to(dtype), self.b_blocks.to(dtype),
+                           lambda h: F.linear(h, self.core))
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], d_out)
+
+    def with_storage(self, storage: str, backend: Optional[str] = None) -> ArmorTensor:
+        if storage == QUANTIZED:
+            return self
+        raise ValueError(
+            f"this ArmorTensor's core is quantized ({type(self.core).__name__}); re-storing it as "
+            f"{storage!r} would dequantize it. Call torch_armor.tensor.quant.dequantize_armor_core(weight) "
+            "first to get a floating-point core, then with_storage()"
+        )
+
+    def __reduce_ex__(self, protocol):
+        """Pickle the torchao config as its JSON dict, so ``torch.load(weights_only=True)`` reads it back."""
+        rebuild, (func, cls, args, state) = super().__reduce_ex__(protocol)
+        if isinstance(state, dict) and isinstance(state.get("quant_config"), AOBaseConfig):
+            state = dict(state, quant_config={_CONFIG_KEY: config_to_dict(state["quant_config"])})
+        return rebuild, (func, cls, args, state)
+
+    def __setstate__(self, state):
+        config = state.get("quant_config") if isinstance(state, dict) else None
+        if isinstance(config, dict) and _CONFIG_KEY in config:
+            state = dict(state, quant_config=config_from_dict(config[_CONFIG_KEY]))
+        TorchAOBaseTensor.__setstate__(self, state)
+
+    def moved(self, device, dtype: torch.dtype, non_blocking: bool = False) -> ArmorTensor:
+        if not dtype.is_floating_point:
+            raise ValueError(
+                f"ArmorTensor holds floating-point factors and cannot be cast to {dtype}; "
+                "quantize the core with torch_armor's quantization helpers instead"
+            )
+        a, b = (t.to(device=device, dtype=dtype, non_blocking=non_blocking) for t in (self.a_blocks, self.b_blocks))
+        out = QuantizedArmorTensor(a, b, self.core.to(device=device, non_blocking=non_blocking), self.pattern,
+                                   dtype, quant_config=self.quant_config)
+        out.layer_name = self.layer_name
+        return out
+
+
+torch.serialization.add_safe_globals([QuantizedArmorTensor])
 
 
 @dataclasses.dataclass
@@ -195,12 +276,12 @@ def quantize_armor_core(weight: ArmorTensor, inner: AOBaseConfig) -> ArmorTensor
         >>> core = torch.tensor([[0.5, 0.0, 0.0, -1.0]] * 4)
         >>> f = ArmorFactors(torch.eye(4)[None], core, torch.eye(4)[None], core != 0, "2:4")
         >>> w = quantize_armor_core(ArmorTensor.from_factors(f), Int8WeightOnlyConfig(set_inductor_config=False))
-        >>> w.storage, w.core.qdata.dtype, w.core.qdata[0].tolist()
+        >>> w.storage_format, w.core.qdata.dtype, w.core.qdata[0].tolist()
         ('quantized', torch.int8, [64, 0, 0, -127])
     """
     if not isinstance(weight, ArmorTensor):
         raise TypeError(f"quantize_armor_core expects an ArmorTensor weight, got {type(weight).__name__}")
-    if weight.storage == QUANTIZED:
+    if weight.storage_format == QUANTIZED:
         raise ValueError(
             "this ArmorTensor's core is already quantized; quantize the floating-point converted model "
             "once (or call dequantize_armor_core first)"
@@ -211,9 +292,10 @@ def quantize_armor_core(weight: ArmorTensor, inner: AOBaseConfig) -> ArmorTensor
         raise TypeError(f"inner must be a torchao config instance such as Int8WeightOnlyConfig(), got {type(inner).__name__}")
     core = weight.core_dense().detach().contiguous()
     qcore = _quantize_dense_core(core, inner)
-    return ArmorTensor(
-        weight.a_blocks, weight.b_blocks, weight.pattern, QUANTIZED, weight.dtype, core=qcore, quant_config=inner
-    )
+    out = QuantizedArmorTensor(weight.a_blocks, weight.b_blocks, qcore, weight.pattern, weight.dtype,
+                               quant_config=inner)
+    out.layer_name = weight.layer_name
+    return out
 
 
 def dequantize_armor_core(weight: ArmorTensor, storage: str = "auto") -> ArmorTensor:
@@ -229,15 +311,16 @@ def dequantize_armor_core(weight: ArmorTensor, storage: str = "auto") -> ArmorTe
         >>> core = torch.tensor([[0.5, 0.0, 0.0, -1.0]] * 4)
         >>> f = ArmorFactors(torch.eye(4)[None], core, torch.eye(4)[None], core != 0, "2:4")
         >>> w = quantize_armor_core(ArmorTensor.from_factors(f), Int8WeightOnlyConfig(set_inductor_config=False))
-        >>> dequantize_armor_core(w, "dense").storage
+        >>> dequantize_armor_core(w, "dense").storage_format
         'dense'
     """
     if not isinstance(weight, ArmorTensor):
         raise TypeError(f"dequantize_armor_core expects an ArmorTensor weight, got {type(weight).__name__}")
-    if weight.storage != QUANTIZED:
+    if weight.storage_format != QUANTIZED:
         return weight.with_storage(storage)
-    core = weight.core_dense()
-    dense = ArmorTensor(weight.a_blocks, weight.b_blocks, weight.pattern, "dense", weight.dtype, core=core)
+    dense = from_parts("dense", weight.a_blocks, weight.b_blocks, weight.pattern, weight.dtype,
+                       core=weight.core_dense())
+    dense.layer_name = weight.layer_name
     return dense.with_storage(storage) if storage != "dense" else dense
 
 
@@ -259,7 +342,7 @@ def _armor_core_transform(module: nn.Module, config: ArmorCoreConfig, *, paramet
         if handler is None:
             raise TypeError(f"{type(config.inner).__name__} has no quantize_ handler registered with torchao")
         return handler(module, config.inner)
-    if weight.storage == QUANTIZED:  # quantize_ twice: leave it (torchao skips quantized weights too)
+    if weight.storage_format == QUANTIZED:  # quantize_ twice: leave it (torchao skips quantized weights too)
         return module
     new = quantize_armor_core(weight, config.inner)
     setattr(module, parameter_name, nn.Parameter(new, requires_grad=False))
