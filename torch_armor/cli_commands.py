@@ -232,5 +232,5 @@ _DEMO_MINUTES = {
 }
 
 
-def _method_label(method: str) -> str:
-    return method if method == DENSE else method_named(method).label
+def _method_label(name: str) -> str:
+    return name if name == DENSE else method_named(name).label
