@@ -193,9 +193,16 @@ def register(case, cli_case, CliResult, _cli, check, check_kept, code: Path) -> 
         model = pruned_model()
         d = tmp_dir() / "plain"
         save_pretrained(model.model.layers[0].mlp, d)  # no config.json: the torch_armor loader
-        got = load_checked(d, model_or_config=lambda: pruned_mlp_template(), storage="semi_structured")
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = load_checked(d, model_or_config=lambda: pruned_mlp_template(), storage="semi_structured")
         w = got.up_proj.weight
-        check(isinstance(w, ArmorTensor) and w.storage == "semi_structured", f"asked for semi_structured, got {w.storage}")
+        said = [str(c.message) for c in caught if "semi_structured" in str(c.message)]
+        # no 2:4 kernel on a CPU: compact cores (the same function), with one warning saying what 2:4 needs
+        check(isinstance(w, ArmorTensor) and w.storage_format == "compact" and len(said) >= 1,
+              f"asked for semi_structured on CPU: got {w.storage_format}, warnings {said}")
 
     @case("i25 load options", "load_pretrained(storage='bogus')", "storage")
     def _():

@@ -5,9 +5,11 @@ runs (this module imports torchao and transformers), so ``torch-armor --help`` s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -21,8 +23,10 @@ from torch_armor.cli_names import DENSE, FULL_PROTOCOL, HARNESS_JSON, QUICK_PROT
 from torch_armor.core.config import ArmorConfig
 from torch_armor.core.levers import OPTIMIZERS, ReconstructConfig, RefineConfig
 from torch_armor.engine.distributed import launched_rank
+from torch_armor.engine.lock import run_lock
 from torch_armor.engine.methods import method_named
 from torch_armor.engine.options import PruneOptions
+from torch_armor.engine.paths import check_prune_paths, model_source_dirs
 from torch_armor.engine.prune import prune_model
 from torch_armor.errors import MissingExtraError
 from torch_armor.progress import is_interactive, quiet_third_party_progress
@@ -70,18 +74,28 @@ def method_config(args: argparse.Namespace) -> Any:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    check_prune_paths(model_source_dirs(args.model), out=out, run_dir=args.run_dir, out_flag="--out")  # first
+    # the run directory lives through the whole command (model, tokenizer, report, plot), owned by this
+    # process: a failure after the last block leaves a state the same command resumes
+    run_dir = Path(args.run_dir) if args.run_dir else out / RUN_DIR_NAME
+    with run_lock(run_dir) if launched_rank() == 0 else contextlib.nullcontext():
+        code = _prune(args, out, run_dir)
+    if launched_rank() == 0 and not args.run_dir and not args.keep_run_dir:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return code
 
+
+def _prune(args: argparse.Namespace, out: Path, run_dir: Path) -> int:
     setup(args)
     start = time.perf_counter()
-    out = Path(args.out)
     model, tokenizer = pruning_source(args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device,
                                       log=log)
     log(f"calibrating on {args.n_calib}×{args.seq_len} tokens of {args.calib}, "
-         f"{'sequentially' if not args.one_shot else 'one-shot'}, one decoder block at a time")
+        f"{'sequentially' if not args.one_shot else 'one-shot'}, one decoder block at a time")
     windows = calibration_windows(args.calib, tokenizer, n_windows=args.n_calib, seq_len=args.seq_len, seed=args.seed)
     options = PruneOptions(
-        out=out, overwrite=args.overwrite,
-        run_dir=args.run_dir or (out / RUN_DIR_NAME if args.keep_run_dir else None),  # given: kept after success
+        out=out, overwrite=args.overwrite, run_dir=run_dir,
         device=args.device, dtype=parse_dtype(args.dtype), storage=args.storage, sequential=not args.one_shot,
         batch_size=args.batch_size, progress=not args.no_progress, log=log)
     report = prune_model(model, windows, method_config(args), layers=args.layers, options=options)

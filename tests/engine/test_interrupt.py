@@ -99,7 +99,7 @@ def test_signal_mid_prune_says_where_and_the_same_command_resumes(tmp_path, mode
 
 
 LATE_STEPS = {
-    "assembly": "torch_armor.tensor.serialization.assemble_checkpoint",
+    "assembly": "torch_armor.engine.sources.assemble_checkpoint",
     "tokenizer": "transformers.PreTrainedTokenizerBase.save_pretrained",
     "report": "torch_armor.engine.report.PruneReport.save_json",
     "plot": "torch_armor.engine.report.PruneReport.save_plot",

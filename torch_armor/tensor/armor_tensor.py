@@ -46,6 +46,7 @@ Example::
 from __future__ import annotations
 
 import hashlib
+import warnings
 from typing import Callable, ClassVar, Dict, Optional, Tuple, Union
 
 import torch
@@ -434,7 +435,11 @@ def restore_storage(w: ArmorTensor, saved: str, requested: Optional[str] = None,
     if requested is None:
         requested = "auto" if cuda else ("compact" if saved == "semi_structured" else saved)
     elif requested == "semi_structured" and not (cuda and w.dtype in policy.HALF_DTYPES):
-        requested = "auto" if cuda else "compact"  # no 2:4 kernel here: the best this device has
+        fallback = "auto" if cuda else "compact"  # no 2:4 kernel here: the best this device has
+        warnings.warn(f"{name or w.layer_name or 'an ARMOR layer'}: storage='semi_structured' needs a CUDA GPU and "
+                      f"float16/bfloat16 (this weight: {w.device.type}, {w.dtype}); loaded with "
+                      f"storage={fallback!r}", policy.ArmorStorageWarning, stacklevel=2)
+        requested = fallback
     return w.with_storage(requested)
 
 
