@@ -154,7 +154,7 @@ def register(case, cli_case, CliResult, _cli, check, check_kept, code: Path) -> 
         env = subprocess_env(code)
         first = subprocess.Popen([sys.executable, "-c", PRUNE_SCRIPT, str(d), "-" if shared_out else str(run), str(outs[0])],
                                  env=env, cwd=STATE['tmp'], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        run_dir = outs[0] / ".armor_run" if shared_out else run
+        run_dir = outs[0] / "armor_run" if shared_out else run
         wait_for(lambda: (run_dir / "manifest.json").is_file(), first)
         stopped = first.poll() is None
         if stopped:
