@@ -251,7 +251,8 @@ def test_python_dash_m_help():
 
 def test_block_size_default_is_the_config_default():
     from torch_armor import ArmorConfig, ReconstructConfig
-    from torch_armor.cli import _armor_config, build_parser
+    from torch_armor.cli import build_parser
+    from torch_armor.cli_commands import armor_config as _armor_config
 
     parser = build_parser()
     for argv in (["prune", "smollm2", "--out", "x"], ["demo"]):

@@ -280,7 +280,7 @@ def _run(args: argparse.Namespace, command) -> int:
         print(f"torch-armor {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as err:
-        line = str(err) if isinstance(err, PruneInterrupted) else _interrupted(args)
+        line = str(err) if isinstance(err, PruneInterrupted) and args.command == "prune" else _interrupted(args)
         print(f"torch-armor {args.command}: {line}", file=sys.stderr)
         return 128 + getattr(err, "signum", signal.SIGINT)
     except Exception as err:  # noqa: BLE001 - anything else is a bug: one line, no traceback

@@ -5,7 +5,6 @@ runs (this module imports torchao and transformers), so ``torch-armor --help`` s
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import shlex
@@ -23,7 +22,6 @@ from torch_armor.cli_names import DENSE, FULL_PROTOCOL, HARNESS_JSON, QUICK_PROT
 from torch_armor.core.config import ArmorConfig
 from torch_armor.core.levers import OPTIMIZERS, ReconstructConfig, RefineConfig
 from torch_armor.engine.distributed import launched_rank
-from torch_armor.engine.lock import run_lock
 from torch_armor.engine.methods import method_named
 from torch_armor.engine.options import PruneOptions
 from torch_armor.engine.paths import check_prune_paths, model_source_dirs
@@ -76,11 +74,10 @@ def method_config(args: argparse.Namespace) -> Any:
 def cmd_prune(args: argparse.Namespace) -> int:
     out = Path(args.out)
     check_prune_paths(model_source_dirs(args.model), out=out, run_dir=args.run_dir, out_flag="--out")  # first
-    # the run directory lives through the whole command (model, tokenizer, report, plot), owned by this
-    # process: a failure after the last block leaves a state the same command resumes
+    # the run directory outlives prune_model (which holds its lock) until the tokenizer, report and plot
+    # are written: a failure after the last block leaves a state the same command resumes
     run_dir = Path(args.run_dir) if args.run_dir else out / RUN_DIR_NAME
-    with run_lock(run_dir) if launched_rank() == 0 else contextlib.nullcontext():
-        code = _prune(args, out, run_dir)
+    code = _prune(args, out, run_dir)
     if launched_rank() == 0 and not args.run_dir and not args.keep_run_dir:
         shutil.rmtree(run_dir, ignore_errors=True)
     return code

@@ -319,9 +319,9 @@ def test_one_class_per_storage_and_no_storage_branch_in_forward():
     """Each format computes its own linear; the shared code never asks which storage it holds."""
     import inspect
 
-    from torch_armor.tensor import armor_tensor, layout
+    from torch_armor.tensor import armor_tensor, linear_layout
 
-    forward = [inspect.getsource(layout)] + [inspect.getsource(cls._linear) for cls in armor_tensor._FORMATS.values()]
+    forward = [inspect.getsource(linear_layout)] + [inspect.getsource(cls._linear) for cls in armor_tensor._FORMATS.values()]
     assert len(forward) == 1 + 5  # dense, compact, cuSPARSELt, CUTLASS, quantized
     assert not [src for src in forward if "storage" in src or "backend" in src]
     names = {type(ArmorTensor.from_factors(random_pattern_factors(32, 64, 16), storage=s)).__name__

@@ -341,6 +341,7 @@ def copy_mismatch(src: Any, dst: Any) -> ArmorInputError:
         return (f"shape {tuple(t.shape)}, block size {t.block_size}, pattern {t.pattern}, storage {t.storage_format}, "
                 f"dtype {str(t.dtype).removeprefix('torch.')}")
 
-    return ArmorInputError(f"cannot copy an ArmorTensor of {layout(src)} into one of {layout(dst)}: rebuild the "
+    return ArmorInputError(f"cannot copy an ArmorTensor of {layout(src)} into one of {layout(dst)} (shapes, pattern or "
+                           "block size differ): rebuild the "
                            "model with the saved block sizes (torch_armor.load_pretrained does), or "
                            "load_state_dict(..., assign=True) to replace the weight")
