@@ -1,7 +1,7 @@
 """Robustness tally of issue #14: bad inputs and faults thrown at torch_armor, each outcome classified.
 
     python benchmarks/robustness.py                    # every case
-    python benchmarks/robustness.py --only i25          # issue #25's cases (groups "i25 …")
+    python benchmarks/robustness.py --only "load options"   # the cases whose name contains the text
     python benchmarks/robustness.py --code /path/to/old/checkout --only i25   # the same cases on other code
 
 Every case either returns a result that the case itself verifies ("correct": finite, pattern

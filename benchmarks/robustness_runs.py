@@ -48,12 +48,12 @@ def register(case, cli_case, CliResult, _cli, check, check_kept, code: Path) -> 
                   "attention_mask": torch.tensor([[1] * 6 + [0] * 2] * 2)}),
         ("float64 ids", lambda: torch.zeros(2, 8, dtype=torch.float64)),
     ):
-        @case("i25 calibration", f"prune_model with {label}", "calibration")
+        @case("calibration", f"prune_model with {label}", "calibration")
         def _(calib=calib):
             _calib_case(calib())
 
     for dtype in (torch.int32, torch.uint8):
-        @case("i25 calibration", f"prune_model with {str(dtype).removeprefix('torch.')} ids (same result as int64)")
+        @case("calibration", f"prune_model with {str(dtype).removeprefix('torch.')} ids (same result as int64)")
         def _(dtype=dtype):
             from conftest import make_tiny_llama
             from torch_armor import prune_model
@@ -93,20 +93,20 @@ def register(case, cli_case, CliResult, _cli, check, check_kept, code: Path) -> 
 
     for label, make_out in (("out = the checkpoint", lambda d: d), ("out = a symlink to it", _link),
                             ("out = 'ckpt/../ckpt'", lambda d: d / ".." / d.name), ("out = its parent", lambda d: d.parent)):
-        @case("i25 overwrite", f"prune_model(path, {label})", "input checkpoint")
+        @case("overwrite", f"prune_model(path, {label})", "input checkpoint")
         def _(make_out=make_out):
             _over_input(make_out, "python")
 
     for overwrite in (False, True):
-        @cli_case("i25 overwrite", f"prune M --out M{' --overwrite' if overwrite else ''}", "input checkpoint")
+        @cli_case("overwrite", f"prune M --out M{' --overwrite' if overwrite else ''}", "input checkpoint")
         def _(overwrite=overwrite):
             return _over_input(lambda d: d, "cli", overwrite)
 
-    @cli_case("i25 overwrite", "prune M --out LINK-TO-M --overwrite", "input checkpoint")
+    @cli_case("overwrite", "prune M --out LINK-TO-M --overwrite", "input checkpoint")
     def _():
         return _over_input(_link, "cli", True)
 
-    @case("i25 overwrite", "prune_model(model loaded from DIR, out=DIR)", "input checkpoint")
+    @case("overwrite", "prune_model(model loaded from DIR, out=DIR)", "input checkpoint")
     def _():
         from transformers import AutoModelForCausalLM
         from torch_armor import prune_model
@@ -119,7 +119,7 @@ def register(case, cli_case, CliResult, _cli, check, check_kept, code: Path) -> 
             check_kept(tree_hash(d) == before, "the checkpoint the model came from was overwritten")
 
     for flag in ("run_dir", "hidden_dir"):
-        @case("i25 overwrite", f"prune_model(path, {flag}=path)", "input checkpoint")
+        @case("overwrite", f"prune_model(path, {flag}=path)", "input checkpoint")
         def _(flag=flag):
             from torch_armor import prune_model
 
@@ -130,7 +130,7 @@ def register(case, cli_case, CliResult, _cli, check, check_kept, code: Path) -> 
             finally:
                 check_kept(tree_hash(d) == before, f"{flag} wrote into the input checkpoint")
 
-    @case("i25 overwrite", "out = an existing file: refused before pruning", "not a directory")
+    @case("overwrite", "out = an existing file: refused before pruning", "not a directory")
     def _():
         from conftest import make_tiny_llama
         from torch_armor import prune_model
@@ -184,14 +184,14 @@ def register(case, cli_case, CliResult, _cli, check, check_kept, code: Path) -> 
     class DataLostProxy(Exception):
         pass
 
-    @case("i25 concurrency", "two prune processes, one --run-dir, two outs", "in use by process")
+    @case("concurrency", "two prune processes, one --run-dir, two outs", "in use by process")
     def _():
         try:
             _two_processes(shared_out=False)
         except DataLostProxy as err:
             check_kept(False, str(err))
 
-    @case("i25 concurrency", "two streamed prunes into one out (its default run directory)", "in use by process")
+    @case("concurrency", "two streamed prunes into one out (its default run directory)", "in use by process")
     def _():
         try:
             _two_processes(shared_out=True)
@@ -221,11 +221,11 @@ def register(case, cli_case, CliResult, _cli, check, check_kept, code: Path) -> 
             raise RuntimeError(f"exit {proc.returncode}: {lines[-1] if lines else 'no message'}")
         return f"exit {proc.returncode}: {lines[-1]}"
 
-    @case("i25 signals", "SIGTERM during a CLI prune, then the same command")
+    @case("signals", "SIGTERM during a CLI prune, then the same command")
     def _():
         _signal_case(signal.SIGTERM)
 
-    @case("i25 signals", "SIGINT during a CLI prune, then the same command")
+    @case("signals", "SIGINT during a CLI prune, then the same command")
     def _():
         _signal_case(signal.SIGINT)
 
@@ -266,10 +266,10 @@ def register(case, cli_case, CliResult, _cli, check, check_kept, code: Path) -> 
         load_pretrained(out)
 
     for label, target in (("saving the report's plot", "torch_armor.engine.report.PruneReport.save_plot"),
-                          ("assembling the checkpoint", "torch_armor.tensor.serialization.assemble_checkpoint"),
+                          ("assembling the checkpoint", "torch_armor.engine.sources.assemble_checkpoint"),
                           ("saving the tokenizer", "transformers.PreTrainedTokenizerBase.save_pretrained")):
         for overwrite in (False, True):
-            @case("i25 signals", f"failure while {label}, then the same command"
+            @case("signals", f"failure while {label}, then the same command"
                                  f"{' with --overwrite' if overwrite else ''}")
             def _(target=target, overwrite=overwrite):
                 _late(target, overwrite)

@@ -43,7 +43,7 @@ def register(case, cli_case, CliResult, _cli, check, check_kept, code: Path) -> 
     # ------------------------------------------------------------------ crafted checkpoints
     for label, name in (("'../other/model.safetensors'", "../other/model.safetensors"), ("'/etc/passwd'", "/etc/passwd"),
                         ("'sub/x.safetensors'", "sub/x.safetensors"), ("the number 3", 3), ("'..'", "..")):
-        @case("i25 checkpoint", f"streamed prune: index names shard {label}", "index.json")
+        @case("checkpoint", f"streamed prune: index names shard {label}", "index.json")
         def _(name=name):
             d = dense_dir(shards=True)
             if isinstance(name, str) and name.startswith("../other/"):
@@ -53,7 +53,7 @@ def register(case, cli_case, CliResult, _cli, check, check_kept, code: Path) -> 
                 shutil.copy(first, other / "model.safetensors")
             stream(index_edit(d, name), check, check_kept)
 
-    @case("i25 checkpoint", "load_pretrained: ARMOR index names a shard outside the directory", "index.json")
+    @case("checkpoint", "load_pretrained: ARMOR index names a shard outside the directory", "index.json")
     def _():
         from transformers import AutoModelForCausalLM
 
@@ -72,20 +72,20 @@ def register(case, cli_case, CliResult, _cli, check, check_kept, code: Path) -> 
                           "zip": torch_save_bytes(), "past end": past_end(data)}[how])
 
     for how in ("pickle", "truncated", "empty", "past end"):
-        @case("i25 checkpoint", f"load_pretrained (HF format): {how} model.safetensors", "model.safetensors")
+        @case("checkpoint", f"load_pretrained (HF format): {how} model.safetensors", "model.safetensors")
         def _(how=how):
             d = hf_dir()
             _damage(d / "model.safetensors", how)
             loads_wrong(d, check)
 
     for how in ("pickle", "truncated", "zip"):
-        @case("i25 checkpoint", f"streamed prune: {how} model.safetensors", "model.safetensors")
+        @case("checkpoint", f"streamed prune: {how} model.safetensors", "model.safetensors")
         def _(how=how):
             d = dense_dir()
             _damage(d / "model.safetensors", how)
             stream(d, check, check_kept)
 
-    @cli_case("i25 checkpoint", "CLI prune of a checkpoint whose weights file is a pickle", "model.safetensors")
+    @cli_case("checkpoint", "CLI prune of a checkpoint whose weights file is a pickle", "model.safetensors")
     def _():
         d = dense_dir()
         _damage(d / "model.safetensors", "pickle")
@@ -93,7 +93,7 @@ def register(case, cli_case, CliResult, _cli, check, check_kept, code: Path) -> 
         return _cli(["prune", str(d), "--calib", str(text_file()), "--n-calib", "2", "--seq-len", "16", "--method",
                      "magnitude", "--no-progress", "--out", str(d.parent / "out")])
 
-    @cli_case("i25 checkpoint", "CLI eval of an ARMOR directory with a truncated weights file", "model.safetensors")
+    @cli_case("checkpoint", "CLI eval of an ARMOR directory with a truncated weights file", "model.safetensors")
     def _():
         d = hf_dir()
         _damage(d / "model.safetensors", "truncated")
@@ -115,13 +115,13 @@ def register(case, cli_case, CliResult, _cli, check, check_kept, code: Path) -> 
         "shape transposed": lambda q: q["layers"][first_layer(q)].update(shape=[128, 64] if q["layers"][first_layer(q)]["shape"] == [64, 128] else [64, 32]),
     }
     for label, fn in qc_edits.items():
-        @case("i25 checkpoint", f"load_pretrained: quantization_config {label}", "config.json")
+        @case("checkpoint", f"load_pretrained: quantization_config {label}", "config.json")
         def _(fn=fn):
             d = edit_qc(hf_dir(), fn)
             loads_wrong(d, check)
             check(False, "an edited quantization_config loaded")  # even equal logits: the entry is wrong
 
-    @case("i25 checkpoint", "from_pretrained (transformers): quantization_config block size 32", "config.json")
+    @case("checkpoint", "from_pretrained (transformers): quantization_config block size 32", "config.json")
     def _():
         from transformers import AutoModelForCausalLM
 
@@ -151,13 +151,13 @@ def register(case, cli_case, CliResult, _cli, check, check_kept, code: Path) -> 
     for label, fn in (("NaN in an A block", _nan("q_proj.weight")), ("Inf in a B block", _nan(".b_blocks", float("inf"))),
                       ("NaN in the compact values", _nan(".values")), ("duplicate 2:4 positions", _dup_positions),
                       ("2:4 positions out of order", _swap_positions)):
-        @case("i25 checkpoint", f"load_pretrained (HF format): {label}", "layer 'model.layers")
+        @case("checkpoint", f"load_pretrained (HF format): {label}", "layer 'model.layers")
         def _(fn=fn):
             d = edit_tensors(hf_dir(), fn)
             loads_wrong(d, check)
             check(False, "corrupt factors loaded")
 
-    @case("i25 checkpoint", "load_pretrained (torch_armor format): Inf in a saved factor", "up_proj")
+    @case("checkpoint", "load_pretrained (torch_armor format): Inf in a saved factor", "up_proj")
     def _():
         from torch_armor import save_pretrained
 
@@ -168,24 +168,24 @@ def register(case, cli_case, CliResult, _cli, check, check_kept, code: Path) -> 
         load_checked(d)
         check(False, "an Inf factor loaded")
 
-    @case("i25 checkpoint", "load_pretrained (HF format): a norm weight missing from the file", "post_attention_layernorm")
+    @case("checkpoint", "load_pretrained (HF format): a norm weight missing from the file", "post_attention_layernorm")
     def _():
         d = edit_tensors(hf_dir(), lambda t: t.pop("model.layers.1.post_attention_layernorm.weight"))
         loads_wrong(d, check)
 
     # ------------------------------------------------------------------ load-path options
-    @case("i25 load options", "from_pretrained(device_map={'': 'meta'})", "meta")
+    @case("load options", "from_pretrained(device_map={'': 'meta'})", "meta")
     def _():
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(hf_dir(), device_map={"": "meta"})
         logits_of(model)
 
-    @case("i25 load options", "load_pretrained(device='meta')", "meta")
+    @case("load options", "load_pretrained(device='meta')", "meta")
     def _():
         logits_of(load_checked(hf_dir(), device="meta"))
 
-    @case("i25 load options", "load_pretrained(plain module, storage='semi_structured') on CPU", "semi_structured")
+    @case("load options", "load_pretrained(plain module, storage='semi_structured') on CPU")
     def _():
         from torch_armor import save_pretrained
         from torch_armor.tensor.armor_tensor import ArmorTensor
@@ -204,11 +204,11 @@ def register(case, cli_case, CliResult, _cli, check, check_kept, code: Path) -> 
         check(isinstance(w, ArmorTensor) and w.storage_format == "compact" and len(said) >= 1,
               f"asked for semi_structured on CPU: got {w.storage_format}, warnings {said}")
 
-    @case("i25 load options", "load_pretrained(storage='bogus')", "storage")
+    @case("load options", "load_pretrained(storage='bogus')", "storage")
     def _():
         load_checked(hf_dir(), storage="bogus")
 
-    @case("i25 load options", "load_state_dict: block-16 state into a block-32 model", "block size 16")
+    @case("load options", "load_state_dict: block-16 state into a block-32 model", "block size 16")
     def _():
         from conftest import make_tiny_llama
         from torch_armor import ArmorConfig, prune_model
@@ -224,7 +224,7 @@ def register(case, cli_case, CliResult, _cli, check, check_kept, code: Path) -> 
                 raise ValueError(text[:400]) from None
             raise
 
-    @case("i25 load options", "weight.copy_(weight of another block size)", "block size 32")
+    @case("load options", "weight.copy_(weight of another block size)", "block size 32")
     def _():
         from conftest import make_tiny_llama
         from torch_armor import ArmorConfig, prune_model
