@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 import torch_armor._quiet  # noqa: F401  (first: silences torchao's known import noise)
+import torch_armor.hf  # noqa: F401  (registers quant_method "armor" with transformers)
 from torch_armor._io import RUN_DIR_NAME
 from torch_armor.cli_names import DENSE, FULL_PROTOCOL, HARNESS_JSON, QUICK_PROTOCOL, REPORT_JSON, REPORT_PNG
 from torch_armor.core.config import ArmorConfig
