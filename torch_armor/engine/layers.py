@@ -39,6 +39,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 import torch
 
 from torch_armor.core.config import ArmorConfig
+from torch_armor.core.config_compat import LEGACY_KEYWORDS
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.engine.identity import act_sq_norm_of
 from torch_armor.engine.runner import solve_layer
@@ -67,7 +68,7 @@ def _layer_config(base: ArmorConfig, override: Any, fqn: str, shape: Optional[Se
     elif isinstance(override, ArmorConfig):
         cfg = override
     elif isinstance(override, Mapping):
-        unknown = set(override) - {f.name for f in dataclasses.fields(ArmorConfig)}
+        unknown = set(override) - {f.name for f in dataclasses.fields(ArmorConfig)} - LEGACY_KEYWORDS  # those warn
         if unknown:
             raise ArmorInputError(f"layer {fqn!r}: unknown ArmorConfig fields in per_layer_overrides: {sorted(unknown)}")
         try:

@@ -3,8 +3,7 @@
 A method is registered next to the code that runs it on one layer, with what it needs from
 calibration as functions of its config::
 
-    @register_method(SparseGPTConfig, name="sparsegpt", label="SparseGPT", needs_xtx=True,
-                 describe=lambda config: f"block {config.block_size}, damp {config.damp:g}")
+    @register_method(SparseGPTConfig, label="SparseGPT", needs_xtx=True)
     def _sparsegpt(weight, stats, config, name) -> (mask, pruned) | ArmorFactors: ...
 
 :func:`method_for` finds a config's method; :func:`config_for_method` maps the names the command
@@ -93,11 +92,18 @@ def _as_rule(value: Union[bool, Callable[[Any], bool]]) -> Callable[[Any], bool]
     return _always if value else _never
 
 
-def register_method(config_type: type, *, name: str, label: str, needs_statistics: bool = True,
+def register_method(config_type: type, *, label: Optional[str] = None, name: Optional[str] = None,
+                    needs_statistics: bool = True,
                     needs_xtx: Union[bool, Callable[[Any], bool]] = False,
                     reconstructs: Union[bool, Callable[[Any], bool]] = False, factorizes: bool = False,
                     describe: Optional[Callable[[Any], str]] = None) -> Callable[[Solve], Solve]:
-    """Decorator: register ``solve(weight, stats, config, name)`` as the method of ``config_type``."""
+    """Decorator: register ``solve(weight, stats, config, name)`` as the method of ``config_type``.
+
+    ``name`` (the command line's and the reports' name) defaults to the type's name without
+    ``Config``, lower case (``SparseGPTConfig`` -> ``"sparsegpt"``); ``label`` (tables) to ``name``.
+    """
+    name = name or config_type.__name__.removesuffix("Config").lower()
+    label = label or name
 
     def decorate(solve: Solve) -> Solve:
         taken = [m for m in METHODS.values() if m.name == name and m.config_type is not config_type]
@@ -152,17 +158,17 @@ def _xtx(stats: Any) -> Optional[torch.Tensor]:
     return None if isinstance(stats, torch.Tensor) else getattr(stats, "xtx", None)
 
 
-@register_method(MagnitudeConfig, name="magnitude", label="magnitude", needs_statistics=False)
+@register_method(MagnitudeConfig, needs_statistics=False)
 def _magnitude(weight: torch.Tensor, stats: Any, config: MagnitudeConfig, name: str = "") -> Result:
     return baselines.magnitude_prune(weight, config.pattern)
 
 
-@register_method(WandaConfig, name="wanda", label="Wanda")
+@register_method(WandaConfig, label="Wanda")
 def _wanda(weight: torch.Tensor, stats: Any, config: WandaConfig, name: str = "") -> Result:
     return baselines.wanda_prune(weight, _h(stats, weight), config.pattern)
 
 
-@register_method(SparseGPTConfig, name="sparsegpt", label="SparseGPT", needs_xtx=True,
+@register_method(SparseGPTConfig, label="SparseGPT", needs_xtx=True,
                  describe=lambda config: f"block {config.block_size}, damp {config.damp:g}")
 def _sparsegpt(weight: torch.Tensor, stats: Any, config: SparseGPTConfig, name: str = "") -> Result:
     xtx = _xtx(stats)
@@ -172,7 +178,7 @@ def _sparsegpt(weight: torch.Tensor, stats: Any, config: SparseGPTConfig, name: 
                                      damp=config.damp)
 
 
-@register_method(NoWagConfig, name="nowag", label="NoWag-P")
+@register_method(NoWagConfig, label="NoWag-P")
 def _nowag(weight: torch.Tensor, stats: Any, config: NoWagConfig, name: str = "") -> Result:
     return nowag_prune(weight, _h(stats, weight), config.pattern)
 
@@ -196,7 +202,7 @@ def _armor_describe(cfg: ArmorConfig) -> str:
     return ", ".join(parts)
 
 
-@register_method(ArmorConfig, name="armor", label="ARMOR", needs_xtx=_armor_needs_xtx,
+@register_method(ArmorConfig, label="ARMOR", needs_xtx=_armor_needs_xtx,
                  reconstructs=lambda config: config.reconstructs, factorizes=True, describe=_armor_describe)
 def _armor(weight: torch.Tensor, stats: Any, config: ArmorConfig, name: str = "") -> Result:
     xtx = _xtx(stats)  # a bare Σx² tensor: the diagonal proxy only, no refinement
