@@ -60,6 +60,7 @@ from torch_armor.core.factors import ArmorFactors
 from torch_armor.tensor import policy
 from torch_armor.tensor.packing import check_nm_mask
 from torch_armor.tensor.policy import QUANTIZED, STORAGES, KernelRefused, StorageChoice
+from torch_armor.errors import ArmorInputError
 
 __all__ = [
     "ArmorTensor",
@@ -307,27 +308,27 @@ class ArmorTensor(TorchAOBaseTensor):
             torch.Size([4, 2])
         """
         if not isinstance(factors, ArmorFactors):
-            raise ValueError(f"expected ArmorFactors, got {type(factors).__name__}")
+            raise ArmorInputError(f"expected ArmorFactors, got {type(factors).__name__}")
         a, core, b, mask = factors.a_blocks, factors.core, factors.b_blocks, factors.mask
         if core.dim() != 2:
-            raise ValueError(f"factors.core must be 2-D (d_out, d_in), got shape {tuple(core.shape)}")
+            raise ArmorInputError(f"factors.core must be 2-D (d_out, d_in), got shape {tuple(core.shape)}")
         d_out, d_in = core.shape
         if a.dim() != 3 or a.shape[1] != a.shape[2] or a.shape[0] * a.shape[1] != d_out:
-            raise ValueError(
+            raise ArmorInputError(
                 f"factors.a_blocks must be (d_out/d_b, d_b, d_b) with d_out={d_out}, got {tuple(a.shape)}"
             )
         if b.dim() != 3 or b.shape[1] != b.shape[2] or b.shape[0] * b.shape[1] != d_in:
-            raise ValueError(
+            raise ArmorInputError(
                 f"factors.b_blocks must be (d_in/d_b, d_b, d_b) with d_in={d_in}, got {tuple(b.shape)}"
             )
         if a.shape[-1] != b.shape[-1]:
-            raise ValueError(f"a_blocks and b_blocks disagree on the block size: {a.shape[-1]} vs {b.shape[-1]}")
+            raise ArmorInputError(f"a_blocks and b_blocks disagree on the block size: {a.shape[-1]} vs {b.shape[-1]}")
         if mask is not None and mask.shape != core.shape:
-            raise ValueError(f"factors.mask has shape {tuple(mask.shape)}, the core {tuple(core.shape)}")
+            raise ArmorInputError(f"factors.mask has shape {tuple(mask.shape)}, the core {tuple(core.shape)}")
         pattern = parse_pattern(factors.pattern)
         dtype = dtype or (core.dtype if core.is_floating_point() else torch.float32)
         if not dtype.is_floating_point:
-            raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+            raise ArmorInputError(f"dtype must be a floating dtype, got {dtype}")
         device = torch.device(device) if device is not None else core.device
         choice = policy.choose_storage(policy.device_info(device), dtype, (d_out, d_in), pattern, storage,
                                        backend=backend)
@@ -337,7 +338,7 @@ class ArmorTensor(TorchAOBaseTensor):
         mask = mask.to(device=device, dtype=torch.bool) if mask is not None else core != 0
         off = (core != 0) & ~mask
         if bool(off.any()):
-            raise ValueError(
+            raise ArmorInputError(
                 f"factors.core has {int(off.sum())} nonzero entries outside factors.mask; "
                 "the core must be exactly zero off its mask (core * mask)"
             )
@@ -373,7 +374,7 @@ class ArmorTensor(TorchAOBaseTensor):
                non_blocking: bool = False) -> "ArmorTensor":
         """``.to(device, dtype)``: inner tensors moved and cast, the storage chosen again for the target."""
         if not dtype.is_floating_point:
-            raise ValueError(
+            raise ArmorInputError(
                 f"ArmorTensor holds floating-point factors and cannot be cast to {dtype}; "
                 "quantize the core with torch_armor's quantization helpers instead"
             )
@@ -419,7 +420,7 @@ def from_parts(storage: str, a_blocks: torch.Tensor, b_blocks: torch.Tensor, pat
     config = {k: parts.pop(k) for k in getattr(cls, "optional_tensor_attribute_names", []) if k in parts}
     inner = [parts.pop(n) for n in cls.tensor_data_names[2:]]
     if parts:
-        raise ValueError(f"{storage} ArmorTensor has no inner tensors {sorted(parts)}")
+        raise ArmorInputError(f"{storage} ArmorTensor has no inner tensors {sorted(parts)}")
     return cls(a_blocks, b_blocks, *inner, pattern, dtype, **config)
 
 
@@ -452,7 +453,7 @@ def _(func, types, args, kwargs):
         raise NotImplementedError("ArmorTensor linear: only the weight may be an ArmorTensor")
     d_out, d_in = w.shape
     if x.shape[-1] != d_in:
-        raise ValueError(
+        raise ArmorInputError(
             f"linear: input has {x.shape[-1]} features in its last dimension, the ArmorTensor weight "
             f"expects d_in={d_in} (weight shape {(d_out, d_in)})"
         )
@@ -481,9 +482,9 @@ def armor_linear_from_factors(
         'CompactArmorTensor'
     """
     if not isinstance(linear, nn.Linear):
-        raise ValueError(f"expected an nn.Linear, got {type(linear).__name__}")
+        raise ArmorInputError(f"expected an nn.Linear, got {type(linear).__name__}")
     if tuple(factors.core.shape) != (linear.out_features, linear.in_features):
-        raise ValueError(
+        raise ArmorInputError(
             f"factors are for a {tuple(factors.core.shape)} weight, the linear's weight is "
             f"({linear.out_features}, {linear.in_features})"
         )

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from torch_armor.tensor.armor_tensor import QUANTIZED, ArmorTensor
+from torch_armor.errors import ArmorInputError
 
 __all__ = ["enable_finetuning", "trainable_parts", "model_size", "checkpoint_size", "ModelSize", "PART_NAMES"]
 
@@ -88,7 +89,7 @@ def enable_finetuning(model: nn.Module, *, wrappers: bool = True, core: bool = T
         if not isinstance(w, ArmorTensor) or getattr(w, "_parts_trainable", False):
             continue
         if w.storage_format == QUANTIZED:
-            raise ValueError(
+            raise ArmorInputError(
                 f"{name}: the core is quantized; fine-tune before quantizing, or "
                 "torch_armor.tensor.quant.dequantize_armor_core(weight) first"
             )

@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+from torch_armor.errors import ArmorInputError
 
 __all__ = [
     "index_bits",
@@ -56,7 +57,7 @@ def index_bits(m: int) -> int:
         (2, 4)
     """
     if not isinstance(m, int) or m < 2 or m > 16:
-        raise ValueError(f"group size M must be an integer in [2, 16], got {m!r}")
+        raise ArmorInputError(f"group size M must be an integer in [2, 16], got {m!r}")
     if m <= 2:
         return 1
     if m <= 4:
@@ -66,9 +67,9 @@ def index_bits(m: int) -> int:
 
 def _check_nm(n: int, m: int) -> None:
     if not (isinstance(n, int) and isinstance(m, int)) or isinstance(n, bool) or isinstance(m, bool):
-        raise ValueError(f"N and M must be integers, got N={n!r}, M={m!r}")
+        raise ArmorInputError(f"N and M must be integers, got N={n!r}, M={m!r}")
     if not 0 < n < m:
-        raise ValueError(f"need 0 < N < M for an N:M pattern, got {n}:{m}")
+        raise ArmorInputError(f"need 0 < N < M for an N:M pattern, got {n}:{m}")
     index_bits(m)  # validates m ≤ 16
 
 
@@ -81,21 +82,21 @@ def check_nm_mask(mask: torch.Tensor, n: int, m: int) -> None:
         >>> check_nm_mask(torch.tensor([[True, True, True, False]]), 2, 4)
         Traceback (most recent call last):
         ...
-        ValueError: ...
+        torch_armor.errors.ArmorInputError: ...
     """
     _check_nm(n, m)
     if mask.dim() != 2:
-        raise ValueError(f"expected a 2-D (d_out, d_in) mask, got shape {tuple(mask.shape)}")
+        raise ArmorInputError(f"expected a 2-D (d_out, d_in) mask, got shape {tuple(mask.shape)}")
     d_out, d_in = mask.shape
     if d_in % m != 0:
-        raise ValueError(
+        raise ArmorInputError(
             f"d_in={d_in} is not a multiple of M={m}: an {n}:{m} pattern needs whole groups of {m} columns"
         )
     counts = mask.reshape(d_out, d_in // m, m).sum(-1)
     bad = counts > n
     if bool(bad.any()):
         row, group = (int(v) for v in bad.nonzero()[0])
-        raise ValueError(
+        raise ArmorInputError(
             f"the core/mask breaks the {n}:{m} pattern: row {row}, columns {group * m}..{group * m + m - 1} "
             f"keep {int(counts[row, group])} entries (at most {n} allowed); "
             f"{int(bad.sum())} group(s) in all. Re-project the mask to {n}:{m} before packing."
@@ -167,21 +168,21 @@ def pack_nm(
     """
     _check_nm(n, m)
     if not isinstance(core, torch.Tensor) or core.dim() != 2:
-        raise ValueError(f"core must be a 2-D (d_out, d_in) tensor, got {type(core).__name__} "
+        raise ArmorInputError(f"core must be a 2-D (d_out, d_in) tensor, got {type(core).__name__} "
                          f"with shape {tuple(getattr(core, 'shape', ()))}")
     d_out, d_in = core.shape
     if mask is None:
         support = core != 0
     else:
         if mask.shape != core.shape or mask.dtype != torch.bool:
-            raise ValueError(
+            raise ArmorInputError(
                 f"mask must be a bool tensor shaped like the core {tuple(core.shape)}, "
                 f"got {mask.dtype} {tuple(mask.shape)}"
             )
         support = mask.to(core.device)
         off = (core != 0) & ~support
         if bool(off.any()):
-            raise ValueError(
+            raise ArmorInputError(
                 f"the core has {int(off.sum())} nonzero entries outside its mask; "
                 "zero them (core * mask) before packing"
             )
@@ -209,18 +210,18 @@ def unpack_nm(values: torch.Tensor, indices: torch.Tensor, n: int, m: int, d_in:
     """
     _check_nm(n, m)
     if d_in % m != 0:
-        raise ValueError(f"d_in={d_in} is not a multiple of M={m}")
+        raise ArmorInputError(f"d_in={d_in} is not a multiple of M={m}")
     groups = d_in // m
     k = groups * n
     if values.dim() != 2 or values.shape[1] != k:
-        raise ValueError(
+        raise ArmorInputError(
             f"values must be (d_out, {k}) for d_in={d_in} and {n}:{m}, got {tuple(values.shape)}"
         )
     d_out = values.shape[0]
     bits = index_bits(m)
     nbytes = -(-k // (8 // bits))
     if indices.dtype != torch.uint8 or tuple(indices.shape) != (d_out, nbytes):
-        raise ValueError(
+        raise ArmorInputError(
             f"indices must be uint8 of shape ({d_out}, {nbytes}) for {n}:{m} and d_in={d_in}, "
             f"got {indices.dtype} {tuple(indices.shape)}"
         )
@@ -235,15 +236,15 @@ def unpack_nm(values: torch.Tensor, indices: torch.Tensor, n: int, m: int, d_in:
 
 def _check_cutlass_input(dense: torch.Tensor) -> None:
     if not isinstance(dense, torch.Tensor) or dense.dim() != 2:
-        raise ValueError("CUTLASS 2:4 packing needs a 2-D tensor")
+        raise ArmorInputError("CUTLASS 2:4 packing needs a 2-D tensor")
     if dense.dtype not in _HALF_DTYPES:
-        raise ValueError(
+        raise ArmorInputError(
             f"CUTLASS 2:4 packing takes float16 or bfloat16, got {dense.dtype}; convert with .half() or .bfloat16()"
         )
     rows, cols = dense.shape
     min_r, min_c = _CUTLASS_MIN_SHAPE
     if rows < min_r or rows % min_r or cols < min_c or cols % min_c:
-        raise ValueError(
+        raise ArmorInputError(
             f"CUTLASS 2:4 packing needs rows a multiple of {min_r} and columns a multiple of {min_c}, "
             f"got {tuple(dense.shape)}; keep such layers dense"
         )
@@ -286,7 +287,7 @@ def cutlass_unpack(packed: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
     from torch.sparse._semi_structured_conversions import sparse_semi_structured_to_dense_cutlass
 
     if packed.dim() != 2 or meta.dim() != 2 or meta.dtype != torch.int16:
-        raise ValueError(
+        raise ArmorInputError(
             "expected packed (rows, cols/2) values and int16 (rows, cols/16) metadata from cutlass_pack, "
             f"got {tuple(packed.shape)} {packed.dtype} and {tuple(meta.shape)} {meta.dtype}"
         )

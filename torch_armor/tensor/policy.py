@@ -38,6 +38,7 @@ from typing import FrozenSet, Optional, Tuple, Union
 import torch
 
 from torch_armor.core.pattern import SparsityPattern, parse_pattern
+from torch_armor.errors import ArmorInputError
 
 __all__ = [
     "STORAGES",
@@ -169,9 +170,9 @@ def choose_storage(
     """
     p = parse_pattern(pattern)
     if requested not in STORAGES + ("auto",):
-        raise ValueError(f"storage must be one of {STORAGES + ('auto',)}, got {requested!r}")
+        raise ArmorInputError(f"storage must be one of {STORAGES + ('auto',)}, got {requested!r}")
     if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+        raise ArmorInputError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     shape = (int(shape[0]), int(shape[1]))
     if requested == "auto":
         if not p.structured:
@@ -180,12 +181,12 @@ def choose_storage(
             return _semi_structured(device, dtype, shape, p, backend)
         return StorageChoice(current if current in ("compact", "dense") else "compact")
     if requested in ("compact", "semi_structured") and not p.structured:
-        raise ValueError(f"storage={requested!r} needs an N:M pattern, the core is {p}; use storage='dense'")
+        raise ArmorInputError(f"storage={requested!r} needs an N:M pattern, the core is {p}; use storage='dense'")
     if requested == "semi_structured":
         if (p.n, p.m) != (2, 4):
-            raise ValueError(f"semi-structured kernels take 2:4 only, the core is {p}; use 'compact' or 'dense'")
+            raise ArmorInputError(f"semi-structured kernels take 2:4 only, the core is {p}; use 'compact' or 'dense'")
         if device.type != "cuda" or dtype not in HALF_DTYPES:
-            raise ValueError(
+            raise ArmorInputError(
                 f"storage='semi_structured' needs a CUDA float16/bfloat16 core, got {device.type} {dtype}; "
                 "pass device='cuda' and dtype=torch.bfloat16 (or float16), or use storage='compact'/'dense'"
             )

@@ -80,6 +80,7 @@ from torchao.utils import TorchAOBaseTensor
 
 from torch_armor.tensor.armor_tensor import QUANTIZED, ArmorTensor, from_parts, register_format
 from torch_armor.tensor.linear_layout import rowwise_linear
+from torch_armor.errors import ArmorInputError
 
 __all__ = [
     "QuantizedArmorTensor",
@@ -135,7 +136,7 @@ class QuantizedArmorTensor(ArmorTensor):
     def with_storage(self, storage: str, backend: Optional[str] = None) -> ArmorTensor:
         if storage == QUANTIZED:
             return self
-        raise ValueError(
+        raise ArmorInputError(
             f"this ArmorTensor's core is quantized ({type(self.core).__name__}); re-storing it as "
             f"{storage!r} would dequantize it. Call torch_armor.tensor.quant.dequantize_armor_core(weight) "
             "first to get a floating-point core, then with_storage()"
@@ -156,7 +157,7 @@ class QuantizedArmorTensor(ArmorTensor):
 
     def moved(self, device, dtype: torch.dtype, non_blocking: bool = False) -> ArmorTensor:
         if not dtype.is_floating_point:
-            raise ValueError(
+            raise ArmorInputError(
                 f"ArmorTensor holds floating-point factors and cannot be cast to {dtype}; "
                 "quantize the core with torch_armor's quantization helpers instead"
             )
@@ -282,7 +283,7 @@ def quantize_armor_core(weight: ArmorTensor, inner: AOBaseConfig) -> ArmorTensor
     if not isinstance(weight, ArmorTensor):
         raise TypeError(f"quantize_armor_core expects an ArmorTensor weight, got {type(weight).__name__}")
     if weight.storage_format == QUANTIZED:
-        raise ValueError(
+        raise ArmorInputError(
             "this ArmorTensor's core is already quantized; quantize the floating-point converted model "
             "once (or call dequantize_armor_core first)"
         )
@@ -377,7 +378,7 @@ def quant_config_from_dict(data: Dict[str, Any]) -> AOBaseConfig:
     try:
         return config_from_dict(data)
     except (ValueError, TypeError, KeyError) as err:
-        raise ValueError(
+        raise ArmorInputError(
             f"cannot rebuild the torchao quantization config {data!r} ({err}); the checkpoint was written "
             "with a different torchao version or edited"
         ) from None
