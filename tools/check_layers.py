@@ -81,11 +81,7 @@ ALIASES = {
 #: Modules being rewritten elsewhere (issue #21: one class per storage format, a storage policy),
 #: exempt from the ``size`` and ``local-import`` rules until that lands; the import rules (upward,
 #: cycle, private, alias) hold for them as for every module. Empty this when #21 is merged.
-PENDING_REWRITE: Dict[str, str] = {
-    path: "issue #21 rewrites the tensor storages"
-    for path in ("torch_armor/tensor/armor_tensor.py", "torch_armor/tensor/packing.py",
-                 "torch_armor/tensor/interop.py", "torch_armor/tensor/quant.py", "torch_armor/tensor/finetune.py")
-}
+PENDING_REWRITE: Dict[str, str] = {}  # none: the tensor storages have landed
 
 
 @dataclass

@@ -188,10 +188,10 @@ def checkpoint_size(directory: Any) -> ModelSize:
     only) and bytes, against the dense model it stands for (``buffer_bytes`` is 0: non-persistent
     buffers are not saved).
     """
-    import json
-    from pathlib import Path
+    import json  # local: only this function needs it
+    from pathlib import Path  # local: only this function needs it
 
-    from safetensors import safe_open
+    from safetensors import safe_open  # local: only this function needs it
 
     from torch_armor.tensor.layout import part_key  # local: layout imports this package's armor_tensor
 

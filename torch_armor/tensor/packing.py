@@ -268,7 +268,7 @@ def cutlass_pack(dense: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         >>> torch.equal(cutlass_unpack(packed, meta), dense)
         True
     """
-    from torch.sparse._semi_structured_conversions import sparse_semi_structured_from_dense_cutlass
+    from torch.sparse._semi_structured_conversions import sparse_semi_structured_from_dense_cutlass  # local: only this function needs it
 
     _check_cutlass_input(dense)
     check_nm_mask(dense != 0, 2, 4)
@@ -284,7 +284,7 @@ def cutlass_unpack(packed: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
         >>> torch.equal(cutlass_unpack(*cutlass_pack(dense)), dense)
         True
     """
-    from torch.sparse._semi_structured_conversions import sparse_semi_structured_to_dense_cutlass
+    from torch.sparse._semi_structured_conversions import sparse_semi_structured_to_dense_cutlass  # local: only this function needs it
 
     if packed.dim() != 2 or meta.dim() != 2 or meta.dtype != torch.int16:
         raise ArmorInputError(

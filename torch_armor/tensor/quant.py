@@ -337,7 +337,7 @@ def _armor_core_transform(module: nn.Module, config: ArmorCoreConfig, *, paramet
     if not isinstance(weight, ArmorTensor):
         if not config.apply_to_dense:
             return module
-        from torchao.quantization.transform_module import _QUANTIZE_CONFIG_HANDLER
+        from torchao.quantization.transform_module import _QUANTIZE_CONFIG_HANDLER  # local: only this function needs it
 
         handler = _QUANTIZE_CONFIG_HANDLER.get(type(config.inner))
         if handler is None:
