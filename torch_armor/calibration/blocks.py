@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from torch_armor.calibration.experts import ExpertSlot, observe_experts
 from torch_armor.calibration.observer import ActSqNormObserver, LayerStatistics, model_device, token_mask
 from torch_armor.errors import ArmorInputError
 
@@ -201,6 +202,9 @@ def block_statistics(
     track_xtx: bool = False,
     propagate: bool = False,
     outputs: Optional[List[torch.Tensor]] = None,
+    expert_calibration: str = "routed",
+    min_expert_tokens: int = 0,
+    expert_tokens: Optional[Dict[str, int]] = None,
 ) -> Dict[str, LayerStatistics]:
     """Input statistics of ``layers`` (``{name: linear inside block}``) while ``block`` runs on
     ``inputs``; with ``propagate`` each batch's input is replaced by the block's output once the
@@ -208,7 +212,14 @@ def block_statistics(
     block's output for each batch.
 
     Linears that read the very same input tensor (q/k/v, gate/up) are observed once and share
-    one :class:`LayerStatistics` (found from which tensors the first batch hands them)."""
+    one :class:`LayerStatistics` (found from which tensors the first batch hands them).
+
+    Expert layers (:class:`~torch_armor.calibration.experts.ExpertSlot` values) are observed per
+    expert by :class:`~torch_armor.calibration.experts.ExpertsObserver` (``expert_calibration``,
+    ``min_expert_tokens``); ``expert_tokens``, if given, receives ``{f"{experts}.{e}": routed tokens}``."""
+    slots = {n: m for n, m in layers.items() if isinstance(m, ExpertSlot)}
+    layers = {n: m for n, m in layers.items() if not isinstance(m, ExpertSlot)}
+    experts = observe_experts(slots, track_xtx=track_xtx, mode=expert_calibration, min_tokens=min_expert_tokens)
     seen: Dict[str, torch.Tensor] = {}  # first batch: the tensor each linear read (kept alive, so `is` is exact)
     probes = []
     for name, module in layers.items():
@@ -243,4 +254,12 @@ def block_statistics(
             h.remove()
         for obs in observers.values():
             obs.remove()
-    return {name: obs.statistics() for name, obs in observers.items()}
+        for obs in experts.values():
+            obs.remove()
+    stats = {name: obs.statistics() for name, obs in observers.items()}
+    for module_name, obs in experts.items():
+        found = obs.statistics()
+        stats.update((n, found[n]) for n in slots if n in found)
+        if expert_tokens is not None:
+            expert_tokens.update((f"{module_name}.{e}", c) for e, c in obs.routed_tokens.items())
+    return stats

@@ -46,6 +46,7 @@ __all__ = [
     "collect_statistics",
     "token_mask",
     "set_token_mask",
+    "current_token_mask",
 ]
 
 _TOKEN_MASK: "contextvars.ContextVar[Optional[torch.Tensor]]" = contextvars.ContextVar("torch_armor_token_mask",
@@ -69,6 +70,11 @@ def set_token_mask(mask: Optional[torch.Tensor]) -> None:
     """Observe only the tokens where ``mask`` (``(batch, seq_len)``) is 1 in the forward passes
     that follow, until the next call (``None``: every position again)."""
     _TOKEN_MASK.set(_as_token_mask(mask))
+
+
+def current_token_mask() -> Optional[torch.Tensor]:
+    """The ``(batch, seq_len)`` mask observers apply now (:func:`token_mask`), or ``None``."""
+    return _TOKEN_MASK.get()
 
 
 @contextlib.contextmanager

@@ -17,10 +17,11 @@ from typing import Callable, List, Optional, Sequence, Union
 
 from torch import nn
 
+from torch_armor.calibration.experts import expert_layer_names, router_names
 from torch_armor.calibration.observer import decoder_linear_names
 from torch_armor.errors import ArmorInputError
 
-__all__ = ["block_index", "select_layers", "LayerSelection"]
+__all__ = ["block_index", "select_layers", "prunable_names", "LayerSelection"]
 
 #: What to prune: ``None`` (every decoder linear), names, a selection string (``"0-3"``, a regular
 #: expression) or a predicate ``(name, module) -> bool``.
@@ -43,6 +44,25 @@ def block_index(name: str) -> Optional[int]:
     return None
 
 
+def prunable_names(model: nn.Module) -> List[str]:
+    """Every decoder linear except the routers of mixture-of-experts blocks, then every expert layer
+    of the fused expert parameters (``f"{param}.{e}"``), in decoder-block order."""
+    routers = set(router_names(model))
+    names = [n for n in decoder_linear_names(model) if n not in routers]
+    experts = expert_layer_names(model)
+    if not experts:
+        return names
+    return sorted(names + experts, key=lambda n: (block_index(n) is not None, block_index(n) or 0))
+
+
+def _module_of(model: nn.Module, name: str) -> nn.Module:
+    """The linear, or for an expert layer ``<experts>.<param>.<e>`` its experts module."""
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return model.get_submodule(name.rsplit(".", 2)[0])
+
+
 def select_layers(model: Union[nn.Module, Sequence[str]], layers: LayerSelection = None) -> List[str]:
     """Names of the linears to prune: :func:`~torch_armor.calibration.observer.decoder_linear_names`,
     optionally restricted.
@@ -63,11 +83,11 @@ def select_layers(model: Union[nn.Module, Sequence[str]], layers: LayerSelection
         if not chosen:
             raise ArmorInputError("layers is an empty list: no layers to prune")
         return chosen
-    names = decoder_linear_names(model) if isinstance(model, nn.Module) else list(model)
+    names = prunable_names(model) if isinstance(model, nn.Module) else list(model)
     if callable(layers):
         if not isinstance(model, nn.Module):
             raise ArmorInputError("a layer predicate (name, module) -> bool needs the model, not a list of names")
-        chosen = [n for n in names if layers(n, model.get_submodule(n))]
+        chosen = [n for n in names if layers(n, _module_of(model, n))]
         what = "the layer predicate"
     elif layers is None or layers.strip() in ("", "all"):
         chosen, what = names, "layers=None"

@@ -38,6 +38,7 @@ from torch_armor.core.pattern import candidate_block_sizes
 from torch_armor.core.refine import with_losses
 from torch_armor.engine.allocate import allocate_block_sizes, loss_curves
 from torch_armor.engine.distributed import distributed_factorize
+from torch_armor.engine.experts import layer_module, write_experts
 from torch_armor.engine.methods import Method, method_for
 from torch_armor.engine.reconstruct import reconstruct_block
 from torch_armor.engine.report import LayerResult, PruneReport
@@ -85,6 +86,8 @@ class BlockPipeline:
     sink: Optional[BlockSink] = None
     rank: int = 0
     world_size: int = 1
+    expert_calibration: str = "routed"
+    min_expert_tokens: int = 0
 
     @property
     def method(self) -> Method:
@@ -142,11 +145,14 @@ class BlockPipeline:
                 block.to(self.device).eval()
                 names = by_block[index]
                 if names:
-                    layers = {n: self.source.model.get_submodule(n) for n in names}
+                    layers = {n: layer_module(self.source.model, n) for n in names}
                     recon = self._reconstruction_data(inputs)
                     stats = block_statistics(block, layers, inputs, device=self.device,
                                              track_xtx=method.needs_xtx(self.config), propagate=not self.sequential,
-                                             outputs=recon[1] if recon is not None else None)
+                                             outputs=recon[1] if recon is not None else None,
+                                             expert_calibration=self.expert_calibration,
+                                             min_expert_tokens=self.min_expert_tokens,
+                                             expert_tokens=report.expert_tokens)
                     self._solve_block(names, layers, stats, report, bar, index=index, block=block, recon=recon)
                 if self.sequential or not names:  # the (pruned) block's outputs feed the next block
                     for inp in inputs:
@@ -177,9 +183,11 @@ class BlockPipeline:
             block = self.source.load_block(prefix)
             block.to(self.device).eval()
             if index in sample:
-                layers = {n: self.source.model.get_submodule(n) for n in by_block[index]}
+                layers = {n: layer_module(self.source.model, n) for n in by_block[index]}
                 stats = block_statistics(block, layers, work, device=self.device,
-                                         track_xtx=self.method.needs_xtx(cfg), propagate=True)
+                                         track_xtx=self.method.needs_xtx(cfg), propagate=True,
+                                         expert_calibration=self.expert_calibration,
+                                         min_expert_tokens=self.min_expert_tokens)
                 for n, layer in layers.items():
                     d_out, d_in = layer.weight.shape
                     measured[n] = {}
@@ -190,7 +198,7 @@ class BlockPipeline:
                 for inp in work:
                     inp.hidden = run_block(block, inp, self.device)
             self.source.release_block(prefix)
-        shapes = {n: tuple(self.source.model.get_submodule(n).weight.shape) for n in self.names}
+        shapes = {n: tuple(layer_module(self.source.model, n).weight.shape) for n in self.names}
         sizes = allocate_block_sizes(loss_curves(measured, self.names), shapes, cfg.max_overhead)
         logger.info("block sizes within a %.1f%% model-wide overhead, from blocks %s (%.0f s): %s",
                     100 * cfg.max_overhead, sample, time.perf_counter() - start,
@@ -230,12 +238,14 @@ class BlockPipeline:
         errors = self._reconstructed_errors(index)
         if errors is not None:
             report.block_errors[index] = errors
+        solutions = {}
         for name in names:
             factors = self.store.load(name)
             report.layers.append(_result(name, factors.shape, float(factors.relative_loss),
                                          float(factors.history_time_s[-1]), factors))
-            if self.sink is None:
-                LayerSolution(name, self.method.name, factors=factors).apply(self.source.model.get_submodule(name), self.storage)
+            solutions[name] = LayerSolution(name, self.method.name, factors=factors)
+        if self.sink is None:
+            self._apply(solutions, {n: layer_module(self.source.model, n) for n in names})
 
     def _reconstruction_data(self, inputs: Sequence[BlockInput]):
         """Block reconstruction's data: the inputs that reach the block, taken before a one-shot
@@ -319,7 +329,16 @@ class BlockPipeline:
                 ref = ProxyReference(weight, stats[n].act_sq_norm, cfgs[n].pattern)
                 rel = ref.relative(weight, sol.approximation())
             report.layers.append(_result(n, tuple(weight.shape), rel, sol.seconds, sol.factors))
-            sol.apply(layers[n], self.storage)
+        self._apply({n: solutions[n] for n in names}, layers)
+
+    def _apply(self, solutions: Dict[str, LayerSolution], layers: Dict[str, Any]) -> None:
+        """Write every solution into the model: linears one by one, a fused expert parameter at once."""
+        slots = {n: m for n, m in layers.items() if not isinstance(m, nn.Module)}
+        for n, sol in solutions.items():
+            if n not in slots:
+                sol.apply(layers[n], self.storage)
+        if slots:
+            write_experts(slots, {n: solutions[n] for n in slots}, self.storage)
 
     def _factorize_block(self, names, layers, stats, cfgs, bar) -> Dict[str, LayerSolution]:
         def done(fqn: str, factors) -> None:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from torch_armor._io import RUN_DIR_NAME
+from torch_armor.calibration.experts import EXPERT_CALIBRATIONS
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import STORAGES
 from torch_armor.tensor.serialization import PICKLE_SUFFIXES
@@ -85,6 +86,11 @@ class PruneOptions:
             per batch; each is read when its batch runs).
         progress: a progress bar over the blocks.
         log: called with a line of text about resuming (default: the ``torch_armor`` logger).
+        expert_calibration: mixture-of-experts models: each expert's statistics from the tokens the
+            router sends to it (``"routed"``, default) or from every token (``"all"``, llm-compressor's
+            ``calibrate_all_experts``; the block's output stays routed). See docs/moe.md.
+        min_expert_tokens: an expert routed fewer calibration tokens than this takes the statistics
+            of all tokens reaching its block (through its own weights), with a warning naming it.
     """
 
     out: Optional[PathLike] = None
@@ -99,6 +105,8 @@ class PruneOptions:
     hidden_dir: Optional[PathLike] = None
     progress: bool = True
     log: Optional[Callable[[str], None]] = None
+    expert_calibration: str = "routed"
+    min_expert_tokens: int = 16
 
     def __post_init__(self) -> None:
         for label in ("out", "run_dir", "hidden_dir"):
@@ -116,6 +124,12 @@ class PruneOptions:
                                   f"got {self.storage!r}")
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ArmorInputError(f"batch_size must be a positive integer, got {self.batch_size!r}")
+        if self.expert_calibration not in EXPERT_CALIBRATIONS:
+            raise ArmorInputError(f"PruneOptions.expert_calibration must be one of {EXPERT_CALIBRATIONS}, "
+                                  f"got {self.expert_calibration!r}")
+        if isinstance(self.min_expert_tokens, bool) or not isinstance(self.min_expert_tokens, int) \
+                or self.min_expert_tokens < 0:
+            raise ArmorInputError(f"PruneOptions.min_expert_tokens must be an integer >= 0, got {self.min_expert_tokens!r}")
         if self.log is not None and not callable(self.log):
             raise ArmorInputError("PruneOptions.log must be a callable taking one line of text")
 

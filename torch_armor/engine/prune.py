@@ -42,6 +42,7 @@ from torch_armor.core.config import ArmorConfig
 from torch_armor.engine.batches import calibration_batches, hash_batches
 from torch_armor.engine.blocks import BLOCKS_DIR, BlockPipeline
 from torch_armor.engine.distributed import init_distributed, launched_world_size
+from torch_armor.engine.experts import dense_lines, dense_weights, group_by_param, layer_module, routed_token_lines
 from torch_armor.engine.identity import identity_string
 from torch_armor.engine.interrupt import interrupted_message
 from torch_armor.engine.lock import run_lock
@@ -73,7 +74,7 @@ def _run_path(options: PruneOptions) -> Tuple[Optional[Path], bool]:
 def _check_layers(model: nn.Module, names: Sequence[str], config: Any, streamed: bool) -> None:
     """Every layer checked before any is pruned: a failed call leaves the model untouched."""
     for name in names:
-        weight = model.get_submodule(name).weight
+        weight = layer_module(model, name).weight
         if not streamed and weight.device.type == "meta":
             raise ArmorInputError(
                 f"layer {name!r}: the weight is on the meta device (offloaded, e.g. by accelerate's device_map or "
@@ -147,6 +148,8 @@ def prune_model(
     names = select_layers(model, layers)
     check_token_ids(batches, vocab_size_of(model))
     _check_layers(model, names, config, streamed)
+    experts = group_by_param(names)
+    dense = dense_weights(model, names, blocks_prefix)
     dev = torch.device(options.device) if options.device is not None else torch.device("cpu")
     if not streamed and options.device is None:
         dev = next((p.device for p in model.parameters() if p.device.type != "meta"), dev)
@@ -164,8 +167,11 @@ def prune_model(
                 store, identity = None, ""
                 if run_path is not None and method.factorizes:
                     calib_hash = hash_batches(batches)
+                    moe = dict(expert_calibration=options.expert_calibration,
+                               min_expert_tokens=options.min_expert_tokens) if experts else {}
                     identity = identity_string(model=source.content_hash(), calibration=calib_hash, method=method.name,
-                                               sequential=options.sequential, layers=names, hidden_dtype=options.hidden_dtype)
+                                               sequential=options.sequential, layers=names, hidden_dtype=options.hidden_dtype,
+                                               **moe)
                     store = RunStore(run_path, config, identity, calib_hash, rank=topo.rank)
                     finished = len(store.finished(names))
                     if finished and topo.rank == 0:
@@ -178,9 +184,14 @@ def prune_model(
                     hidden_dir=Path(options.hidden_dir) if options.hidden_dir is not None else None,
                     storage=options.storage or ("auto" if dev.type == "cuda" else "dense"),
                     progress=options.progress and topo.rank == 0, sink=writer, rank=topo.rank, world_size=topo.world_size,
+                    expert_calibration=options.expert_calibration, min_expert_tokens=options.min_expert_tokens,
                 )
                 report = pipeline.run(batches)
                 report.settings.update(sequential=options.sequential)
+                report.dense_weights = dense
+                if experts and topo.rank == 0:
+                    for line in dense_lines(dense) + routed_token_lines(report.expert_tokens):
+                        logger.info(line)
                 if not streamed:
                     attach_quantizer(model)  # model.save_pretrained now writes the ARMOR format
                 if topo.rank == 0 and out is not None:

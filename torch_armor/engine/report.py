@@ -54,6 +54,10 @@ class PruneReport:
         settings: method settings (ARMOR config, SparseGPT block size and damping).
         block_errors: with block reconstruction, ``{block index: (before, after)}``: the relative
             output error ``‖Y − Y_dense‖² / ‖Y_dense‖²`` of the block on held-out calibration data.
+        dense_weights: ``{name pattern: (count, why)}``: every weight the prune left dense (routers,
+            embeddings, unselected layers, …; block index as ``*``), one entry per kind.
+        expert_tokens: mixture-of-experts models: ``{f"{experts module}.{e}": routed calibration
+            tokens}`` of each pruned expert (summed over the windows).
         rank, world_size: where this process stood in a ``torchrun`` job (not saved: every rank
             returns a report, rank 0 writes the model).
     """
@@ -66,6 +70,8 @@ class PruneReport:
     block_errors: Dict[int, Tuple[float, float]] = field(default_factory=dict)
     rank: int = 0
     world_size: int = 1
+    dense_weights: Dict[str, Tuple[int, str]] = field(default_factory=dict)
+    expert_tokens: Dict[str, int] = field(default_factory=dict)
 
     @property
     def wrapper_params(self) -> int:
@@ -105,6 +111,8 @@ class PruneReport:
             mean_relative_proxy_loss=self.mean_relative_proxy_loss,
             mean_relative_output_loss=self.mean_relative_output_loss,
             block_errors={str(k): list(v) for k, v in sorted(self.block_errors.items())},
+            dense_weights={k: {"count": c, "why": why} for k, (c, why) in self.dense_weights.items()},
+            expert_tokens=dict(self.expert_tokens),
             layers=[{k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(layer).items()}
                     for layer in self.layers],
         )

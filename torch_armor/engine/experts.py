@@ -1,0 +1,145 @@
+"""Expert layers in the engine: resolving a layer name to a module or an expert slot, writing
+the results of a fused expert parameter back at once, and the weights a prune leaves dense.
+
+A fused expert parameter ``P`` ``(E, out, in)`` is E layers ``f"{P}.{e}"``
+(:mod:`torch_armor.calibration.experts`). A baseline's pruned weights are written into ``P[e]``;
+ARMOR's factors of all E experts become one ARMOR experts parameter (the runtime's
+``armor_experts_from_factors`` when installed; otherwise the dense reference stack
+``torch.stack([f.dense() for f in factors])`` — the slow reference of the tests).
+
+Example::
+
+    >>> from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    >>> cfg = Qwen2MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+    ...                      shared_expert_intermediate_size=32, num_hidden_layers=1,
+    ...                      num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+    ...                      num_experts_per_tok=2, vocab_size=50)
+    >>> model = Qwen2MoeForCausalLM(cfg)
+    >>> type(layer_module(model, "model.layers.0.mlp.experts.down_proj.3")).__name__
+    'ExpertSlot'
+    >>> for line in dense_lines(dense_weights(model, prunable_names(model), "model.layers")): print(line)
+    model.embed_tokens.weight: 1 dense (outside the decoder blocks)
+    model.layers.*.mlp.gate.weight: 1 dense (router: routing-critical and tiny)
+    model.layers.*.mlp.shared_expert_gate.weight: 1 dense (router: routing-critical and tiny)
+    lm_head.weight: 1 dense (outside the decoder blocks)
+    1-D weights (norms, biases): 4 dense
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from torch_armor.calibration.experts import ExpertSlot, router_names, split_expert_name, unsupported_experts
+from torch_armor.calibration.selection import prunable_names  # noqa: F401  (doctest)
+from torch_armor.errors import ArmorInputError
+
+__all__ = ["layer_module", "write_experts", "dense_weights", "dense_lines", "group_by_param", "routed_token_lines"]
+
+try:  # the runtime's ARMOR experts tensor (issue 26; absent until it lands)
+    from torch_armor.tensor.experts import armor_experts_from_factors
+except ImportError:  # pragma: no cover - depends on the runtime being merged
+    armor_experts_from_factors = None
+
+
+def layer_module(model: nn.Module, name: str) -> Any:
+    """The ``nn.Linear`` called ``name``, or an :class:`ExpertSlot` for an expert layer name."""
+    split = split_expert_name(name)
+    if split is not None:
+        param_fqn, e = split
+        module_name, attr = param_fqn.rsplit(".", 1)
+        module = model.get_submodule(module_name)
+        param = getattr(module, attr, None)
+        if isinstance(param, torch.Tensor) and param.dim() == 3:
+            if not 0 <= e < param.shape[0]:
+                raise ArmorInputError(f"layer {name!r}: {param_fqn} holds {param.shape[0]} experts, not {e + 1}")
+            return ExpertSlot(module, attr, e, name)
+    return model.get_submodule(name)
+
+
+def group_by_param(names: Sequence[str]) -> Dict[str, List[str]]:
+    """``{param fqn: [its expert layer names]}`` of the expert layers among ``names``."""
+    out: Dict[str, List[str]] = {}
+    for n in names:
+        split = split_expert_name(n)
+        if split is not None:
+            out.setdefault(split[0], []).append(n)
+    return out
+
+
+def write_experts(slots: Mapping[str, ExpertSlot], solutions: Mapping[str, Any], storage: str = "dense") -> None:
+    """Write the solutions of expert layers (``{name: LayerSolution}``) into their fused parameters:
+    pruned weights into ``P[e]``; ARMOR factors of every expert of ``P`` as one ARMOR experts parameter."""
+    for param_fqn, names in group_by_param(list(solutions)).items():
+        first = slots[names[0]]
+        module, attr = first.module, first.attr
+        old = getattr(module, attr)
+        if all(solutions[n].factors is None for n in names):
+            with torch.no_grad():
+                for n in names:
+                    old[slots[n].index].copy_(solutions[n].pruned.to(dtype=old.dtype, device=old.device))
+            continue
+        by_index = {slots[n].index: solutions[n].factors for n in names}
+        if sorted(by_index) != list(range(old.shape[0])):
+            raise ArmorInputError(f"{param_fqn}: ARMOR converts all {old.shape[0]} experts of a fused parameter "
+                                  f"together, {len(by_index)} were selected; select every expert of it or none")
+        factors = [by_index[e] for e in range(old.shape[0])]
+        if armor_experts_from_factors is not None:
+            armor_experts_from_factors(module, attr, factors, storage=storage, name=param_fqn)
+        else:  # the dense reference A·core·B per expert
+            dense = torch.stack([f.dense() for f in factors]).to(dtype=old.dtype, device=old.device)
+            setattr(module, attr, nn.Parameter(dense, requires_grad=False))
+
+
+def _reason(model: nn.Module, name: str, blocks_prefix: str, routers: Sequence[str],
+            unsupported: Mapping[str, str]) -> str:
+    owner = name.rsplit(".", 1)[0]
+    if not name.startswith(blocks_prefix + "."):
+        return "outside the decoder blocks"
+    if owner in unsupported:
+        return unsupported[owner]
+    if owner in routers or type(model.get_submodule(owner)).__name__.endswith("Router"):
+        return "router: routing-critical and tiny"
+    return "not selected"
+
+
+def dense_weights(model: nn.Module, pruned: Sequence[str], blocks_prefix: str) -> Dict[str, Tuple[int, str]]:
+    """``{name pattern: (count, why)}``: every weight of ``model`` that the prune of ``pruned``
+    (layer names) leaves dense, its decoder-block index replaced by ``*``; 1-D weights
+    (norms, biases) are one entry."""
+    done = set()
+    for n in pruned:
+        split = split_expert_name(n)
+        done.add(split[0] if split is not None else f"{n}.weight")
+    routers = set(router_names(model))
+    unsupported = unsupported_experts(model)
+    out: Dict[str, Tuple[int, str]] = {}
+    ones = 0
+    for name, param in model.named_parameters():
+        if name in done:
+            continue
+        if param.dim() < 2:
+            ones += 1
+            continue
+        pattern = re.sub(r"\.\d+\.", ".*.", name, count=1) if name.startswith(blocks_prefix + ".") else name
+        count, why = out.get(pattern, (0, _reason(model, name, blocks_prefix, routers, unsupported)))
+        out[pattern] = (count + 1, why)
+    if ones:
+        out["1-D weights (norms, biases)"] = (ones, "")
+    return out
+
+
+def dense_lines(dense: Mapping[str, Tuple[int, str]]) -> List[str]:
+    """One line per kind of weight left dense: ``pattern: count dense (why)``."""
+    return [f"{k}: {c} dense" + (f" ({why})" if why else "") for k, (c, why) in dense.items()]
+
+
+def routed_token_lines(tokens: Mapping[str, int], limit: Optional[int] = None) -> List[str]:
+    """Per experts module: the fewest and most routed calibration tokens of its experts."""
+    by_module: Dict[str, List[int]] = {}
+    for name, count in tokens.items():
+        by_module.setdefault(name.rsplit(".", 1)[0], []).append(count)
+    return [f"{m}: {len(c)} experts, routed tokens min {min(c)}, max {max(c)}" for m, c in by_module.items()][:limit]
