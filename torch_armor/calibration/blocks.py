@@ -75,7 +75,8 @@ class BlockInput:
 
 def decoder_blocks(model: nn.Module) -> Tuple[str, nn.ModuleList]:
     """``(prefix, blocks)``: the ``nn.ModuleList`` holding the decoder layers (the longest
-    ``ModuleList`` whose entries contain ``nn.Linear`` layers), e.g. ``("model.layers", …)``.
+    ``ModuleList`` whose entries contain ``nn.Linear`` layers and that is not inside another such
+    list, e.g. not ModuleList experts), e.g. ``("model.layers", …)``.
 
     Raises:
         ValueError: the model has no such list (not a decoder stack), or it has transformers
@@ -90,11 +91,12 @@ def decoder_blocks(model: nn.Module) -> Tuple[str, nn.ModuleList]:
             "GPT-NeoX)"
         )
     best: Optional[Tuple[str, nn.ModuleList]] = None
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or len(module) == 0:
-            continue
-        if not all(any(isinstance(m, nn.Linear) for m in child.modules()) for child in module):
-            continue
+    candidates = [(name, module) for name, module in model.named_modules()
+                  if isinstance(module, nn.ModuleList) and len(module) > 0
+                  and all(any(isinstance(m, nn.Linear) for m in child.modules()) for child in module)]
+    for name, module in candidates:
+        if any(name.startswith(other + ".") for other, _ in candidates):
+            continue  # a list inside a block (e.g. ModuleList experts) is not the decoder stack
         if best is None or len(module) > len(best[1]):
             best = (name, module)
     if best is None:

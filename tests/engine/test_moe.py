@@ -1,0 +1,195 @@
+"""Mixture-of-experts models through prune_model: every expert matrix pruned (its ARMOR core 2:4),
+the router dense, the logits equal a slow reference built from the stored factors (per-expert
+``A·core·B`` run through the model's own eager experts forward)."""
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+from transformers import (MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM, Qwen2MoeConfig,
+                          Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+
+from torch_armor.calibration.experts import split_expert_name
+from torch_armor.core.config import ArmorConfig, BcdConfig
+from torch_armor.core.factors import ArmorFactors
+from torch_armor.engine.methods import config_for_method, method_names
+from torch_armor.engine.prune import PruneOptions, prune_model
+
+E = 4
+COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+              num_experts_per_tok=2)
+
+
+class _Expert(nn.Module):  # Mixtral-style ModuleList expert (w1 gate, w3 up, w2 down)
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w3, self.w2 = nn.Linear(32, 16, bias=False), nn.Linear(32, 16, bias=False), nn.Linear(16, 32, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class _ListMoe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(32, E, bias=False)
+        self.experts = nn.ModuleList(_Expert() for _ in range(E))
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        top_w, top_i = torch.topk(self.gate(flat).softmax(-1), 2, dim=-1)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            tok, pos = torch.where(top_i == e)
+            if len(tok):
+                out.index_add_(0, tok, expert(flat[tok]) * top_w[tok, pos, None])
+        return out.reshape(x.shape)
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.Linear(32, 32, bias=False)
+        self.mlp = _ListMoe()
+
+    def forward(self, hidden_states, **kwargs):
+        h = hidden_states + self.attn(hidden_states)
+        return h + self.mlp(h)
+
+
+class ListMoeForCausalLM(nn.Module):
+    """A tiny decoder with ModuleList experts (transformers 5 ships none any more)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.layers = nn.ModuleList(_Block() for _ in range(2))
+        self.lm_head = nn.Linear(32, 64, bias=False)
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def forward(self, input_ids, **kwargs):
+        h = self.embed(input_ids)
+        for block in self.layers:
+            h = block(h)
+        return self.lm_head(h)
+
+
+def _build(arch):
+    torch.manual_seed(0)
+    if arch == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=E,
+                                                   **COMMON))
+    elif arch == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(intermediate_size=16, num_local_experts=E, **COMMON))
+    elif arch == "olmoe":
+        model = OlmoeForCausalLM(OlmoeConfig(intermediate_size=16, num_experts=E, **COMMON))
+    elif arch == "qwen2_moe":
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=E,
+                                                   shared_expert_intermediate_size=32, **COMMON))
+    else:
+        model = ListMoeForCausalLM()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)  # spread the tokens over the experts
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")
+    return model.eval()
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        out = model(ids)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def _stored(run_dir: Path, name: str) -> ArmorFactors:
+    t = load_file(str(run_dir / "layers" / f"{name}.safetensors"))
+    return ArmorFactors(t["a_blocks"], t["core"], t["b_blocks"], t["mask"].bool())
+
+
+def _routers(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()
+            if n.endswith("mlp.gate.weight") or "shared_expert_gate" in n}
+
+
+CALIB = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
+ARCHS = ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "modulelist"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_armor_prunes_every_expert_keeps_the_router_dense_and_matches_the_slow_reference(arch, tmp_path):
+    model = _build(arch)
+    original = copy.deepcopy(model)
+    routers = _routers(model)
+    refine = {} if arch == "qwen3_moe" else {"refine": None}  # output-space refinement (XᵀX) on one of them
+    cfg = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=2), reconstruct=None, **refine)
+    report = prune_model(model, CALIB, cfg, options=PruneOptions(progress=False, run_dir=tmp_path))
+    names = [r.name for r in report.layers]
+    fused = [n for n in names if split_expert_name(n) is not None]
+    if arch == "modulelist":
+        assert sum(".experts." in n for n in names) == 2 * E * 3 and not fused
+    else:
+        assert sorted(fused) == sorted(f"model.layers.{i}.mlp.experts.{a}.{e}" for i in range(2)
+                                       for a in ("gate_up_proj", "down_proj") for e in range(E))
+        assert len(report.expert_tokens) == 2 * E and sum(report.expert_tokens.values()) == 2 * 2 * CALIB.numel()
+    assert not any(n.endswith(".gate") or n.endswith("shared_expert_gate") for n in names)
+    for n, p in routers.items():  # routers untouched and listed as dense
+        assert torch.equal(model.get_parameter(n), p), n
+    assert any("router" in why for _, why in report.dense_weights.values())
+    reference = original
+    for n in names:
+        f = _stored(tmp_path, n)
+        groups = f.mask.reshape(f.mask.shape[0], -1, 4).sum(-1)
+        assert bool((groups == 2).all()) and bool((f.core[~f.mask] == 0).all()), n
+        split = split_expert_name(n)
+        if split is None:
+            reference.get_submodule(n).weight.data = f.dense()
+        else:
+            reference.get_parameter(split[0]).data[split[1]] = f.dense()
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(7))
+    torch.testing.assert_close(_logits(model, ids), _logits(reference, ids), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", [m for m in method_names() if m != "armor"])
+def test_every_baseline_prunes_every_expert_to_2_4(method):
+    model = _build("qwen3_moe")
+    routers = _routers(model)
+    report = prune_model(model, CALIB, config_for_method(method), options=PruneOptions(progress=False))
+    assert sum(split_expert_name(r.name) is not None for r in report.layers) == 2 * 2 * E
+    for i in range(2):
+        for attr in ("gate_up_proj", "down_proj"):
+            w = model.get_parameter(f"model.layers.{i}.mlp.experts.{attr}")
+            nonzero = (w != 0).reshape(E, w.shape[1], -1, 4).sum(-1)
+            assert bool((nonzero <= 2).all()), (method, attr)
+    for n, p in routers.items():
+        assert torch.equal(model.get_parameter(n), p)
+
+
+def test_rarely_routed_experts_fall_back_with_a_warning_each():
+    model = _build("qwen3_moe")
+    with pytest.warns(UserWarning, match="routed calibration tokens") as caught:
+        prune_model(model, CALIB[:1], config_for_method("nowag"),
+                    options=PruneOptions(progress=False, min_expert_tokens=10_000))
+    named = {str(w.message).split(" received")[0] for w in caught if "routed calibration tokens" in str(w.message)}
+    assert named == {f"expert model.layers.{i}.mlp.experts.{e}" for i in range(2) for e in range(E)}
+
+
+def test_a_run_directory_resumes_expert_layers_bit_identically(tmp_path):
+    cfg = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=2), reconstruct=None, refine=None)
+    first = _build("qwen3_moe")
+    prune_model(first, CALIB, cfg, options=PruneOptions(progress=False, run_dir=tmp_path))
+    lines = []
+    second = _build("qwen3_moe")
+    prune_model(second, CALIB, cfg, options=PruneOptions(progress=False, run_dir=tmp_path, log=lines.append))
+    assert any("already finished" in line for line in lines)
+    for i in range(2):
+        for attr in ("gate_up_proj", "down_proj"):
+            n = f"model.layers.{i}.mlp.experts.{attr}"
+            assert torch.equal(first.get_parameter(n), second.get_parameter(n))
