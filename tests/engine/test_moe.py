@@ -193,3 +193,16 @@ def test_a_run_directory_resumes_expert_layers_bit_identically(tmp_path):
         for attr in ("gate_up_proj", "down_proj"):
             n = f"model.layers.{i}.mlp.experts.{attr}"
             assert torch.equal(first.get_parameter(n), second.get_parameter(n))
+
+
+def test_a_checkpoint_with_per_expert_keys_streams_and_equals_the_in_memory_prune(tmp_path):
+    from transformers import AutoModelForCausalLM  # only this test loads from a directory
+
+    model = _build("qwen3_moe")
+    model.save_pretrained(tmp_path / "ckpt")  # transformers writes experts.{e}.gate_proj.weight, …
+    cfg = config_for_method("nowag")
+    prune_model(str(tmp_path / "ckpt"), CALIB, cfg, options=PruneOptions(progress=False, out=tmp_path / "out"))
+    prune_model(model, CALIB, cfg, options=PruneOptions(progress=False))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    for n, p in model.named_parameters():
+        assert torch.equal(loaded.get_parameter(n), p), n

@@ -175,19 +175,38 @@ class LazyCheckpoint:
         for n in self._slots:
             if n not in self._source and n in self._where:
                 self._source[n] = n
+        self._fused = self._per_expert_keys()
+        consumed = {k for parts in self._fused.values() for keys in parts for k in keys}
         for k, name in self._where.items():
-            if k not in self._slots:
+            if k not in self._slots and k not in consumed:
                 raise ArmorInputError(
                     f"checkpoint tensor {k!r} (in {self.directory / name}) matches no parameter of "
                     f"{type(self.model).__name__}; its keys are renamed on load, which streaming does not "
                     "support: re-save it with save_pretrained from transformers>=5"
                 )
         for n in self._slots:
-            if n not in self._source:
+            if n not in self._source and n not in self._fused:
                 raise ArmorInputError(
                     f"{type(self.model).__name__} needs tensor {n!r} but no file in {self.directory} "
                     "holds it; the checkpoint is incomplete or for another architecture"
                 )
+
+    def _per_expert_keys(self) -> dict:
+        """Fused 3-D expert parameters stored per expert (``experts.{e}.gate_proj.weight``, the
+        layout transformers writes): ``{param name: [[checkpoint keys of expert e], ...]}``; the
+        keys of one expert are concatenated along the output rows, the experts stacked."""
+        parts_of = {"gate_up_proj": ("gate_proj", "up_proj"), "up_proj": ("up_proj",), "down_proj": ("down_proj",)}
+        out = {}
+        for n, slots in self._slots.items():
+            mod, attr, is_param = slots[0]
+            shape = mod._parameters[attr].shape if is_param else None
+            if n in self._where or attr not in parts_of or shape is None or len(shape) != 3:
+                continue
+            owner = n.rsplit(".", 1)[0]
+            keys = [[f"{owner}.{e}.{part}.weight" for part in parts_of[attr]] for e in range(shape[0])]
+            if all(k in self._where for ks in keys for k in ks):
+                out[n] = keys
+        return out
 
     def keys(self) -> list:
         """Checkpoint tensor names, in file order."""
@@ -289,8 +308,15 @@ class LazyCheckpoint:
     def materialize(self, prefix: str) -> nn.Module:
         """Load every tensor of the submodule at ``prefix`` onto ``device``; return the submodule."""
         names = self._names_under(prefix)
+        for n in [n for n in names if n in self._fused]:  # per-expert keys -> one (E, out, in) tensor
+            t = torch.stack([torch.cat([self._get(self._where[k], k) for k in ks]) for ks in self._fused[n]])
+            dtype = self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
+            self._set(n, t.to(device=self.device, dtype=dtype))
+            del t
         by_file: dict[str, list] = {}
         for n in names:
+            if n in self._fused:
+                continue
             key = self._source[n]
             by_file.setdefault(self._where[key], []).append((n, key))
         for fname, pairs in by_file.items():

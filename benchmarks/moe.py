@@ -1,0 +1,174 @@
+"""Mixture-of-experts pruning on a random Qwen3-MoE: quality per layer kind, cost vs number of
+experts, routed vs all-token expert calibration.
+
+1. Quality: a random ``Qwen3MoeForCausalLM`` (hidden 512, 16 experts of intermediate 256, top-2,
+   ``--layers`` decoder layers; router weights drawn N(0, 0.5²) so that tokens spread) pruned to
+   2:4 by ARMOR, NoWag-P and SparseGPT on random calibration tokens (``--windows`` × ``--seq-len``).
+   Each layer's relative output loss ``tr(E H Eᵀ) / tr(W H Wᵀ)`` (``E = W − Ŵ``) is measured with
+   ``H = XᵀX`` of the tokens the router sends to it (routed tokens, dense model's block inputs),
+   averaged per layer kind (attention q/k/v/o, experts' gate_up, experts' down).
+2. Routed vs all: the same ARMOR and NoWag-P prunes with ``expert_calibration="all"`` (every
+   token through every expert for the statistics), measured on routed tokens as above.
+3. Cost vs E: one decoder layer with 4, 8 and 16 experts, ARMOR; seconds for the expert layers
+   and per expert.
+
+Run:  python benchmarks/moe.py --threads 1                 # ~10-15 min on one core
+      python benchmarks/moe.py --threads 1 --tiny          # seconds: smoke test of the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
+
+from torch_armor.calibration.blocks import block_statistics, capture_block_inputs, decoder_blocks  # noqa: E402
+from torch_armor.calibration.experts import split_expert_name  # noqa: E402
+from torch_armor.calibration.selection import prunable_names  # noqa: E402
+from torch_armor.core.config import ArmorConfig, BcdConfig  # noqa: E402
+from torch_armor.engine.experts import layer_module  # noqa: E402
+from torch_armor.engine.methods import config_for_method, method_label  # noqa: E402
+from torch_armor.engine.prune import PruneOptions, prune_model  # noqa: E402
+
+SHAPE = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_attention_heads=8,
+             num_key_value_heads=4, head_dim=64, vocab_size=4096, num_experts_per_tok=2)
+TINY = dict(SHAPE, hidden_size=64, moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=128)
+
+
+def build(shape: dict, layers: int, experts: int, seed: int = 0) -> Qwen3MoeForCausalLM:
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(num_hidden_layers=layers, num_experts=experts, **shape)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+    model.set_experts_implementation("eager")
+    return model
+
+
+def kind(name: str) -> str:
+    split = split_expert_name(name)
+    if split is not None:
+        return "experts." + split[0].rsplit(".", 1)[1]
+    return "attention" if "self_attn" in name else name.rsplit(".", 1)[1]
+
+
+def dense_weight(model, name: str) -> torch.Tensor:
+    """The dense matrix a layer applies now (``A·core·B`` for ARMOR tensors)."""
+    split = split_expert_name(name)
+    if split is not None:
+        p = model.get_parameter(split[0])
+        full = p.dense_weight() if hasattr(p, "dense_weight") else p
+        return full[split[1]].detach().float()
+    lin = model.get_submodule(name)
+    return lin(torch.eye(lin.in_features)).T.detach().float()
+
+
+def routed_xtx(model, calib) -> dict:
+    """``{layer: XᵀX}`` of the dense model on routed tokens, every block on the dense block inputs."""
+    prefix, blocks = decoder_blocks(model)
+    inputs = capture_block_inputs(model, blocks[0], list(calib.split(4)))
+    out = {}
+    names = prunable_names(model)
+    for i, block in enumerate(blocks):
+        layers = {n: layer_module(model, n) for n in names if n.startswith(f"{prefix}.{i}.")}
+        stats = block_statistics(block, layers, inputs, device=torch.device("cpu"), track_xtx=True, propagate=True)
+        out.update({n: s.xtx.double() for n, s in stats.items()})
+    return out
+
+
+def output_losses(dense, pruned, xtx: dict) -> dict:
+    losses = {}
+    for name, h in xtx.items():
+        w = dense_weight(dense, name).double()
+        err = w - dense_weight(pruned, name).double()
+        losses[name] = float(torch.einsum("ij,jk,ik->", err, h, err) / torch.einsum("ij,jk,ik->", w, h, w))
+    return losses
+
+
+def by_kind(losses: dict) -> dict:
+    groups: dict = {}
+    for n, v in losses.items():
+        groups.setdefault(kind(n), []).append(v)
+    return {k: sum(v) / len(v) for k, v in groups.items()}
+
+
+def armor_config(iters: int) -> ArmorConfig:
+    return ArmorConfig(block_size=32, optimizer=BcdConfig(iters=iters), reconstruct=None)
+
+
+def run(model, calib, cfg, **options):
+    pruned = copy.deepcopy(model)
+    start = time.perf_counter()
+    report = prune_model(pruned, calib, cfg, options=PruneOptions(progress=False, **options))
+    return pruned, report, time.perf_counter() - start
+
+
+def load() -> str:
+    with open("/proc/loadavg") as fh:
+        return " ".join(fh.read().split()[:3])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--windows", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--tiny", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    shape = TINY if args.tiny else SHAPE
+    print(f"# benchmarks/moe.py  threads={args.threads}  load average at start: {load()}  (other helpers running)")
+    model = build(shape, args.layers, args.experts)
+    calib = torch.randint(0, shape["vocab_size"], (args.windows, args.seq_len), generator=torch.Generator().manual_seed(1))
+    params = sum(p.numel() for p in model.parameters())
+    print(f"model: Qwen3-MoE random, {args.layers} layers, {args.experts} experts (top-2), hidden {shape['hidden_size']}, "
+          f"expert intermediate {shape['moe_intermediate_size']}: {params / 1e6:.1f} M parameters; calibration "
+          f"{args.windows} x {args.seq_len} random tokens")
+    xtx = routed_xtx(model, calib)
+
+    print("\n## Relative output loss on routed tokens (mean per layer kind; lower is better)\n")
+    methods = [("armor", armor_config(args.iters)), ("nowag", config_for_method("nowag")),
+               ("sparsegpt", config_for_method("sparsegpt"))]
+    rows = {}
+    for mode in ("routed", "all"):
+        for name, cfg in methods:
+            if mode == "all" and name == "sparsegpt":
+                continue
+            pruned, report, seconds = run(model, calib, cfg, expert_calibration=mode)
+            rows[(name, mode)] = (by_kind(output_losses(model, pruned, xtx)), seconds)
+            print(f"  {method_label(name)} ({mode}): {seconds:.0f} s", flush=True)
+    kinds = list(next(iter(rows.values()))[0])
+    print("\n| method | expert calibration | " + " | ".join(kinds) + " | prune s |")
+    print("|---|---|" + "---:|" * (len(kinds) + 1))
+    for (name, mode), (values, seconds) in rows.items():
+        print(f"| {method_label(name)} | {mode} | " + " | ".join(f"{values[k]:.4f}" for k in kinds) + f" | {seconds:.0f} |")
+
+    print("\n## ARMOR prune time vs number of experts (one decoder layer)\n")
+    print("| experts | expert layers | expert-layer seconds | seconds per expert | total s |")
+    print("|---:|---:|---:|---:|---:|")
+    for experts in (4, 8, 16):
+        one = build(shape, 1, experts)
+        _, report, seconds = run(one, calib, armor_config(args.iters))
+        expert_layers = [r for r in report.layers if split_expert_name(r.name) is not None]
+        spent = sum(r.seconds for r in expert_layers)
+        print(f"| {experts} | {len(expert_layers)} | {spent:.1f} | {spent / experts:.2f} | {seconds:.1f} |", flush=True)
+    print(f"\nload average at the end: {load()}; pid {os.getpid()}")
+
+
+if __name__ == "__main__":
+    main()
