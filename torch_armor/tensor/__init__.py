@@ -4,4 +4,4 @@ Importing the package registers every format (dense, compact, semi-structured, q
 plain-PyTorch interop handlers, so any ArmorTensor found anywhere can be moved, copied and loaded.
 """
 
-from torch_armor.tensor import armor_tensor, formats, interop, quant, semi_structured  # noqa: F401
+from torch_armor.tensor import armor_tensor, experts, formats, interop, quant, semi_structured  # noqa: F401

@@ -1,0 +1,98 @@
+"""Tiny random mixture-of-experts models with ARMOR experts, and their slow dense reference.
+
+``armor_moe(arch)`` builds a random model of ``arch`` (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE: all
+fused 3-D experts in transformers 5), factorizes every expert ``P[e]`` of every fused parameter
+with torch_armor's per-layer factorizer on random activation statistics, installs them with
+``armor_experts_from_factors`` and returns ``(model, reference)``: ``reference`` is the same model
+whose 3-D parameters are the dense stacks ``torch.stack([f.dense() for f in factors])`` (per-expert
+``A·core·B``), run through the model's own eager experts forward (the slow reference of MOE.md).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import warnings
+from typing import Dict, Tuple
+
+import torch
+from torch import nn
+
+from torch_armor.core.config import ArmorConfig, BcdConfig
+from torch_armor.core.factorize import factorize
+from torch_armor.tensor.experts import armor_experts_from_factors
+
+ARCHS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+_SMALL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64)
+
+
+def make_moe(arch: str, seed: int = 0, experts: int = 4) -> nn.Module:
+    """A random ``arch`` causal LM: hidden 32, expert width 16, ``experts`` experts, top-2 (eager experts)."""
+    import transformers  # local: the architectures are looked up by name
+
+    if arch == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**_SMALL, head_dim=8, intermediate_size=64, moe_intermediate_size=16,
+                                          num_experts=experts, num_experts_per_tok=2, decoder_sparse_step=1)
+        cls = transformers.Qwen3MoeForCausalLM
+    elif arch == "mixtral":
+        cfg = transformers.MixtralConfig(**_SMALL, intermediate_size=16, num_local_experts=experts,
+                                         num_experts_per_tok=2)
+        cls = transformers.MixtralForCausalLM
+    elif arch == "olmoe":
+        cfg = transformers.OlmoeConfig(**_SMALL, intermediate_size=16, num_experts=experts, num_experts_per_tok=2)
+        cls = transformers.OlmoeForCausalLM
+    elif arch == "qwen2_moe":
+        cfg = transformers.Qwen2MoeConfig(**_SMALL, intermediate_size=64, moe_intermediate_size=16,
+                                          shared_expert_intermediate_size=32, num_experts=experts,
+                                          num_experts_per_tok=2, decoder_sparse_step=1)
+        cls = transformers.Qwen2MoeForCausalLM
+    else:
+        raise ValueError(arch)
+    cfg._experts_implementation = "eager"
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    with torch.no_grad():  # default init is tiny (std 0.02): widen it so routing and logits are far from uniform
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.3)
+    return model.eval()
+
+
+def experts_modules(model: nn.Module) -> Dict[str, nn.Module]:
+    """``{path: module}`` of every fused experts module (the ones holding 3-D ``gate_up_proj``/``down_proj``)."""
+    return {name: m for name, m in model.named_modules()
+            if isinstance(m._parameters.get("gate_up_proj"), torch.Tensor) and m._parameters["gate_up_proj"].dim() == 3}
+
+
+@functools.lru_cache(maxsize=None)
+def _factors(arch: str, seed: int, experts: int, block_size: int):
+    model = make_moe(arch, seed, experts)
+    conf = ArmorConfig(block_size=block_size, optimizer=BcdConfig(iters=2), refine=None, reconstruct=None)
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for path, module in experts_modules(model).items():
+        for pname in EXPERT_PARAMS:
+            p = module._parameters[pname].detach()
+            out[f"{path}.{pname}"] = [factorize(p[e], torch.rand(p.shape[2], generator=gen) + 0.1, conf,
+                                                name=f"{path}.{pname}.{e}") for e in range(p.shape[0])]
+    return out
+
+
+def armor_moe(arch: str, seed: int = 0, experts: int = 4, block_size: int = 8,
+              implementation: str = "armor") -> Tuple[nn.Module, nn.Module]:
+    """``(model with ARMOR experts, dense slow reference)`` of a random ``arch`` model (factors cached)."""
+    model = make_moe(arch, seed, experts)
+    reference = copy.deepcopy(model)
+    factors = _factors(arch, seed, experts, block_size)
+    for fqn, fs in factors.items():
+        path, _, pname = fqn.rpartition(".")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            armor_experts_from_factors(model.get_submodule(path), pname, fs, name=fqn)
+        dense = torch.stack([f.dense() for f in fs]).to(torch.float32)
+        reference.get_submodule(path)._parameters[pname] = nn.Parameter(dense, requires_grad=False)
+    model.set_experts_implementation(implementation)
+    reference.set_experts_implementation("eager")
+    return model, reference

@@ -1,0 +1,194 @@
+"""ArmorExpertsTensor: fused 3-D expert weights as E ARMOR layers, and the "armor" experts forward."""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torch_armor  # noqa: F401  (registers the "armor" experts implementation)
+from torch_armor.core.factors import ArmorFactors
+from torch_armor.errors import ArmorInputError
+from torch_armor.tensor.armor_tensor import ArmorTensor
+from torch_armor.tensor.experts import ArmorExpertsTensor, armor_experts_from_factors, stack_experts
+from tests._helpers import random_factors
+from tests._tiny_moe import ARCHS, EXPERT_PARAMS, armor_moe, experts_modules, make_moe
+
+
+def _factors(e_count=3, d_out=8, d_in=16, d_b=4, seed=0, dtype=torch.float32):
+    out = []
+    for e in range(e_count):
+        a, b, core, mask = random_factors(d_out, d_in, d_b, 2, 4, seed=seed + e, dtype=dtype)
+        out.append(ArmorFactors(a, core, b, mask, "2:4"))
+    return out
+
+
+def _ids(vocab=64, seed=1):
+    return torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(seed))
+
+
+# ----------------------------------------------------------------------------- the tensor
+
+
+@pytest.mark.parametrize("storage", ["compact", "dense"])
+def test_from_factors_stacks_every_expert(storage):
+    fs = _factors()
+    w = ArmorExpertsTensor.from_factors(fs, storage=storage, name="m.experts.gate_up_proj")
+    assert isinstance(w, ArmorExpertsTensor) and tuple(w.shape) == (3, 8, 16) and w.storage_format == storage
+    assert w.a_blocks.shape == (3, 2, 4, 4) and w.b_blocks.shape == (3, 4, 4, 4)
+    dense = torch.stack([f.dense() for f in fs])
+    assert torch.equal(w.dense_weight(), dense)
+    for e in range(3):
+        for got in (w.expert(e), w[e], w[torch.tensor(e)]):
+            assert isinstance(got, ArmorTensor) and got.storage_format == storage and tuple(got.shape) == (8, 16)
+            assert got.layer_name == f"m.experts.gate_up_proj.{e}"
+            assert torch.equal(got.dense_weight(), fs[e].dense())
+            assert torch.equal(got.core_dense() != 0, fs[e].mask)  # every expert core keeps its 2:4 mask
+    x = torch.randn(5, 16, dtype=torch.float32)
+    torch.testing.assert_close(F.linear(x, w[1]), x @ fs[1].dense().T, rtol=1e-5, atol=1e-5)
+
+
+def test_expert_views_share_memory_with_the_stack():
+    w = ArmorExpertsTensor.from_factors(_factors(), storage="compact")
+    assert w[2].values.untyped_storage().data_ptr() == w.values.untyped_storage().data_ptr()
+
+
+def test_stored_parameters_counts_each_expert():
+    fs = _factors()
+    w = ArmorExpertsTensor.from_factors(fs)
+    by_hand = sum(f.a_blocks.numel() + f.b_blocks.numel() + int(f.mask.sum()) for f in fs)
+    assert w.stored_parameters() == by_hand
+
+
+def test_moves_and_casts_follow_the_policy():
+    w = ArmorExpertsTensor.from_factors(_factors(), storage="dense")
+    h = w.to(torch.bfloat16)
+    assert h.dtype == torch.bfloat16 and h.a_blocks.dtype == torch.bfloat16 and h.storage_format == "dense"
+    assert torch.equal(h.dense_weight(torch.float32), torch.stack([x.dense_weight(torch.float32)
+                                                                   for x in (e.to(torch.bfloat16) for e in w.experts())]))
+    assert w.to("cpu") is w
+    assert torch.equal(w.clone().dense_weight(), w.dense_weight()) and type(w.detach()) is type(w)
+
+
+def test_copy_and_weights_only_load_round_trip():
+    w = ArmorExpertsTensor.from_factors(_factors(seed=0))
+    other = ArmorExpertsTensor.from_factors(_factors(seed=10))
+    other.copy_(w)
+    assert torch.equal(other.dense_weight(), w.dense_weight())
+    buf = io.BytesIO()
+    torch.save({"w": nn.Parameter(w, requires_grad=False)}, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=True)["w"]
+    assert type(back) is type(w)
+    for name in w.tensor_data_names:
+        assert torch.equal(getattr(back, name), getattr(w, name))
+
+
+@pytest.mark.parametrize("op, match", [
+    (lambda w: w.transpose(-2, -1), "aten.transpose"),
+    (lambda w: w[torch.tensor([0, 1])], "batched_mm"),
+    (lambda w: w + 1, "aten.add"),
+    (lambda w: w.view(-1), "aten.view"),
+])
+def test_unsupported_ops_name_the_op_and_the_fix(op, match):
+    w = ArmorExpertsTensor.from_factors(_factors())
+    with pytest.raises(NotImplementedError, match=match) as err:
+        op(w)
+    assert "experts_implementation='armor'" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_experts_must_agree():
+    fs = _factors()
+    other = _factors(d_b=8)[0]
+    with pytest.raises(ArmorInputError, match=r"m\.w: expert 1 .*block size"):
+        ArmorExpertsTensor.from_factors([fs[0], other], name="m.w")
+    with pytest.raises(ArmorInputError, match="none"):
+        ArmorExpertsTensor.from_factors([], name="m.w")
+    with pytest.raises(ArmorInputError, match="not an ArmorTensor"):
+        stack_experts([ArmorTensor.from_factors(fs[0]), torch.zeros(8, 16)], name="m.w")
+
+
+def test_armor_experts_from_factors_checks_the_parameter():
+    m = nn.Module()
+    m.w = nn.Parameter(torch.zeros(3, 8, 16))
+    with pytest.raises(ArmorInputError, match=r"m\.w: 2 ArmorFactors for 3 experts"):
+        armor_experts_from_factors(m, "w", _factors()[:2], name="m.w")
+    with pytest.raises(ArmorInputError, match=r"m\.w\.0: factors are for a \(8, 8\)"):
+        armor_experts_from_factors(m, "w", _factors(d_in=8), name="m.w")
+    with pytest.raises(ArmorInputError, match="3-D"):
+        armor_experts_from_factors(m, "nope", _factors(), name="m.nope")
+    armor_experts_from_factors(m, "w", _factors(), name="m.w")
+    assert isinstance(m.w, ArmorExpertsTensor) and isinstance(m.w, nn.Parameter) and not m.w.requires_grad
+
+
+# ----------------------------------------------------------------------------- in a model
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_model_logits_equal_the_slow_reference(arch, one_thread):
+    model, reference = armor_moe(arch)
+    for module in experts_modules(model).values():
+        for pname in EXPERT_PARAMS:
+            w = module._parameters[pname]
+            assert isinstance(w, ArmorExpertsTensor)
+            for e in range(w.shape[0]):  # every expert core is 2:4
+                kept = (w[e].core_dense() != 0).reshape(w.shape[1], -1, 4).sum(-1)
+                assert bool((kept <= 2).all())
+    routers = {n: p for n, p in model.named_parameters() if ".mlp.gate." in n or "shared_expert_gate" in n}
+    assert routers and all(type(p) is nn.Parameter for p in routers.values())  # the routers stay dense
+    ids = _ids()
+    with torch.no_grad():
+        got = model(ids).logits
+        want = reference(ids).logits
+        model.set_experts_implementation("eager")
+        eager = model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(eager, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_installing_armor_experts_switches_grouped_mm_with_one_warning():
+    model = make_moe("qwen3_moe")
+    model.set_experts_implementation("grouped_mm")
+    module = next(iter(experts_modules(model).values()))
+    p = module.gate_up_proj.detach()
+    fs = []
+    for e in range(p.shape[0]):
+        a, b, core, mask = random_factors(p.shape[1], p.shape[2], 8, 2, 4, seed=e, dtype=torch.float32)
+        fs.append(ArmorFactors(a, core, b, mask, "2:4"))
+    with pytest.warns(UserWarning, match="'grouped_mm' needs dense 3-D expert weights; switched the model to 'armor'"):
+        armor_experts_from_factors(module, "gate_up_proj", fs, name="x.gate_up_proj")
+    assert model.config._experts_implementation == "armor"
+    model.set_experts_implementation("grouped_mm")
+    with pytest.raises(NotImplementedError, match="experts_implementation='armor'"):
+        with torch.no_grad():
+            model(_ids())
+
+
+def test_armor_forward_runs_dense_experts_too(one_thread):
+    model = make_moe("qwen3_moe")
+    ids = _ids()
+    with torch.no_grad():
+        eager = model(ids).logits
+        model.set_experts_implementation("armor")
+        armor = model(ids).logits
+    torch.testing.assert_close(armor, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_model_matches_eager(one_thread):
+    torch._dynamo.reset()
+    model, _ = armor_moe("qwen3_moe")
+    ids = _ids()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eager = model(ids).logits
+        compiled = torch.compile(model)
+        got = compiled(ids).logits
+        again = compiled(_ids(seed=7)).logits
+        eager_again = model(_ids(seed=7)).logits
+    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(again, eager_again, rtol=1e-5, atol=1e-5)
