@@ -3,9 +3,8 @@ the results of a fused expert parameter back at once, and the weights a prune le
 
 A fused expert parameter ``P`` ``(E, out, in)`` is E layers ``f"{P}.{e}"``
 (:mod:`torch_armor.calibration.experts`). A baseline's pruned weights are written into ``P[e]``;
-ARMOR's factors of all E experts become one ARMOR experts parameter (the runtime's
-``armor_experts_from_factors`` when installed; otherwise the dense reference stack
-``torch.stack([f.dense() for f in factors])`` — the slow reference of the tests).
+ARMOR's factors of all E experts become one
+:class:`~torch_armor.tensor.experts.ArmorExpertsTensor` parameter (``armor_experts_from_factors``).
 
 Example::
 
@@ -36,14 +35,9 @@ from torch import nn
 from torch_armor.calibration.experts import ExpertSlot, router_names, split_expert_name, unsupported_experts
 from torch_armor.calibration.selection import prunable_names  # noqa: F401  (doctest)
 from torch_armor.errors import ArmorInputError
+from torch_armor.tensor.experts import armor_experts_from_factors
 
 __all__ = ["layer_module", "write_experts", "dense_weights", "dense_lines", "group_by_param", "routed_token_lines"]
-
-try:  # the runtime's ARMOR experts tensor (issue 26; absent until it lands)
-    from torch_armor.tensor.experts import armor_experts_from_factors
-except ImportError:  # pragma: no cover - depends on the runtime being merged
-    armor_experts_from_factors = None
-
 
 def layer_module(model: nn.Module, name: str) -> Any:
     """The ``nn.Linear`` called ``name``, or an :class:`ExpertSlot` for an expert layer name."""
@@ -87,11 +81,7 @@ def write_experts(slots: Mapping[str, ExpertSlot], solutions: Mapping[str, Any],
             raise ArmorInputError(f"{param_fqn}: ARMOR converts all {old.shape[0]} experts of a fused parameter "
                                   f"together, {len(by_index)} were selected; select every expert of it or none")
         factors = [by_index[e] for e in range(old.shape[0])]
-        if armor_experts_from_factors is not None:
-            armor_experts_from_factors(module, attr, factors, storage=storage, name=param_fqn)
-        else:  # the dense reference A·core·B per expert
-            dense = torch.stack([f.dense() for f in factors]).to(dtype=old.dtype, device=old.device)
-            setattr(module, attr, nn.Parameter(dense, requires_grad=False))
+        armor_experts_from_factors(module, attr, factors, storage=storage, name=param_fqn)
 
 
 def _reason(model: nn.Module, name: str, blocks_prefix: str, routers: Sequence[str],
