@@ -21,6 +21,7 @@ from torch import nn
 from torch_armor.core.config import ArmorConfig, BcdConfig
 from torch_armor.core.factorize import factorize
 from torch_armor.tensor.experts import armor_experts_from_factors
+from torch_armor.tensor.hf_format import attach_quantizer
 
 ARCHS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
@@ -95,4 +96,4 @@ def armor_moe(arch: str, seed: int = 0, experts: int = 4, block_size: int = 8,
         reference.get_submodule(path)._parameters[pname] = nn.Parameter(dense, requires_grad=False)
     model.set_experts_implementation(implementation)
     reference.set_experts_implementation("eager")
-    return model, reference
+    return attach_quantizer(model), reference

@@ -35,7 +35,7 @@ def pruned_llama(kind: str = "fp32", tie: bool = False):
     return model.eval()
 
 
-def assert_same_model(a, b):
+def assert_same_model(a, b, ids=IDS):
     """Same classes, same stored parts bit for bit (ArmorTensors by their parts), same buffers and dtypes, same logits."""
     assert type(a) is type(b)
     ta, ma = flatten_armor_state(a)
@@ -48,7 +48,7 @@ def assert_same_model(a, b):
     for key in bufs_a:
         assert bufs_a[key].dtype == bufs_b[key].dtype and torch.equal(bufs_a[key], bufs_b[key]), key
     with torch.no_grad():
-        assert torch.equal(a(IDS).logits, b(IDS).logits)
+        assert torch.equal(a(ids).logits, b(ids).logits)
 
 
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
@@ -160,3 +160,62 @@ def test_streamed_prune_directory_loads_with_from_pretrained(dtype, tmp_path, on
         assert ma["layers"] == mb["layers"]
         for key in ta:
             assert torch.equal(ta[key].to(tb[key].dtype), tb[key]) and tb[key].dtype in (dtype, torch.uint8), key
+
+
+# ----------------------------------------------------------------------------- mixture-of-experts models
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"])
+def test_moe_save_pretrained_from_pretrained_bit_identical(arch, tmp_path, one_thread):
+    """Fused experts are saved as one entry per 3-D parameter (parts stacked, the model's own key names:
+    no per-expert split, no Mixtral ".block_sparse_moe." renaming) and load back bit for bit."""
+    from _tiny_moe import armor_moe
+    from torch_armor.tensor.experts import ArmorExpertsTensor
+
+    model, _ = armor_moe(arch)
+    model.save_pretrained(tmp_path)
+    quant = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    fqn = "model.layers.0.mlp.experts.gate_up_proj"
+    assert quant["layers"][fqn]["experts"] == 4 and quant["layers"][fqn]["shape"] == [4, 32, 32]
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as fh:
+        assert fh.get_slice(fqn).get_shape() == [4, 4, 8, 8]  # A's blocks, stacked per expert
+        assert fh.get_slice(fqn + ".values").get_shape() == [4, 32, 16]  # 2:4: half of each row kept
+        assert not any(".experts.0." in k or "block_sparse_moe" in k for k in fh.keys())
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert isinstance(loaded.get_submodule("model.layers.0.mlp.experts").gate_up_proj, ArmorExpertsTensor)
+    assert loaded.config._experts_implementation == "armor"
+    assert torch_armor_model_size(loaded) == torch_armor_model_size(model)
+    assert_same_model(model, loaded, IDS % 64)
+    loaded.save_pretrained(tmp_path / "again")
+    assert_same_model(model, AutoModelForCausalLM.from_pretrained(tmp_path / "again"), IDS % 64)
+
+
+def torch_armor_model_size(model):
+    from torch_armor import model_size
+
+    return model_size(model)
+
+
+def test_moe_model_size_counts_expert_parts(one_thread):
+    """Each expert counts A, B (d_b² per block) and its kept half of the core, as a linear does."""
+    from _tiny_moe import armor_moe, experts_modules
+    from torch_armor import model_size
+
+    model, reference = armor_moe("qwen3_moe", block_size=8)
+    dense, size = model_size(reference), model_size(model)
+    delta = 0
+    for module in experts_modules(model).values():
+        for w in (module.gate_up_proj, module.down_proj):
+            e, d_out, d_in = w.shape
+            delta += e * ((d_out // 8 + d_in // 8) * 64 + d_out * d_in // 2) - w.numel()
+    assert delta != 0 and size.dense_parameters == dense.parameters
+    assert size.parameters == dense.parameters + delta
+
+
+def test_moe_dequantize_gives_the_dense_reference(one_thread):
+    from _tiny_moe import armor_moe
+
+    model, reference = armor_moe("qwen3_moe")
+    model.dequantize()
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS % 64).logits, reference(IDS % 64).logits, rtol=1e-5, atol=1e-5)

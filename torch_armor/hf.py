@@ -26,7 +26,7 @@ Example::
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 from torch import nn
@@ -42,6 +42,8 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import QUANTIZED, ArmorTensor, from_parts, restore_storage
+from torch_armor.tensor.experts import ArmorExpertsTensor, experts_from_parts
+from torch_armor.tensor.experts_forward import prefer_armor_experts
 from torch_armor.tensor.file_checks import (check_checkpoint_files, check_layer_entries, refuse_meta_device_map)
 from torch_armor.tensor.finetune import trainable_parts
 from torch_armor.tensor.flatten import flatten_armor_state
@@ -108,9 +110,10 @@ def quantization_config_of(model: nn.Module, layers: Optional[Dict[str, Any]] = 
 # ---------------------------------------------------------------------------- loading
 
 
-def _suffix_pattern(suffix: str) -> str:
-    # one capturing group, the target `\1`: "….q_proj.weight.b_blocks" -> "….q_proj.weight"
-    return r"(weight)\." + re.escape(suffix) + "$"
+def _suffix_pattern(suffix: str, owners: Sequence[str] = ("weight",)) -> str:
+    # one capturing group, the target `\1`: "….q_proj.weight.b_blocks" -> "….q_proj.weight",
+    # "….experts.gate_up_proj.values" -> "….experts.gate_up_proj" (fused experts)
+    return "(" + "|".join(re.escape(o) for o in owners) + r")\." + re.escape(suffix) + "$"
 
 
 class ArmorDeserialize(ConversionOps):
@@ -156,7 +159,9 @@ class ArmorHfQuantizer(HfQuantizer):
         suffixes = {"a_blocks", "b_blocks", "values", "indices", "core"}  # "a_blocks": files before part_key
         for fqn, layer in layers.items():
             suffixes.update(key[len(fqn) + 1:] for key in layer_keys(fqn, layer) if key != fqn)
-        self._suffix_of = {_suffix_pattern(s): s for s in sorted(suffixes)}
+        owners = ["weight"] + sorted({fqn.rpartition(".")[2] for fqn, layer in layers.items()
+                                      if layer.get("experts") is not None} - {"weight"})
+        self._suffix_of = {_suffix_pattern(s, owners): s for s in sorted(suffixes)}
         if layers:  # a_blocks lives under the weight's own key (part_key): match exactly those keys
             exact = "^(" + "|".join(re.escape(fqn) for fqn in sorted(layers)) + ")$"
             self._suffix_of[exact] = "a_blocks"
@@ -190,8 +195,11 @@ class ArmorHfQuantizer(HfQuantizer):
             storage = layer["storage"] if layer["storage"] != QUANTIZED else "dense"
             if storage == "dense" and "core" not in inner:
                 inner = {"core": torch.empty(layer["shape"], dtype=old.dtype, device="meta")}
-            w = from_parts(storage, a.to(old.dtype), b.to(old.dtype), layer["pattern"], old.dtype, **inner)
+            build = experts_from_parts if layer.get("experts") is not None else from_parts
+            w = build(storage, a.to(old.dtype), b.to(old.dtype), layer["pattern"], old.dtype, **inner)
             module._parameters[pname] = nn.Parameter(w, requires_grad=False)
+            if layer.get("experts") is not None:
+                prefer_armor_experts(module, fqn, quiet_default=True)
         return model
 
     def get_weight_conversions(self) -> list:
@@ -220,6 +228,10 @@ class ArmorHfQuantizer(HfQuantizer):
 
     def get_state_dict_and_metadata(self, model: nn.Module):
         tensors, meta = flatten_armor_state(model)
+        # Keys are saved as the model names them (config.json's layers do too): no reverse weight conversion,
+        # which would rename them (Mixtral's ".mlp." -> ".block_sparse_moe.") or split fused experts' stacked
+        # parts into per-expert "experts.{e}.w1.weight" keys. Loading such a file needs no conversion either.
+        model._weight_conversions = []
         for key, target in meta["aliases"].items():
             tensors[key] = tensors[target]
         qconfig = quantization_config_of(model, meta["layers"])
@@ -230,9 +242,9 @@ class ArmorHfQuantizer(HfQuantizer):
     def _dequantize(self, model: nn.Module, dtype: Optional[torch.dtype] = None) -> nn.Module:
         """``model.dequantize()``: every ArmorTensor weight becomes its dense ``A·core·B``."""
         for module in model.modules():
-            w = module._parameters.get("weight")
-            if isinstance(w, ArmorTensor):
-                module._parameters["weight"] = nn.Parameter(w.dense_weight(w.dtype), requires_grad=True)
+            for pname, w in list(module._parameters.items()):
+                if isinstance(w, (ArmorTensor, ArmorExpertsTensor)):
+                    module._parameters[pname] = nn.Parameter(w.dense_weight(w.dtype), requires_grad=True)
         return model
 
     def is_serializable(self) -> bool:

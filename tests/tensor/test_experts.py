@@ -15,8 +15,8 @@ from torch_armor.core.factors import ArmorFactors
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import ArmorTensor
 from torch_armor.tensor.experts import ArmorExpertsTensor, armor_experts_from_factors, stack_experts
-from tests._helpers import random_factors
-from tests._tiny_moe import ARCHS, EXPERT_PARAMS, armor_moe, experts_modules, make_moe
+from _helpers import random_factors
+from _tiny_moe import ARCHS, EXPERT_PARAMS, armor_moe, experts_modules, make_moe
 
 
 def _factors(e_count=3, d_out=8, d_in=16, d_b=4, seed=0, dtype=torch.float32):

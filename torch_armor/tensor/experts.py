@@ -48,7 +48,7 @@ from torch_armor.tensor.experts_forward import prefer_armor_experts
 from torch_armor.tensor.formats import CompactArmorTensor, DenseArmorTensor
 from torch_armor.tensor.semi_structured import CusparseltArmorTensor, CutlassArmorTensor
 
-__all__ = ["ArmorExpertsTensor", "armor_experts_from_factors", "experts_class_of", "stack_experts",
+__all__ = ["ArmorExpertsTensor", "armor_experts_from_factors", "experts_class_of", "experts_from_parts", "stack_experts",
            "EXPERTS_HINT"]
 
 aten = torch.ops.aten
@@ -251,6 +251,20 @@ def stack_experts(experts: Sequence[ArmorTensor], name: str = "") -> ArmorExpert
     return out
 
 
+def experts_from_parts(storage: str, a_blocks: torch.Tensor, b_blocks: torch.Tensor, pattern: str,
+                       dtype: torch.dtype, backend: Optional[str] = None, **parts) -> ArmorExpertsTensor:
+    """The ArmorExpertsTensor of ``storage`` from its stacked inner tensors, as saved (``values=``/``indices=``
+    for compact, ``core=`` for dense), like :func:`~torch_armor.tensor.armor_tensor.from_parts` for one layer."""
+    cls = next((c for c in _CLASSES.values() if (c.storage_format, c.backend) == (storage, backend)), None)
+    if cls is None:
+        raise ArmorInputError(f"no ARMOR experts storage {storage!r} (backend {backend!r}); "
+                              "expected one of compact, dense, semi_structured")
+    inner = [parts.pop(n) for n in cls.tensor_data_names[2:]]
+    if parts:
+        raise ArmorInputError(f"{storage} ArmorExpertsTensor has no inner tensors {sorted(parts)}")
+    return cls(a_blocks, b_blocks, *inner, pattern, dtype)
+
+
 def _restacked(like: ArmorExpertsTensor, experts: Sequence[ArmorTensor]) -> ArmorExpertsTensor:
     return stack_experts(experts, name=like.layer_name or "")
 
@@ -382,7 +396,8 @@ def _(func, types, args, kwargs):
 def _(func, types, args, kwargs):
     raise TypeError(
         "an ArmorExpertsTensor has no single storage: it holds E ARMOR experts as separate stacked tensors. Save "
-        "the model with model.save_pretrained(directory) (after import torch_armor) or torch_armor.save_pretrained")
+        "the model with model.save_pretrained(directory) (after import torch_armor; for a model converted by hand "
+        "call torch_armor.attach_quantizer(model) first) or torch_armor.save_pretrained(model, directory)")
 
 
 @_implements_torch_function(torch.Tensor.requires_grad_)

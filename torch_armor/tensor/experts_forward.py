@@ -87,9 +87,10 @@ def armor_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_in
     return final.index_add_(0, token_of, (outputs * weights).to(final.dtype))
 
 
-def prefer_armor_experts(module: nn.Module, name: Optional[str] = None) -> None:
+def prefer_armor_experts(module: nn.Module, name: Optional[str] = None, quiet_default: bool = False) -> None:
     """Set ``module.config._experts_implementation`` to ``"armor"`` unless it already runs ARMOR experts
-    (``"armor"``/``"eager"``), with one warning per previous implementation. No-op without a config."""
+    (``"armor"``/``"eager"``), with one warning per previous implementation (none for transformers'
+    default ``"grouped_mm"`` when ``quiet_default``: loading an ARMOR checkpoint). No-op without a config."""
     config = getattr(module, "config", None)
     if config is None or not hasattr(config, "_experts_implementation"):
         return
@@ -97,7 +98,7 @@ def prefer_armor_experts(module: nn.Module, name: Optional[str] = None) -> None:
     if current in RUNS_ARMOR_EXPERTS:
         return
     config._experts_implementation = ARMOR_EXPERTS
-    if current not in _WARNED:
+    if current not in _WARNED and not (quiet_default and current in (None, "grouped_mm")):
         _WARNED.add(current)
         warnings.warn(
             f"{name or type(module).__name__}: experts_implementation {current!r} needs dense 3-D expert weights; "

@@ -170,9 +170,18 @@ def _layer_problem(fqn: str, layer: Any, stored: Mapping[str, Tuple[List[int], s
     """What is wrong with one ARMOR layer entry, or ``None``."""
     if not isinstance(layer, dict):
         return f"is a {type(layer).__name__}, not an object"
-    shape = layer.get("shape")
-    if not (isinstance(shape, list) and len(shape) == 2 and all(_int(d) and d > 0 for d in shape)):
-        return f"'shape' {shape!r} is not two positive integers"
+    full = layer.get("shape")
+    experts = layer.get("experts")
+    lead = [experts] if experts is not None else []
+    if experts is not None and not (_int(experts) and experts > 0):
+        return f"'experts' {experts!r} is not a positive integer"
+    if not (isinstance(full, list) and len(full) == 2 + len(lead) and all(_int(d) and d > 0 for d in full)
+            and full[:len(lead)] == lead):
+        what = f"{experts} experts and two positive integers" if lead else "two positive integers"
+        return f"'shape' {full!r} is not {what}"
+    shape = full[len(lead):]
+    if lead and layer.get("storage") not in ("compact", "dense"):
+        return f"fused experts are stored compact or dense, not {layer.get('storage')!r}"
     d_b = _int(layer.get("block_size"))
     if d_b is None or d_b < 1 or shape[0] % d_b or shape[1] % d_b:
         return f"block_size {layer.get('block_size')!r} does not divide the shape {tuple(shape)}"
@@ -193,13 +202,13 @@ def _layer_problem(fqn: str, layer: Any, stored: Mapping[str, Tuple[List[int], s
             for s in specs.values())):
         return "'tensors' is missing or not a map of {shape, dtype}"
     dt = layer["dtype"]
-    expected = {"a_blocks": ([shape[0] // d_b, d_b, d_b], dt), "b_blocks": ([shape[1] // d_b, d_b, d_b], dt)}
+    expected = {"a_blocks": (lead + [shape[0] // d_b, d_b, d_b], dt), "b_blocks": (lead + [shape[1] // d_b, d_b, d_b], dt)}
     if storage == "compact":
         k = shape[1] // pattern.m * pattern.n
         per_byte = 8 // (2 if pattern.m <= 4 else 4 if pattern.m <= 16 else 8)
-        expected.update(values=([shape[0], k], dt), indices=([shape[0], -(-k // per_byte)], "uint8"))
+        expected.update(values=(lead + [shape[0], k], dt), indices=(lead + [shape[0], -(-k // per_byte)], "uint8"))
     elif storage == "dense":
-        expected["core"] = (list(shape), dt)
+        expected["core"] = (list(full), dt)
     for name, (want_shape, want_dtype) in expected.items():
         if name not in specs or list(specs[name]["shape"]) != want_shape or specs[name]["dtype"] != want_dtype:
             got = specs.get(name)
@@ -251,8 +260,9 @@ def check_armor_layers(layers: Any, buffers: Any, files: Mapping[Path, Mapping[s
                                   "(re-save the model)")
     for key in stored:
         for suffix in _PART_SUFFIXES:
-            if key.endswith(".weight" + suffix) and key[: -len(suffix)] not in layers:
-                raise ArmorInputError(f"{where}: the weights files hold ARMOR layer {key[: -len(suffix)]!r} "
+            base = key[: -len(suffix)]  # a layer's parts: A's blocks under its own key (fused experts too), the rest beside
+            if key.endswith(suffix) and (base.endswith(".weight") or base in stored) and base not in layers:
+                raise ArmorInputError(f"{where}: the weights files hold ARMOR layer {base!r} "
                                       f"(tensor {key!r}), which 'layers' does not list; the file was edited")
     for fqn, layer in layers.items():
         parts = {}
@@ -293,6 +303,8 @@ def check_layer_values(fqn: str, pattern: Any, parts: Mapping[str, Any]) -> None
     values = parts.get("values")
     if not (isinstance(indices, torch.Tensor) and isinstance(values, torch.Tensor)) or indices.device.type == "meta":
         return
+    # fused experts stack their parts on a leading dim: check their rows one after the other
+    indices, values = indices.reshape(-1, indices.shape[-1]), values.reshape(-1, values.shape[-1])
     p = parse_pattern(pattern)
     n, m = p.n, p.m
     bits = 2 if m <= 4 else 4 if m <= 16 else 8

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from torch_armor.tensor.armor_tensor import QUANTIZED, ArmorTensor
+from torch_armor.tensor.experts import ArmorExpertsTensor
 from torch_armor.errors import ArmorInputError
 
 __all__ = ["enable_finetuning", "trainable_parts", "model_size", "checkpoint_size", "ModelSize", "PART_NAMES"]
@@ -166,7 +167,7 @@ def model_size(model: nn.Module) -> ModelSize:
         if id(p) in seen:
             continue
         seen.add(id(p))
-        if isinstance(p, ArmorTensor):
+        if isinstance(p, (ArmorTensor, ArmorExpertsTensor)):
             dense += p.numel()
             dense_bytes += p.numel() * p.element_size()
             params += p.stored_parameters()
@@ -219,9 +220,11 @@ def checkpoint_size(directory: Any) -> ModelSize:
                     dense += numel
                     dense_bytes += numel * size
     for layer in layers.values():
-        d_out, d_in = (int(v) for v in layer["shape"])
-        dense += d_out * d_in
-        dense_bytes += d_out * d_in * torch.empty((), dtype=getattr(torch, layer["dtype"])).element_size()
+        numel = 1
+        for v in layer["shape"]:  # (d_out, d_in), or (E, d_out, d_in) for fused experts
+            numel *= int(v)
+        dense += numel
+        dense_bytes += numel * torch.empty((), dtype=getattr(torch, layer["dtype"])).element_size()
     return ModelSize(params, pbytes, 0, dense, dense_bytes)
 
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import QUANTIZED, STORAGES, ArmorTensor, restore_storage
+from torch_armor.tensor.experts import ArmorExpertsTensor
 from torch_armor.tensor.layout import (FORMAT_NAME, FORMAT_VERSION, build_layer, layer_keys, layer_parts, part_key,
                                        tensor_spec, validate_metadata)
 
@@ -63,7 +64,7 @@ def flatten_state(
     layers: Dict[str, Dict[str, Any]] = {}
     for key, value in state.items():
         key = f"{prefix}{key}"
-        if isinstance(value, ArmorTensor):
+        if isinstance(value, (ArmorTensor, ArmorExpertsTensor)):
             inner, layers[key] = layer_parts(key, value)
             for name, t in inner.items():
                 raw[part_key(key, name)] = t

@@ -30,6 +30,7 @@ from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_
 from torch_armor._io import atomic_write
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import QUANTIZED, ArmorTensor
+from torch_armor.tensor.experts import ArmorExpertsTensor
 from torch_armor.tensor.file_checks import check_load_target, refuse_missing_keys
 from torch_armor.tensor.flatten import flatten_armor_state
 from torch_armor.tensor.layout import FORMAT_VERSION, dtype_name
@@ -130,7 +131,7 @@ def attach_quantizer(model: nn.Module) -> nn.Module:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict") or not hasattr(model, "save_pretrained"):
         return model
-    if not any(isinstance(p, ArmorTensor) for p in model.parameters()):
+    if not any(isinstance(p, (ArmorTensor, ArmorExpertsTensor)) for p in model.parameters()):
         return model
     config_class, quantizer_class = _registered()
     _, meta = flatten_armor_state(model)
@@ -163,7 +164,7 @@ def load_hf_quantized(path: Path, device: Optional[Union[str, torch.device]], st
     model.eval()
     if storage is not None:
         for module in model.modules():
-            w = module._parameters.get("weight")
-            if isinstance(w, ArmorTensor) and w.storage_format != QUANTIZED and w.storage_format != storage:
-                module._parameters["weight"] = nn.Parameter(w.with_storage(storage), requires_grad=False)
+            for pname, w in list(module._parameters.items()):
+                if isinstance(w, (ArmorTensor, ArmorExpertsTensor)) and w.storage_format not in (QUANTIZED, storage):
+                    module._parameters[pname] = nn.Parameter(w.with_storage(storage), requires_grad=False)
     return model

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Tuple, Union
 
 import torch
 
 from torch_armor.core.pattern import parse_pattern
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import QUANTIZED, STORAGES, ArmorTensor, from_parts
+from torch_armor.tensor.experts import ArmorExpertsTensor, experts_from_parts
 from torch_armor.tensor.file_checks import check_layer_values
 from torch_armor.tensor.packing import index_bits, pack_nm, unpack_nm
 from torch_armor.tensor.quant import quant_config_from_dict, quant_config_to_dict, quantized_core_template
@@ -195,13 +196,18 @@ def build_layer(fqn: str, layer: Dict[str, Any], tensors: Dict[str, torch.Tensor
     if layer["storage"] == QUANTIZED:
         return _unflatten_quantized(fqn, layer, tensors)
     inner = {name: tensors[part_key(fqn, name)] for name in _inner_names(layer["storage"])}
-    return from_parts(layer["storage"], inner.pop("a_blocks"), inner.pop("b_blocks"),
-                      str(parse_pattern(layer["pattern"])), DTYPES[layer["dtype"]], **inner)
+    build = experts_from_parts if layer.get("experts") is not None else from_parts
+    w = build(layer["storage"], inner.pop("a_blocks"), inner.pop("b_blocks"), str(parse_pattern(layer["pattern"])),
+              DTYPES[layer["dtype"]], **inner)
+    w.layer_name = fqn
+    return w
 
 
-def layer_parts(key: str, value: ArmorTensor) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+def layer_parts(key: str, value: Union[ArmorTensor, ArmorExpertsTensor]) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
     """The stored parts (``{inner name: tensor}``, keys for :func:`part_key`) and the description
-    of one converted weight: the core compact for N:M patterns, dense otherwise, quantized as is."""
+    of one converted weight: the core compact for N:M patterns, dense otherwise, quantized as is.
+    Fused experts (:class:`ArmorExpertsTensor`, shape ``(E, d_out, d_in)``) are one entry with
+    ``"experts": E``, every part stacked along a leading ``E`` dimension."""
     if value.storage_format == QUANTIZED:
         return _flatten_quantized(key, value)
     runtime = value.storage_format
@@ -217,6 +223,8 @@ def layer_parts(key: str, value: ArmorTensor) -> Tuple[Dict[str, torch.Tensor], 
         "dtype": dtype_name(value.dtype),
         "tensors": {name: tensor_spec(t) for name, t in inner.items()},
     }
+    if isinstance(value, ArmorExpertsTensor):
+        entry["experts"] = int(value.shape[0])
     return inner, entry
 
 
@@ -268,7 +276,10 @@ def validate_layer(fqn: str, layer: Any, tensors: Dict[str, torch.Tensor]) -> No
     if not isinstance(layer, dict):
         raise ArmorInputError(f"{where}: malformed entry")
     try:
-        d_out, d_in = (int(v) for v in layer["shape"])
+        lead = _experts_lead(layer)
+        d_out, d_in = (int(v) for v in layer["shape"][len(lead):])
+        if [int(v) for v in layer["shape"][:len(lead)]] != list(lead):
+            raise ValueError(f"shape {layer['shape']} does not start with the {lead[0]} experts")
         d_b = int(layer["block_size"])
         pattern = parse_pattern(layer["pattern"])
         storage = layer["storage"]
@@ -276,6 +287,8 @@ def validate_layer(fqn: str, layer: Any, tensors: Dict[str, torch.Tensor]) -> No
     except (KeyError, TypeError, ValueError) as err:
         raise ArmorInputError(f"{where}: missing or invalid field ({err})") from None
     dtype = _parse_dtype(layer.get("dtype"), where)
+    if lead and QUANTIZED in (storage, runtime):
+        raise ArmorInputError(f"{where}: quantized expert cores are not supported; the file was edited or is corrupt")
     if storage == QUANTIZED or runtime == QUANTIZED:
         _validate_quantized_layer(fqn, layer, tensors, (d_out, d_in), d_b, pattern, dtype)
         return
@@ -286,18 +299,18 @@ def validate_layer(fqn: str, layer: Any, tensors: Dict[str, torch.Tensor]) -> No
     if d_b < 1 or d_out % d_b or d_in % d_b:
         raise ArmorInputError(f"{where}: block size {d_b} does not divide the shape ({d_out}, {d_in})")
     expected = {
-        "a_blocks": ((d_out // d_b, d_b, d_b), dtype),
-        "b_blocks": ((d_in // d_b, d_b, d_b), dtype),
+        "a_blocks": (lead + (d_out // d_b, d_b, d_b), dtype),
+        "b_blocks": (lead + (d_in // d_b, d_b, d_b), dtype),
     }
     if storage == "compact":
         if d_in % pattern.m:
             raise ArmorInputError(f"{where}: d_in={d_in} is not a multiple of M={pattern.m}")
         k = d_in // pattern.m * pattern.n
         per_byte = 8 // index_bits(pattern.m)
-        expected["values"] = ((d_out, k), dtype)
-        expected["indices"] = ((d_out, -(-k // per_byte)), torch.uint8)
+        expected["values"] = (lead + (d_out, k), dtype)
+        expected["indices"] = (lead + (d_out, -(-k // per_byte)), torch.uint8)
     else:
-        expected["core"] = ((d_out, d_in), dtype)
+        expected["core"] = (lead + (d_out, d_in), dtype)
     for name, (shape, dt) in expected.items():
         key = part_key(fqn, name)
         if key not in tensors:
@@ -308,6 +321,16 @@ def validate_layer(fqn: str, layer: Any, tensors: Dict[str, torch.Tensor]) -> No
                 f"{where}: {name} should be {dt} {list(shape)} for shape ({d_out}, {d_in}), block size {d_b}, "
                 f"pattern {pattern}; found {t.dtype} {list(t.shape)}"
             )
+
+
+def _experts_lead(layer: Dict[str, Any]) -> Tuple[int, ...]:
+    """``(E,)`` for a fused-experts entry (every part has this leading dimension), ``()`` for a linear."""
+    experts = layer.get("experts")
+    if experts is None:
+        return ()
+    if type(experts) is not int or experts < 1 or len(layer["shape"]) != 3:
+        raise ValueError(f"'experts' {experts!r} must be a positive int with a 3-D shape")
+    return (experts,)
 
 
 def _validate_quantized_layer(
