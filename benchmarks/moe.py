@@ -11,8 +11,13 @@ experts, routed vs all-token expert calibration.
    token through every expert for the statistics), measured on routed tokens as above.
 3. Cost vs E: one decoder layer with 4, 8 and 16 experts, ARMOR; seconds for the expert layers
    and per expert.
+4. ``--rss``: peak RSS of a streamed prune (NoWag-P, ``prune_model(DIR, …, out=…)`` in a child
+   process) of an 8-layer, 16-expert checkpoint written by ``save_pretrained`` (per-expert keys),
+   against the checkpoint's bytes; the peak of a child that only imports torch_armor and builds
+   the model on ``meta`` is printed too (the interpreter's own share).
 
-Run:  python benchmarks/moe.py --threads 1                 # ~10-15 min on one core
+Run:  python benchmarks/moe.py --threads 1                 # ~20 min on one loaded core
+      python benchmarks/moe.py --threads 1 --rss           # ~2 min
       python benchmarks/moe.py --threads 1 --tiny          # seconds: smoke test of the script
 """
 
@@ -21,7 +26,9 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -120,6 +127,41 @@ def load() -> str:
         return " ".join(fh.read().split()[:3])
 
 
+STREAM_CHILD = """import sys, torch
+torch.set_num_threads(int(sys.argv[4]))
+from torch_armor.engine.methods import config_for_method
+from torch_armor.engine.prune import PruneOptions, prune_model
+from torch_armor.engine.checkpoint import LazyCheckpoint
+if sys.argv[3] == "baseline":
+    LazyCheckpoint(sys.argv[1])
+else:
+    calib = torch.randint(0, int(sys.argv[5]), (32, 64), generator=torch.Generator().manual_seed(1))
+    prune_model(sys.argv[1], calib, config_for_method("nowag"), options=PruneOptions(progress=False, out=sys.argv[2]))
+"""
+
+
+def child_peak(args: list) -> int:
+    """Peak RSS (bytes) of a child run through a bare ``python -S`` wrapper (its own high-water mark)."""
+    wrapper = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
+               "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    out = subprocess.run([sys.executable, "-S", "-c", wrapper, sys.executable, "-c", STREAM_CHILD, *args],
+                         check=True, capture_output=True, text=True, cwd=str(ROOT))
+    return int(out.stdout.strip().splitlines()[-1]) * 1024
+
+
+def rss(shape: dict, threads: int) -> None:
+    with tempfile.TemporaryDirectory() as work:
+        ckpt, out = Path(work) / "ckpt", Path(work) / "out"
+        build(shape, 8, 16).save_pretrained(ckpt)
+        size = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
+        base = child_peak([str(ckpt), str(out), "baseline", str(threads), str(shape["vocab_size"])])
+        peak = child_peak([str(ckpt), str(out), "prune", str(threads), str(shape["vocab_size"])])
+    print("\n## Streamed prune of an 8-layer, 16-expert checkpoint (NoWag-P, 32 x 64 tokens)\n")
+    print("| checkpoint MB | peak RSS MB | imports + meta model MB | (peak - that) / checkpoint |")
+    print("|---:|---:|---:|---:|")
+    print(f"| {size / 2**20:.0f} | {peak / 2**20:.0f} | {base / 2**20:.0f} | {(peak - base) / size:.1%} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1)
@@ -129,10 +171,14 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--rss", action="store_true", help="only the streamed prune's peak RSS")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     shape = TINY if args.tiny else SHAPE
     print(f"# benchmarks/moe.py  threads={args.threads}  load average at start: {load()}  (other helpers running)")
+    if args.rss:
+        rss(shape, args.threads)
+        return
     model = build(shape, args.layers, args.experts)
     calib = torch.randint(0, shape["vocab_size"], (args.windows, args.seq_len), generator=torch.Generator().manual_seed(1))
     params = sum(p.numel() for p in model.parameters())
