@@ -124,7 +124,7 @@ class ArmorExpertsTensor(TorchAOBaseTensor):
         if not -self.num_experts <= e < self.num_experts:
             raise IndexError(f"{self.layer_name or 'ArmorExpertsTensor'}: expert {e} out of range for "
                              f"{self.num_experts} experts")
-        w = self.expert_class(*(getattr(self, n)[e] for n in self.tensor_data_names), self.pattern, self.dtype)
+        w = self.expert_class(*(getattr(self, n).select(0, e) for n in self.tensor_data_names), self.pattern, self.dtype)
         w.layer_name = f"{self.layer_name}.{e % self.num_experts}" if self.layer_name else None
         return w
 
