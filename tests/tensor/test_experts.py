@@ -231,3 +231,12 @@ def test_int8_core_quantization_is_refused_for_experts_and_leaves_them_floating(
     quantize_(model, ArmorCoreConfig(Int8WeightOnlyConfig(set_inductor_config=False), apply_to_dense=True))
     w = model.get_submodule("model.layers.0.mlp.experts").gate_up_proj
     assert isinstance(w, ArmorExpertsTensor) and w.storage_format == "compact"
+
+
+def test_with_storage_is_free_when_nothing_changes_and_exact_otherwise():
+    w = ArmorExpertsTensor.from_factors(_factors(), storage="compact")
+    assert w.with_storage("compact") is w and w.with_storage("auto") is w
+    d = w.with_storage("dense")
+    assert d.storage_format == "dense" and d.core.shape == (3, 8, 16)
+    assert torch.equal(d.dense_weight(), w.dense_weight())
+    assert torch.equal(d.with_storage("compact").values, w.values)

@@ -128,7 +128,10 @@ class ArmorExpertsTensor(TorchAOBaseTensor):
         return sum(w.stored_parameters() for w in self.experts())
 
     def with_storage(self, storage: str, backend: Optional[str] = None) -> "ArmorExpertsTensor":
-        """Every expert re-stored (see :meth:`ArmorTensor.with_storage`)."""
+        """Every expert re-stored (see :meth:`ArmorTensor.with_storage`); itself when that changes nothing."""
+        first = self.expert(0)
+        if first.with_storage(storage, backend) is first:  # the same format: no copy of the stack
+            return self
         return _restacked(self, [w.with_storage(storage, backend) for w in self.experts()])
 
     def moved(self, device: Union[str, torch.device], dtype: torch.dtype,
