@@ -29,23 +29,24 @@ _SMALL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_
               max_position_embeddings=64)
 
 
-def make_moe(arch: str, seed: int = 0, experts: int = 4) -> nn.Module:
+def make_moe(arch: str, seed: int = 0, experts: int = 4, vocab: int = 64) -> nn.Module:
     """A random ``arch`` causal LM: hidden 32, expert width 16, ``experts`` experts, top-2 (eager experts)."""
     import transformers  # local: the architectures are looked up by name
 
+    small = dict(_SMALL, vocab_size=vocab)
     if arch == "qwen3_moe":
-        cfg = transformers.Qwen3MoeConfig(**_SMALL, head_dim=8, intermediate_size=64, moe_intermediate_size=16,
+        cfg = transformers.Qwen3MoeConfig(**small, head_dim=8, intermediate_size=64, moe_intermediate_size=16,
                                           num_experts=experts, num_experts_per_tok=2, decoder_sparse_step=1)
         cls = transformers.Qwen3MoeForCausalLM
     elif arch == "mixtral":
-        cfg = transformers.MixtralConfig(**_SMALL, intermediate_size=16, num_local_experts=experts,
+        cfg = transformers.MixtralConfig(**small, intermediate_size=16, num_local_experts=experts,
                                          num_experts_per_tok=2)
         cls = transformers.MixtralForCausalLM
     elif arch == "olmoe":
-        cfg = transformers.OlmoeConfig(**_SMALL, intermediate_size=16, num_experts=experts, num_experts_per_tok=2)
+        cfg = transformers.OlmoeConfig(**small, intermediate_size=16, num_experts=experts, num_experts_per_tok=2)
         cls = transformers.OlmoeForCausalLM
     elif arch == "qwen2_moe":
-        cfg = transformers.Qwen2MoeConfig(**_SMALL, intermediate_size=64, moe_intermediate_size=16,
+        cfg = transformers.Qwen2MoeConfig(**small, intermediate_size=64, moe_intermediate_size=16,
                                           shared_expert_intermediate_size=32, num_experts=experts,
                                           num_experts_per_tok=2, decoder_sparse_step=1)
         cls = transformers.Qwen2MoeForCausalLM
@@ -68,8 +69,8 @@ def experts_modules(model: nn.Module) -> Dict[str, nn.Module]:
 
 
 @functools.lru_cache(maxsize=None)
-def _factors(arch: str, seed: int, experts: int, block_size: int):
-    model = make_moe(arch, seed, experts)
+def _factors(arch: str, seed: int, experts: int, block_size: int, vocab: int):
+    model = make_moe(arch, seed, experts, vocab)
     conf = ArmorConfig(block_size=block_size, optimizer=BcdConfig(iters=2), refine=None, reconstruct=None)
     gen = torch.Generator().manual_seed(seed)
     out = {}
@@ -81,12 +82,12 @@ def _factors(arch: str, seed: int, experts: int, block_size: int):
     return out
 
 
-def armor_moe(arch: str, seed: int = 0, experts: int = 4, block_size: int = 8,
-              implementation: str = "armor") -> Tuple[nn.Module, nn.Module]:
+def armor_moe(arch: str, seed: int = 0, experts: int = 4, block_size: int = 8, implementation: str = "armor",
+              vocab: int = 64) -> Tuple[nn.Module, nn.Module]:
     """``(model with ARMOR experts, dense slow reference)`` of a random ``arch`` model (factors cached)."""
-    model = make_moe(arch, seed, experts)
+    model = make_moe(arch, seed, experts, vocab)
     reference = copy.deepcopy(model)
-    factors = _factors(arch, seed, experts, block_size)
+    factors = _factors(arch, seed, experts, block_size, vocab)
     for fqn, fs in factors.items():
         path, _, pname = fqn.rpartition(".")
         with warnings.catch_warnings():

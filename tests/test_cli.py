@@ -283,3 +283,22 @@ def test_prune_prints_stored_and_dense_sizes(tmp_path, capsys, tiny_hf_dir, text
     stored, dense = (int(v.replace(",", "")) for v in re.findall(r"([\d,]+) (?:stored )?parameters", line))
     model = load_pretrained(out)
     assert stored == model_size(model).parameters < dense == model.num_parameters()
+
+
+def test_eval_of_a_saved_moe_directory(tmp_path, capsys, smollm2_tokenizer, text_files, keep_threads):
+    """``eval`` on a Qwen3-MoE directory with ARMOR experts (model.save_pretrained + tokenizer) runs the
+    ARMOR experts and gives the perplexity of the model it was saved from."""
+    from _tiny_moe import armor_moe
+    from torch_armor.recipes.data import eval_windows
+    from torch_armor.recipes.evaluate import perplexity
+
+    _, wiki = text_files
+    model, _ = armor_moe("qwen3_moe", vocab=len(smollm2_tokenizer))
+    model.save_pretrained(tmp_path / "moe")
+    smollm2_tokenizer.save_pretrained(str(tmp_path / "moe"))
+    code = main(["eval", str(tmp_path / "moe"), "--data", str(wiki), "--n-eval", "2", "--seq-len", "32",
+                 "--no-progress", "--json", "--threads", "1"])
+    assert code == 0
+    got = json.loads(capsys.readouterr().out)["perplexity"]
+    want = perplexity(model, eval_windows(str(wiki), smollm2_tokenizer, n_windows=2, seq_len=32), progress=False)
+    assert math.isfinite(got) and got == pytest.approx(want, rel=1e-6)

@@ -219,3 +219,19 @@ def test_moe_dequantize_gives_the_dense_reference(one_thread):
     model.dequantize()
     with torch.no_grad():
         torch.testing.assert_close(model(IDS % 64).logits, reference(IDS % 64).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_moe_from_pretrained_with_dtype_casts_every_expert(tmp_path, one_thread):
+    from _tiny_moe import armor_moe
+    from torch_armor.tensor.experts import ArmorExpertsTensor
+
+    model, _ = armor_moe("mixtral")
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    w = loaded.get_submodule("model.layers.0.mlp.experts").down_proj
+    assert isinstance(w, ArmorExpertsTensor) and w.dtype == w.a_blocks.dtype == w.values.dtype == torch.bfloat16
+    want = model.get_submodule("model.layers.0.mlp.experts").down_proj.to(torch.bfloat16)
+    assert torch.equal(w.values, want.values) and torch.equal(w.indices, want.indices)
+    with torch.no_grad():
+        got, ref = loaded(IDS % 64).logits.float(), model(IDS % 64).logits
+    assert float((got - ref).norm() / ref.norm()) < 2e-2

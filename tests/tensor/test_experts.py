@@ -192,3 +192,51 @@ def test_compiled_model_matches_eager(one_thread):
         eager_again = model(_ids(seed=7)).logits
     torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(again, eager_again, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- CUDA policy (fake CUDA) and int8
+
+
+def test_experts_moved_to_cuda_bf16_get_2to4_cores_and_run_the_sparse_gemm(monkeypatch):
+    """On (fake) CUDA in bf16 every expert's core is cuSPARSELt 2:4, stacked; an expert runs 2 bmm around one
+    sparse GEMM with no copy, as a linear does (``tests/tensor/test_semi_structured.py``)."""
+    from _fake_cuda import fake_cuda, traced_ops
+    from torch_armor.tensor.semi_structured import CusparseltArmorTensor
+
+    w = ArmorExpertsTensor.from_factors(_factors(e_count=3, d_out=64, d_in=128, d_b=16), storage="compact",
+                                        name="m.experts.down_proj")
+    with fake_cuda(monkeypatch):
+        cuda = w.to("cuda", torch.bfloat16)
+        assert cuda.storage_format == "semi_structured" and cuda.backend == "cusparselt"
+        assert cuda.packed.shape[0] == 3 and cuda.device.type == "cuda" and cuda.dtype == torch.bfloat16
+        one = cuda.select(0, 2)  # w[e] (Python indexing) needs a CUDA device guard, which a CPU-only torch lacks
+        assert isinstance(one, CusparseltArmorTensor) and one.layer_name == "m.experts.down_proj.2"
+        x = torch.empty(256, 128, device="cuda", dtype=torch.bfloat16)
+        ops, out = traced_ops(lambda t: F.linear(t, one), x)
+    sparse = [op for op in ops if "cslt_sparse_mm" in op]
+    assert len(sparse) == 1 and ops.count("aten.bmm.default") == 2, ops
+    assert not [op for op in ops if op.split(".")[1] in ("clone", "copy_", "mm", "addmm", "contiguous")], ops
+    assert out.shape == (256, 64)
+
+
+def test_int8_core_quantization_is_refused_for_experts_and_leaves_them_floating(one_thread):
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    from torch_armor.tensor.quant import ArmorCoreConfig, quantize_armor_core
+
+    model, reference = armor_moe("qwen3_moe")
+    w = model.get_submodule("model.layers.0.mlp.experts").gate_up_proj
+    with pytest.raises(ArmorInputError, match=r"experts\.gate_up_proj: quantizing the cores of fused experts is not "
+                                              "supported yet"):
+        quantize_armor_core(w, Int8WeightOnlyConfig(set_inductor_config=False))
+    quantize_(model, ArmorCoreConfig(Int8WeightOnlyConfig(set_inductor_config=False), apply_to_dense=True))
+    w = model.get_submodule("model.layers.0.mlp.experts").gate_up_proj
+    assert isinstance(w, ArmorExpertsTensor) and w.storage_format == "compact"
+
+
+def test_with_storage_is_free_when_nothing_changes_and_exact_otherwise():
+    w = ArmorExpertsTensor.from_factors(_factors(), storage="compact")
+    assert w.with_storage("compact") is w and w.with_storage("auto") is w
+    d = w.with_storage("dense")
+    assert d.storage_format == "dense" and d.core.shape == (3, 8, 16)
+    assert torch.equal(d.dense_weight(), w.dense_weight())
+    assert torch.equal(d.with_storage("compact").values, w.values)

@@ -34,15 +34,15 @@ Example::
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, ClassVar, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, ClassVar, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import return_and_correct_aliasing
 from torchao.utils import TorchAOBaseTensor
 
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.errors import ArmorInputError
+from torch_armor.tensor import interop  # noqa: F401  (the handlers _SHARED_ATEN delegates to)
 from torch_armor.tensor.armor_tensor import ArmorTensor
 from torch_armor.tensor.experts_forward import prefer_armor_experts
 from torch_armor.tensor.formats import CompactArmorTensor, DenseArmorTensor
@@ -61,24 +61,11 @@ EXPERTS_HINT = (
 )
 
 _CLASSES: Dict[type, type] = {}  # 2-D format class -> its experts class
-_ATEN: Dict[object, Callable] = {}
-_TORCH_FUNCTIONS: Dict[object, Callable] = {}
-
-
-def _implements(ops) -> Callable:
-    def decorator(fn: Callable) -> Callable:
-        for op in ops if isinstance(ops, (list, tuple)) else [ops]:
-            _ATEN[op] = fn
-        return fn
-    return decorator
-
-
-def _implements_torch_function(fns) -> Callable:
-    def decorator(fn: Callable) -> Callable:
-        for f in fns if isinstance(fns, (list, tuple)) else [fns]:
-            _TORCH_FUNCTIONS[f] = fn
-        return fn
-    return decorator
+#: ops that ArmorTensor's handlers (torch_armor.tensor.interop) already do right for any stack of inner
+#: tensors with ``moved``/``_apply_fn_to_data``: delegated to them
+_SHARED_ATEN = (aten.detach.default, aten.clone.default, aten.alias.default, aten.contiguous.default,
+                aten._to_copy.default, aten.to.dtype_layout)
+_SHARED_TORCH_FUNCTIONS = (torch.Tensor.to, torch._has_compatible_shallow_copy_type, torch.Tensor.contiguous)
 
 
 class ArmorExpertsTensor(TorchAOBaseTensor):
@@ -124,7 +111,7 @@ class ArmorExpertsTensor(TorchAOBaseTensor):
         if not -self.num_experts <= e < self.num_experts:
             raise IndexError(f"{self.layer_name or 'ArmorExpertsTensor'}: expert {e} out of range for "
                              f"{self.num_experts} experts")
-        w = self.expert_class(*(getattr(self, n)[e] for n in self.tensor_data_names), self.pattern, self.dtype)
+        w = self.expert_class(*(getattr(self, n).select(0, e) for n in self.tensor_data_names), self.pattern, self.dtype)
         w.layer_name = f"{self.layer_name}.{e % self.num_experts}" if self.layer_name else None
         return w
 
@@ -141,7 +128,10 @@ class ArmorExpertsTensor(TorchAOBaseTensor):
         return sum(w.stored_parameters() for w in self.experts())
 
     def with_storage(self, storage: str, backend: Optional[str] = None) -> "ArmorExpertsTensor":
-        """Every expert re-stored (see :meth:`ArmorTensor.with_storage`)."""
+        """Every expert re-stored (see :meth:`ArmorTensor.with_storage`); itself when that changes nothing."""
+        first = self.expert(0)
+        if first.with_storage(storage, backend) is first:  # the same format: no copy of the stack
+            return self
         return _restacked(self, [w.with_storage(storage, backend) for w in self.experts()])
 
     def moved(self, device: Union[str, torch.device], dtype: torch.dtype,
@@ -187,17 +177,19 @@ class ArmorExpertsTensor(TorchAOBaseTensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        handler = _ATEN.get(func)
-        if handler is not None:
-            return handler(func, types, args, kwargs or {})
+        if func in _ATEN:
+            return _ATEN[func](func, types, args, kwargs or {})
+        if func in _SHARED_ATEN:
+            return ArmorTensor.__torch_dispatch__(func, types, args, kwargs)
         raise NotImplementedError(
             f"ArmorExpertsTensor (E ARMOR experts in factored form) does not support {func}; {EXPERTS_HINT}")
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        handler = _TORCH_FUNCTIONS.get(func)
-        if handler is not None:
-            return handler(func, types, args, kwargs or {})
+        if func in _TORCH_FUNCTIONS:
+            return _TORCH_FUNCTIONS[func](func, types, args, kwargs or {})
+        if func in _SHARED_TORCH_FUNCTIONS:
+            return ArmorTensor.__torch_function__(func, types, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
 
@@ -315,8 +307,7 @@ def _index(self: ArmorExpertsTensor, index) -> ArmorTensor:
     return self.expert(int(index))
 
 
-@_implements(aten.select.int)
-def _(func, types, args, kwargs):
+def _select(func, types, args, kwargs):
     self, dim, index = args[0], args[1], args[2]
     if dim not in (0, -3):
         raise NotImplementedError(f"ArmorExpertsTensor: select along dim {dim}; only the expert dim 0 is supported; "
@@ -324,32 +315,14 @@ def _(func, types, args, kwargs):
     return self.expert(index)
 
 
-@_implements(aten.index.Tensor)
-def _(func, types, args, kwargs):
+def _index_tensor(func, types, args, kwargs):
     self, indices = args[0], args[1]
     if len(indices) != 1 or indices[0] is None:
         raise NotImplementedError(f"ArmorExpertsTensor: advanced indexing {func}; {EXPERTS_HINT}")
     return _index(self, indices[0])
 
 
-@_implements([aten.detach.default, aten.clone.default, aten.alias.default, aten.contiguous.default])
-def _(func, types, args, kwargs):
-    self = args[0]
-    out = self._apply_fn_to_data(lambda t: func(t, *args[1:], **kwargs))
-    out.layer_name = self.layer_name
-    return return_and_correct_aliasing(func, args, kwargs, out)
-
-
-@_implements(aten._to_copy.default)
-def _(func, types, args, kwargs):
-    self = args[0]
-    device, dtype = torch.device(kwargs.get("device") or self.device), kwargs.get("dtype") or self.dtype
-    out = self.moved(device, dtype, kwargs.get("non_blocking", False) or False)
-    return return_and_correct_aliasing(func, args, kwargs, out)
-
-
-@_implements(aten.copy_.default)
-def _(func, types, args, kwargs):
+def _copy(func, types, args, kwargs):
     dst, src = args[0], args[1]
     if not (isinstance(dst, ArmorExpertsTensor) and isinstance(src, ArmorExpertsTensor)):
         raise RuntimeError(
@@ -369,42 +342,21 @@ def _(func, types, args, kwargs):
     return dst
 
 
-@_implements_torch_function(torch.Tensor.to)
-def _(func, types, args, kwargs):
-    self = args[0]
-    kwargs = dict(kwargs)
-    copy = kwargs.pop("copy", False)
-    device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
-    device = torch.device(device) if device is not None else self.device
-    dtype = dtype or self.dtype
-    if device == self.device and dtype == self.dtype and not copy:
-        return self
-    return self.moved(device, dtype, non_blocking)
-
-
-@_implements_torch_function(torch._has_compatible_shallow_copy_type)
-def _(func, types, args, kwargs):
-    return type(args[0]) is type(args[1]) and args[0].shape == args[1].shape
-
-
-@_implements_torch_function(torch.Tensor.contiguous)
-def _(func, types, args, kwargs):
-    return args[0]
-
-
-@_implements_torch_function(torch.Tensor.storage)
-def _(func, types, args, kwargs):
+def _storage(func, types, args, kwargs):
     raise TypeError(
         "an ArmorExpertsTensor has no single storage: it holds E ARMOR experts as separate stacked tensors. Save "
         "the model with model.save_pretrained(directory) (after import torch_armor; for a model converted by hand "
         "call torch_armor.attach_quantizer(model) first) or torch_armor.save_pretrained(model, directory)")
 
 
-@_implements_torch_function(torch.Tensor.requires_grad_)
-def _(func, types, args, kwargs):
+def _requires_grad(func, types, args, kwargs):
     flag = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
     if flag:
         raise RuntimeError("ARMOR experts cannot be fine-tuned yet: an ArmorExpertsTensor is a frozen container "
                            "of E factored experts; keep requires_grad=False (or dequantize the model to train it)")
     with torch._C.DisableTorchFunctionSubclass():
         return func(*args, **kwargs)
+
+
+_ATEN: Dict[object, Callable] = {aten.select.int: _select, aten.index.Tensor: _index_tensor, aten.copy_.default: _copy}
+_TORCH_FUNCTIONS: Dict[object, Callable] = {torch.Tensor.storage: _storage, torch.Tensor.requires_grad_: _requires_grad}

@@ -79,6 +79,7 @@ from torchao.quantization.transform_module import register_quantize_module_handl
 from torchao.utils import TorchAOBaseTensor
 
 from torch_armor.tensor.armor_tensor import QUANTIZED, ArmorTensor, from_parts, register_format
+from torch_armor.tensor.experts import ArmorExpertsTensor
 from torch_armor.tensor.linear_layout import rowwise_linear
 from torch_armor.errors import ArmorInputError
 
@@ -280,6 +281,10 @@ def quantize_armor_core(weight: ArmorTensor, inner: AOBaseConfig) -> ArmorTensor
         >>> w.storage_format, w.core.qdata.dtype, w.core.qdata[0].tolist()
         ('quantized', torch.int8, [64, 0, 0, -127])
     """
+    if isinstance(weight, ArmorExpertsTensor):
+        raise ArmorInputError(
+            f"{weight.layer_name or 'ARMOR experts'}: quantizing the cores of fused experts is not supported yet "
+            "(ArmorCoreConfig quantizes ARMOR linears only and leaves experts' cores in floating point)")
     if not isinstance(weight, ArmorTensor):
         raise TypeError(f"quantize_armor_core expects an ArmorTensor weight, got {type(weight).__name__}")
     if weight.storage_format == QUANTIZED:
