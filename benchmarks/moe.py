@@ -12,7 +12,7 @@ experts, routed vs all-token expert calibration.
 3. Cost vs E: one decoder layer with 4, 8 and 16 experts, ARMOR; seconds for the expert layers
    and per expert.
 4. ``--rss``: peak RSS of a streamed prune (NoWag-P, ``prune_model(DIR, …, out=…)`` in a child
-   process) of an 8-layer, 16-expert checkpoint written by ``save_pretrained`` (per-expert keys),
+   process) of an 8-layer (``--rss-layers``), 16-expert checkpoint written by ``save_pretrained`` (per-expert keys),
    against the checkpoint's bytes; the peak of a child that only imports torch_armor and builds
    the model on ``meta`` is printed too (the interpreter's own share).
 
@@ -149,14 +149,14 @@ def child_peak(args: list) -> int:
     return int(out.stdout.strip().splitlines()[-1]) * 1024
 
 
-def rss(shape: dict, threads: int) -> None:
+def rss(shape: dict, threads: int, layers: int) -> None:
     with tempfile.TemporaryDirectory() as work:
         ckpt, out = Path(work) / "ckpt", Path(work) / "out"
-        build(shape, 8, 16).save_pretrained(ckpt)
+        build(shape, layers, 16).save_pretrained(ckpt)
         size = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
         base = child_peak([str(ckpt), str(out), "baseline", str(threads), str(shape["vocab_size"])])
         peak = child_peak([str(ckpt), str(out), "prune", str(threads), str(shape["vocab_size"])])
-    print("\n## Streamed prune of an 8-layer, 16-expert checkpoint (NoWag-P, 32 x 64 tokens)\n")
+    print(f"\n## Streamed prune of a {layers}-layer, 16-expert checkpoint (NoWag-P, 32 x 64 tokens)\n")
     print("| checkpoint MB | peak RSS MB | imports + meta model MB | (peak - that) / checkpoint |")
     print("|---:|---:|---:|---:|")
     print(f"| {size / 2**20:.0f} | {peak / 2**20:.0f} | {base / 2**20:.0f} | {(peak - base) / size:.1%} |")
@@ -172,12 +172,13 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--rss", action="store_true", help="only the streamed prune's peak RSS")
+    ap.add_argument("--rss-layers", type=int, default=8, help="decoder layers of the --rss checkpoint")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     shape = TINY if args.tiny else SHAPE
     print(f"# benchmarks/moe.py  threads={args.threads}  load average at start: {load()}  (other helpers running)")
     if args.rss:
-        rss(shape, args.threads)
+        rss(shape, args.threads, args.rss_layers)
         return
     model = build(shape, args.layers, args.experts)
     calib = torch.randint(0, shape["vocab_size"], (args.windows, args.seq_len), generator=torch.Generator().manual_seed(1))
