@@ -20,6 +20,7 @@ from torch_armor.core.config import ArmorConfig, BcdConfig
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.engine.methods import config_for_method, method_names
 from torch_armor.engine.prune import PruneOptions, prune_model
+from torch_armor.errors import ArmorInputError
 
 E = 4
 COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
@@ -216,3 +217,13 @@ def test_a_checkpoint_with_per_expert_keys_streams_and_equals_the_in_memory_prun
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     for n, p in model.named_parameters():
         assert torch.equal(loaded.get_parameter(n), p), n
+
+
+def test_armor_on_part_of_a_fused_parameters_experts_is_refused_before_any_work():
+    model = _build("qwen3_moe")
+    with pytest.raises(ArmorInputError, match="all 4 experts of a fused parameter together"):
+        prune_model(model, CALIB, ArmorConfig(block_size=16), layers=["model.layers.0.mlp.experts.down_proj.1"],
+                    options=PruneOptions(progress=False))
+    report = prune_model(model, CALIB, config_for_method("wanda"), layers="experts.down_proj.1$",
+                         options=PruneOptions(progress=False))
+    assert [r.name for r in report.layers] == [f"model.layers.{i}.mlp.experts.down_proj.1" for i in range(2)]

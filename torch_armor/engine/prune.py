@@ -149,6 +149,11 @@ def prune_model(
     check_token_ids(batches, vocab_size_of(model))
     _check_layers(model, names, config, streamed)
     experts = group_by_param(names)
+    for param, chosen in experts.items():
+        total = model.get_parameter(param).shape[0]
+        if method.factorizes and len(chosen) != total:
+            raise ArmorInputError(f"{param}: ARMOR converts all {total} experts of a fused parameter together, "
+                                  f"the layer selection holds {len(chosen)}; select every expert of it or none")
     dense = dense_weights(model, names, blocks_prefix)
     dev = torch.device(options.device) if options.device is not None else torch.device("cpu")
     if not streamed and options.device is None:
