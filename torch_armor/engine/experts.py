@@ -21,7 +21,7 @@ Example::
     model.layers.*.mlp.gate.weight: 1 dense (router: routing-critical and tiny)
     model.layers.*.mlp.shared_expert_gate.weight: 1 dense (router: routing-critical and tiny)
     lm_head.weight: 1 dense (outside the decoder blocks)
-    1-D weights (norms, biases): 4 dense
+    1-D weights (norms, biases): 6 dense
 """
 
 from __future__ import annotations
