@@ -92,25 +92,31 @@ def fullh_core_step(core: torch.Tensor, mask: torch.Tensor, grad: torch.Tensor, 
     group_grad = grad.view(-1)[flat]
     # every tile's group solved alone (written in place; undone below where not kept)
     _, delta = sparse_core_step(core, mask, a_gram, q_diag, grad, n, m, rows, groups, return_delta=True)
-    # v[i, j] = δ_jᵀ Q[c_j, :]
-    v = torch.zeros(p, n_q, d_in, dtype=core.dtype, device=core.device)
-    for k in range(m):
-        v += delta[..., k, None] * q.index_select(0, cols[..., k].reshape(-1)).view(p, n_q, d_in)
-    # cross[i, j, j'] = δ_jᵀ Q[c_j, c_j'] δ_j'
-    at_cols = v.gather(-1, cols.reshape(p, 1, n_q * m).expand(p, n_q, n_q * m)).view(p, n_q, n_q, m)
-    cross = (at_cols * delta[:, None]).sum(-1)
-    a_cols = a_gram.gather(-1, rows[:, None, :].expand(p, d_b, n_q))  # (P, d_b, n_Q): P_i[:, r_j]
-    a_rr = a_cols.gather(1, rows[:, :, None].expand(p, n_q, n_q))  # (P, n_Q, n_Q): P_i[r_j, r_j']
-    linear = (group_grad * delta).sum(-1)  # (P, n_Q)
-    single = linear + a_rr.diagonal(dim1=-2, dim2=-1) * cross.diagonal(dim1=-2, dim2=-1)
-    joint = linear.sum(-1) + (a_rr * cross).sum((-2, -1))
+    # y = ΔS Q with ΔS the moves of every tile (sparse: one group per tile); P y = ΔS's gradient change / 2
+    at = torch.stack([(tile_p * d_b + rows)[..., None].expand(p, n_q, m), cols]).reshape(2, -1)
+    moves = torch.sparse_coo_tensor(at, delta.reshape(-1), (d_out, d_in), check_invariants=False)
+    p_y = block_diag_left(a_gram, torch.sparse.mm(moves, q))
+    linear = (group_grad * delta).sum(-1)  # (P, n_Q): ⟨G, δ_j⟩
+    joint = linear.sum(-1) + (p_y.view(-1)[flat] * delta).sum((-2, -1))  # ⟨G, ΔS_i⟩ + ⟨ΔS_i, P_i ΔS_i Q⟩
+    a_sq = a_gram.diagonal(dim1=-2, dim2=-1).gather(-1, rows)  # (P, n_Q): P_i[r_j, r_j]
+    k = q_diag[tile_q.expand(p, n_q)[..., None], (groups * m)[..., None] + torch.arange(m, device=core.device)]
+    k = k.gather(-1, cols[..., None, :].remainder(d_b).expand(p, n_q, m, m))  # (P, n_Q, M, M): Q[c_j, c_j]
+    single = linear + a_sq * (delta * (k @ delta[..., None])[..., 0]).sum(-1)
     best_single, best_tile = single.min(-1)
     use_joint = joint < best_single.clamp_max(0)
-    keep = use_joint[:, None] | ((tile_q == best_tile[:, None]) & (best_single < 0)[:, None])
+    use_single = ~use_joint & (best_single < 0)
+    keep = use_joint[:, None] | ((tile_q == best_tile[:, None]) & use_single[:, None])
     change = torch.where(use_joint, joint, best_single.clamp_max(0))
     core.view(-1)[flat] = torch.where(keep[..., None], old_core + delta, old_core)
     mask.view(-1)[flat] = torch.where(keep[..., None], mask.view(-1)[flat], old_mask)
-    grad.view(p, d_b, d_in).baddbmm_(a_cols * keep[:, None, :].to(core.dtype), v, alpha=2.0)
+    # the kept single move's gradient change: 2 P_i[:, r] (δᵀ Q[c, :])
+    one = best_tile[:, None, None]
+    r_one, c_one = rows.gather(1, best_tile[:, None])[:, 0], cols.gather(1, one.expand(p, 1, m))[:, 0]
+    d_one = delta.gather(1, one.expand(p, 1, m))[:, 0] * use_single[:, None].to(core.dtype)  # (P, M)
+    y_one = (d_one[..., None] * q.index_select(0, c_one.reshape(-1)).view(p, m, d_in)).sum(1)  # (P, d_in)
+    p_one = a_gram.gather(-1, r_one[:, None, None].expand(p, d_b, 1))  # (P, d_b, 1): P_i[:, r]
+    update = torch.where(use_joint[:, None, None], p_y.view(p, d_b, d_in), p_one * y_one[:, None, :])
+    grad.view(p, d_b, d_in).add_(update, alpha=2.0)
     return change
 
 
