@@ -172,3 +172,19 @@ def test_sweeps_reject_bad_arguments():
         fullh_core_sweeps(w, h, a, core, mask, b, n=2, m=4, steps=-1)
     with pytest.raises(ArmorInputError, match="do not fit"):
         fullh_core_sweeps(w, h[:4, :4], a, core, mask, b, n=2, m=4, steps=1)
+
+
+def test_steps_never_sync_and_float32_sweeps_stay_monotone():
+    from tests.core.test_device_hygiene import Recorder  # test helper, imported where used
+
+    w, h, a, core, mask, b = _problem(16, 32, 8, seed=9)
+    state = _state(w, h, a, core, mask, b)
+    with Recorder() as rec:
+        for _ in range(3):
+            fullh_core_step(*state, 2, 4)
+    assert rec.syncs == 0
+    new_core, new_mask, losses = fullh_core_sweeps(w.float(), h.float(), a.float(), core.float(), mask, b.float(),
+                                                   n=2, m=4, steps=20, steps_per_sweep=4)
+    assert new_core.dtype == torch.float32 and check_mask(new_mask, "2:4")
+    final = _dense_loss(w, h, a, new_core.double(), b)
+    assert final == pytest.approx(min(losses), rel=1e-4) and final < losses[0]

@@ -22,7 +22,8 @@ best single group's: it keeps whichever is lower (or nothing). Row blocks are in
 each choice is the exact change, so a step never raises the loss. ``G`` is updated by the
 rank-one changes ``2 P[:, r] δᵀ Q[c, :]`` and recomputed from scratch after every sweep of steps,
 when the loss is also recomputed; a sweep that did not lower it ends the run and the best
-iterate is returned. Everything runs in float64.
+iterate is returned. The work runs in ``h``'s dtype (float64, or float32 as refinement does), the
+loss is summed in float64.
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ def _approx(a: torch.Tensor, core: torch.Tensor, b: torch.Tensor) -> torch.Tenso
 
 def fullh_objective(weight: torch.Tensor, h: torch.Tensor, a: torch.Tensor, core: torch.Tensor,
                     b: torch.Tensor) -> torch.Tensor:
-    """``tr((W − A S B) H (W − A S B)ᵀ)`` as a float64 scalar."""
-    diff = weight.double() - _approx(a.double(), core.double(), b.double())
-    return ((diff @ h.double()) * diff).sum()
+    """``tr((W − A S B) H (W − A S B)ᵀ)`` in ``h``'s dtype, summed in float64."""
+    diff = weight.to(h.dtype) - _approx(a.to(h.dtype), core.to(h.dtype), b.to(h.dtype))
+    return ((diff @ h) * diff).sum(dtype=torch.float64)
 
 
 def fullh_core_gradient(weight: torch.Tensor, h: torch.Tensor, a: torch.Tensor, core: torch.Tensor,
@@ -68,10 +69,10 @@ def _coupling(b: torch.Tensor, h: torch.Tensor) -> Tuple[torch.Tensor, torch.Ten
 
 def fullh_core_step(core: torch.Tensor, mask: torch.Tensor, grad: torch.Tensor, a_gram: torch.Tensor,
                     q: torch.Tensor, q_diag: torch.Tensor, n: int, m: int) -> torch.Tensor:
-    """One step, in place on ``core``, ``mask`` and ``grad`` (all contiguous, float64).
+    """One step, in place on ``core``, ``mask`` and ``grad`` (all contiguous); no host sync.
 
     Args:
-        core, mask: ``(d_out, d_in)`` core (zeros off the mask) and bool mask.
+        core, mask: ``(d_out, d_in)`` core (zeros off the mask, float32 or float64) and bool mask.
         grad: ``∂L/∂S`` at the current point; kept exact.
         a_gram: ``(P, d_b, d_b)`` blocks of ``AᵀA``.
         q, q_diag: ``B H Bᵀ`` and its diagonal blocks (:func:`_coupling`).
@@ -133,7 +134,7 @@ def fullh_core_sweeps(weight: torch.Tensor, h: torch.Tensor, a: torch.Tensor, co
         core, mask: the core (zeros off the mask) and its ``N:M`` mask; not modified.
 
     Returns:
-        ``(core, mask, losses)``: the best iterate (float64 core) and the loss after each sweep,
+        ``(core, mask, losses)``: the best iterate (core in ``h``'s dtype, float32 at least) and the loss after each sweep,
         starting with the initial one (non-increasing up to the last, rejected, entry).
     """
     if steps < 0 or steps_per_sweep < 1:
@@ -144,8 +145,9 @@ def fullh_core_sweeps(weight: torch.Tensor, h: torch.Tensor, a: torch.Tensor, co
     if d_b % m or tuple(weight.shape) != (d_out, d_in) or tuple(h.shape) != (d_in, d_in):
         raise ArmorInputError(f"fullh_core_sweeps: weight {tuple(weight.shape)}, h {tuple(h.shape)}, core "
                               f"{(d_out, d_in)} and block size {d_b} (multiple of M={m}) do not fit")
-    w, h, a, b = (t.detach().double() for t in (weight, h, a, b))
-    core = (core.detach().double() * mask).contiguous()
+    dtype = torch.float64 if h.dtype == torch.float64 else torch.float32
+    w, h, a, b = (t.detach().to(dtype) for t in (weight, h, a, b))
+    core = (core.detach().to(dtype) * mask).contiguous()
     mask = mask.detach().clone().contiguous()
     a_gram = a.transpose(1, 2) @ a
     q, q_diag = _coupling(b, h)
