@@ -134,8 +134,9 @@ def fullh_core_sweeps(weight: torch.Tensor, h: torch.Tensor, a: torch.Tensor, co
         core, mask: the core (zeros off the mask) and its ``N:M`` mask; not modified.
 
     Returns:
-        ``(core, mask, losses)``: the best iterate (core in ``h``'s dtype, float32 at least) and the loss after each sweep,
-        starting with the initial one (non-increasing up to the last, rejected, entry).
+        ``(core, mask, losses)``: the best iterate (core in ``h``'s dtype, float32 at least) and the
+        loss after each sweep, starting with the initial one (non-increasing up to the last, rejected,
+        entry).
     """
     if steps < 0 or steps_per_sweep < 1:
         raise ArmorInputError(f"fullh_core_sweeps: steps must be >= 0 and steps_per_sweep >= 1, got {steps}, "
