@@ -138,15 +138,20 @@ def test_factorize_refines_only_with_xtx_and_config():
         ArmorConfig(refine="input")  # the deprecated string form: refused before it warns
 
 
-@settings(max_examples=8, deadline=None)
-@given(seed=st.integers(0, 10_000))
-def test_core_steps_move_the_mask_and_beat_the_fixed_mask_refinement(seed):
-    from torch_armor.core.proxy import nowag_prune  # only this test needs it
-
+def _correlated_layer(seed: int):
+    """A 16 × 32 float32 weight and inputs ``x`` with strongly correlated channels."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(16, 32, generator=g)
     x = torch.randn(128, 32, generator=g) @ (torch.eye(32) + 0.8 * torch.randn(32, 32, generator=g))
-    xtx = x.T @ x
+    return w, x, x.T @ x
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 10_000))
+def test_core_steps_keep_n_m_and_beat_the_fixed_mask_refinement(seed):
+    from torch_armor.core.proxy import nowag_prune  # only this test needs it
+
+    w, x, xtx = _correlated_layer(seed)
     f = factorize(w, xtx.diagonal().clone(), ArmorConfig(block_size=8, refine=None, optimizer=BcdConfig(iters=3)))
     fixed = refine_output(w, xtx, f, rounds=2, cg_steps=5)
     moved = refine_output(w, xtx, f, rounds=2, cg_steps=5, core_steps=24)
@@ -162,10 +167,7 @@ def test_core_steps_through_the_config_and_its_checks():
     from torch_armor import RefineConfig  # only this test needs it
     from torch_armor.errors import ArmorInputError  # only this test needs it
 
-    g = torch.Generator().manual_seed(6)
-    w = torch.randn(16, 32, generator=g)
-    x = torch.randn(128, 32, generator=g) @ (torch.eye(32) + 0.8 * torch.randn(32, 32, generator=g))
-    xtx = x.T @ x
+    w, _, xtx = _correlated_layer(6)
     base = ArmorConfig(block_size=8, optimizer=BcdConfig(iters=3))
     fixed = factorize(w, xtx.diagonal().clone(), base, xtx=xtx)
     cfg = ArmorConfig(block_size=8, optimizer=BcdConfig(iters=3), refine=RefineConfig(core_steps=16))
