@@ -46,6 +46,8 @@ VARIANTS = {
     "refine+reconstruct": {"block_size": 16, "refine": RefineConfig(), "reconstruct": ReconstructConfig(steps=8)},
     "budget+refine": {"block_size": "budget", "refine": RefineConfig(), "reconstruct": None},  # one model-wide budget
     # by hand, the opposite of what the budget's knapsack chose: attention at 8, down_proj at 32 (4.69%)
+    # the default + full-H sparse-core steps after refinement (the mask moves under XᵀX)
+    "default+core-steps": {"refine": RefineConfig(core_steps=16)},
     "mlp-heavy+refine": {"block_size": 16, "refine": RefineConfig(), "reconstruct": None,
                          "block_sizes": {"*.self_attn.*": 8, "*.mlp.down_proj": 32}},
 }

@@ -2,10 +2,15 @@
 
 For each linear of the layer: the relative output loss ``‖(W − Ŵ)Xᵀ‖² / ‖(W − W_NoWag)Xᵀ‖²`` and
 the relative proxy loss of the default ``bcd`` factors, then after ``refine_output`` with the
-given rounds and CG steps, and the CPU seconds of each (this process's clock).
+given rounds and CG steps, and the CPU seconds of each (this process's clock). With ``--core-steps``,
+a column per count: the refinement with that many full-``H`` sparse-core steps (the mask may move; see
+``RefineConfig.core_steps``), its loss and seconds, and the share of kept core entries that moved.
+With ``--held-out N``, the output losses also under ``XᵀX`` of ``N`` other sotu windows (seed 1), after
+a ``/``: the in-sample loss is what the refinement fitted, the held-out one whether the fit carries.
 
 Run:  python benchmarks/refine_layer.py                       # layer 10, 16 × 512 sotu tokens, 3 rounds × 30 CG steps
       python benchmarks/refine_layer.py --layer 3 --rounds 3 --cg-steps 10 30
+      python benchmarks/refine_layer.py --core-steps 16 64 --held-out 16   # + full-H sparse-core steps
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ def main(argv=None) -> int:
     parser.add_argument("--n-calib", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cg-steps", type=int, nargs="+", default=[30])
+    parser.add_argument("--core-steps", type=int, nargs="*", default=[])
+    parser.add_argument("--held-out", type=int, default=0, help="windows (seed 1) for held-out output losses")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -42,16 +49,28 @@ def main(argv=None) -> int:
     names = [n for n, m in model.named_modules() if n.startswith(prefix) and isinstance(m, torch.nn.Linear)]
     windows = calibration_windows("sotu", tokenizer, n_windows=args.n_calib, seq_len=512, seed=0)
     stats = collect_statistics(model, names, windows, track_xtx=True, progress=False)
+    held = {}
+    if args.held_out:
+        other = calibration_windows("sotu", tokenizer, n_windows=args.held_out, seq_len=512, seed=1)
+        held = collect_statistics(model, names, other, track_xtx=True, progress=False)
     print(f"SmolLM2-135M layer {args.layer}, statistics from {args.n_calib} × 512 sotu tokens (dense model), "
           f"{args.threads} thread(s), CPU seconds")
     print()
-    print("| linear | shape | bcd: rel. output / proxy loss | bcd s | CG steps | refined: rel. output / proxy loss | refine s |")
-    print("|---|---|---|---:|---:|---|---:|")
+    core_head = "".join(f" core steps {k}: rel. output loss / s / mask moved |" for k in args.core_steps)
+    print("| linear | shape | bcd: rel. output / proxy loss | bcd s | CG steps | refined: rel. output / proxy loss | "
+          "refine s |" + core_head)
+    print("|---|---|---|---:|---:|---|---:|" + "---|" * len(args.core_steps))
     for name in names:
         w = model.get_submodule(name).weight.detach()
         h, xtx = stats[name].act_sq_norm, stats[name].xtx
         _, nowag = nowag_prune(w, h, "2:4")
         reference = float(output_loss(w, nowag, xtx))
+
+        def rel(approx, in_sample: float) -> str:
+            if not held:
+                return f"{in_sample:.3f}"
+            other = held[name].xtx
+            return f"{in_sample:.3f}/{float(output_loss(w, approx, other)) / float(output_loss(w, nowag, other)):.3f}"
         start = time.process_time()
         f = factorize(w, h, ArmorConfig(refine=None))
         bcd_s = time.process_time() - start
@@ -60,8 +79,16 @@ def main(argv=None) -> int:
             start = time.process_time()
             r = refine_output(w, xtx, f, rounds=args.rounds, cg_steps=steps)
             refine_s = time.process_time() - start
-            print(f"| {name[len(prefix):]} | {tuple(w.shape)} | {before:.3f} / {f.relative_loss:.3f} | {bcd_s:.1f} | "
-                  f"{steps} | {r.relative_output_loss:.3f} / {r.relative_loss:.3f} | {refine_s:.1f} |", flush=True)
+            cells = ""
+            for k in args.core_steps:
+                start = time.process_time()
+                moved = refine_output(w, xtx, f, rounds=args.rounds, cg_steps=steps, core_steps=k)
+                seconds = time.process_time() - start
+                share = float((moved.mask & ~f.mask).sum()) / float(f.mask.sum())
+                cells += f" {rel(moved.dense(), moved.relative_output_loss)} / {seconds:.1f} / {share:.1%} |"
+            print(f"| {name[len(prefix):]} | {tuple(w.shape)} | {rel(f.dense(), before)} / {f.relative_loss:.3f} | "
+                  f"{bcd_s:.1f} | {steps} | {rel(r.dense(), r.relative_output_loss)} / {r.relative_loss:.3f} | "
+                  f"{refine_s:.1f} |{cells}", flush=True)
     return 0
 
 

@@ -136,3 +136,46 @@ def test_factorize_refines_only_with_xtx_and_config():
     assert not factorize(w, xtx.diagonal().clone(), ArmorConfig(block_size=8, refine=None, optimizer=BcdConfig(iters=2)), xtx=xtx).refined
     with pytest.raises(ValueError, match="refine must be one of"):
         ArmorConfig(refine="input")  # the deprecated string form: refused before it warns
+
+
+def _correlated_layer(seed: int):
+    """A 16 × 32 float32 weight and inputs ``x`` with strongly correlated channels."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(16, 32, generator=g)
+    x = torch.randn(128, 32, generator=g) @ (torch.eye(32) + 0.8 * torch.randn(32, 32, generator=g))
+    return w, x, x.T @ x
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 10_000))
+def test_core_steps_keep_n_m_and_beat_the_fixed_mask_refinement(seed):
+    from torch_armor.core.proxy import nowag_prune  # only this test needs it
+
+    w, x, xtx = _correlated_layer(seed)
+    f = factorize(w, xtx.diagonal().clone(), ArmorConfig(block_size=8, refine=None, optimizer=BcdConfig(iters=3)))
+    fixed = refine_output(w, xtx, f, rounds=2, cg_steps=5)
+    moved = refine_output(w, xtx, f, rounds=2, cg_steps=5, core_steps=24)
+    hd = damped_xtx(xtx, 0.01)
+    assert float(output_loss(w, moved.dense(), hd)) <= float(output_loss(w, fixed.dense(), hd)) * (1 + 1e-6)
+    assert bool((moved.mask.reshape(16, 8, 4).sum(-1) == 2).all()) and not moved.core[~moved.mask].any()
+    _, nowag = nowag_prune(w, xtx.diagonal(), "2:4")
+    want = float(((w - moved.dense()) @ x.T).square().sum() / ((w - nowag) @ x.T).square().sum())
+    assert moved.relative_output_loss == pytest.approx(want, rel=1e-3)
+
+
+def test_core_steps_through_the_config_and_its_checks():
+    from torch_armor import RefineConfig  # only this test needs it
+    from torch_armor.errors import ArmorInputError  # only this test needs it
+
+    w, _, xtx = _correlated_layer(6)
+    base = ArmorConfig(block_size=8, optimizer=BcdConfig(iters=3))
+    fixed = factorize(w, xtx.diagonal().clone(), base, xtx=xtx)
+    cfg = ArmorConfig(block_size=8, optimizer=BcdConfig(iters=3), refine=RefineConfig(core_steps=16))
+    moved = factorize(w, xtx.diagonal().clone(), cfg, xtx=xtx)
+    assert moved.relative_output_loss < fixed.relative_output_loss
+    assert cfg.to_dict()["refine_core_steps"] == 16 and "refine_core_steps" not in base.to_dict()
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ArmorInputError, match="core_steps"):
+            RefineConfig(core_steps=bad)
+    with pytest.raises(ArmorInputError, match="core_steps"):
+        refine_output(w, xtx, fixed, core_steps=-1)

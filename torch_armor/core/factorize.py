@@ -305,7 +305,8 @@ def factorize(
     if xtx is not None and config.refine is not None:
         refine = config.refine
         factors = refine_output(weight.detach().to(device), xtx.to(device), factors, rounds=refine.rounds,
-                                cg_steps=refine.cg_steps, damp=refine.damp, act_sq_norm=act_sq_norm.to(device))
+                                cg_steps=refine.cg_steps, damp=refine.damp, act_sq_norm=act_sq_norm.to(device),
+                                core_steps=refine.core_steps)
     for label in ("a_blocks", "core", "b_blocks"):
         if not bool(torch.isfinite(getattr(factors, label)).all()):
             raise ArmorNumericalError(

@@ -149,14 +149,19 @@ class RefineConfig:
         rounds: alternations of exact ``A`` / CG on the core / CG on ``B``.
         cg_steps: CG steps per core and ``B`` update.
         damp: dampening of ``H`` as a fraction of its mean diagonal.
+        core_steps: full-``H`` sparse-core steps after the rounds (one group per ``d_b × d_b`` tile
+            each, the mask may change; :mod:`torch_armor.core.sparse_core_fullh`), followed by
+            ``rounds`` more rounds on the new mask; 0 (default): off.
     """
 
     rounds: int = 3
     cg_steps: int = 30
     damp: float = 0.01
+    core_steps: int = 0
 
     def __post_init__(self) -> None:
         check_count("RefineConfig", "rounds", self.rounds)
+        check_count("RefineConfig", "core_steps", self.core_steps)
         check_count("RefineConfig", "cg_steps", self.cg_steps)
         check_fraction("RefineConfig", "damp", self.damp)
 

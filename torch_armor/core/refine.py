@@ -41,6 +41,7 @@ from torch_armor.core.blockdiag import block_diag_left, block_diag_right
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.core.pattern import parse_pattern
 from torch_armor.core.proxy import nowag_prune, relative_proxy_loss
+from torch_armor.core.sparse_core_fullh import fullh_core_sweeps
 from torch_armor.errors import ArmorInputError
 
 __all__ = ["output_loss", "refine_output", "damped_xtx", "with_losses"]
@@ -163,8 +164,8 @@ def _update_b(weight, h, a, core, b, steps: int) -> torch.Tensor:
 
 def refine_output(weight: torch.Tensor, xtx: torch.Tensor, factors: ArmorFactors, *, rounds: int = 3,
                   cg_steps: int = 10, damp: float = 0.01, act_sq_norm: Optional[torch.Tensor] = None,
-                  ridge: float = 1e-6) -> ArmorFactors:
-    """Refine ARMOR factors under the output-space loss, the mask fixed.
+                  ridge: float = 1e-6, core_steps: int = 0) -> ArmorFactors:
+    """Refine ARMOR factors under the output-space loss (the mask fixed unless ``core_steps``).
 
     Each round: exact ``A``, ``cg_steps`` of preconditioned CG on the kept core values, then on
     ``B``, minimizing ``tr((W − A S B) H_d (W − A S B)ᵀ)`` with ``H_d`` = ``xtx`` dampened by
@@ -181,15 +182,19 @@ def refine_output(weight: torch.Tensor, xtx: torch.Tensor, factors: ArmorFactors
         act_sq_norm: ``diag(H)`` before dampening (default ``xtx.diagonal()``), for the diagonal
             proxy loss recorded in ``history`` and the NoWag-P reference.
         ridge: proximal ridge of the ``A`` solve (see :mod:`torch_armor.core.bcd`).
+        core_steps: after the rounds, up to this many full-``H`` sparse-core steps
+            (:func:`~torch_armor.core.sparse_core_fullh.fullh_core_sweeps`: the mask may change),
+            then ``rounds`` more rounds on the new mask (0: off).
 
     Returns:
-        New :class:`ArmorFactors`: same mask, refined ``a_blocks``/``core``/``b_blocks``,
+        New :class:`ArmorFactors`: same mask (unless ``core_steps``), refined ``a_blocks``/``core``/``b_blocks``,
         ``relative_output_loss`` = output loss ÷ NoWag-P's (both under the undamped ``xtx``), and the
         diagonal proxy loss of the refined factors appended to ``history`` (so
         ``relative_loss`` describes the returned factors).
     """
-    if rounds < 0 or cg_steps < 0:
-        raise ArmorInputError(f"refine_output: rounds and cg_steps must be >= 0, got {rounds}, {cg_steps}")
+    if rounds < 0 or cg_steps < 0 or core_steps < 0:
+        raise ArmorInputError(f"refine_output: rounds, cg_steps and core_steps must be >= 0, got {rounds}, {cg_steps}, "
+                              f"{core_steps}")
     d_out, d_in = factors.shape
     if tuple(weight.shape) != (d_out, d_in) or tuple(xtx.shape) != (d_in, d_in):
         raise ArmorInputError(f"refine_output: weight {tuple(weight.shape)} and xtx {tuple(xtx.shape)} do not fit "
@@ -202,23 +207,31 @@ def refine_output(weight: torch.Tensor, xtx: torch.Tensor, factors: ArmorFactors
     a, core, b = (t.to(device=device, dtype=dtype) for t in (factors.a_blocks, factors.core, factors.b_blocks))
     mask = factors.mask.to(device)
     core = core * mask
+    pattern = parse_pattern(factors.pattern)
+    if core_steps and not pattern.structured:
+        raise ArmorInputError(f"refine_output: core_steps needs an N:M pattern, got {factors.pattern!r}")
 
     def loss_of(a_, core_, b_) -> float:
         return float(output_loss(w, block_diag_right(block_diag_left(a_, core_), b_), h))
 
-    best = (loss_of(a, core, b), a, core, b)
+    best = (loss_of(a, core, b), a, core, b, mask)
     w_h = w @ h
-    for _ in range(rounds):
-        a = _update_a(w_h, h, a, core, b, ridge)
-        core = _update_core(w, h, a, core, mask, b, cg_steps)
-        b = _update_b(w, h, a, core, b, cg_steps)
-        loss = loss_of(a, core, b)
-        if not loss < best[0]:
-            break
-        best = (loss, a, core, b)
-    _, a, core, b = best
+    for phase in range(2 if core_steps else 1):
+        if phase:  # the mask moves under the full-H loss, then the values and wrappers follow it
+            _, a, core, b, mask = best
+            core, mask, _ = fullh_core_sweeps(w, h, a, core, mask, b, n=pattern.n, m=pattern.m, steps=core_steps)
+            best = (loss_of(a, core, b), a, core, b, mask)
+        for _ in range(rounds):
+            a = _update_a(w_h, h, a, core, b, ridge)
+            core = _update_core(w, h, a, core, mask, b, cg_steps)
+            b = _update_b(w, h, a, core, b, cg_steps)
+            loss = loss_of(a, core, b)
+            if not loss < best[0]:
+                break
+            best = (loss, a, core, b, mask)
+    _, a, core, b, mask = best
     new = dataclasses.replace(factors, a_blocks=a.to(out_dtype).contiguous(), core=core.to(out_dtype).contiguous(),
-                              b_blocks=b.to(out_dtype).contiguous())
+                              b_blocks=b.to(out_dtype).contiguous(), mask=mask.to(factors.mask.device))
     return with_losses(new, weight, xtx, act_sq_norm, seconds=time.perf_counter() - start)
 
 
