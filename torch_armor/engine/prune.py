@@ -41,6 +41,7 @@ from torch_armor.calibration.validate import check_token_ids, vocab_size_of
 from torch_armor.core.config import ArmorConfig
 from torch_armor.engine.batches import calibration_batches, hash_batches
 from torch_armor.engine.blocks import BLOCKS_DIR, BlockPipeline
+from torch_armor.engine.distill import Distillation
 from torch_armor.engine.distributed import init_distributed, launched_world_size
 from torch_armor.engine.identity import identity_string
 from torch_armor.engine.interrupt import interrupted_message
@@ -147,6 +148,11 @@ def prune_model(
     names = select_layers(model, layers)
     check_token_ids(batches, vocab_size_of(model))
     _check_layers(model, names, config, streamed)
+    distill = getattr(config, "distill", None)
+    if distill is not None and (streamed or world > 1):
+        raise ArmorInputError("ArmorConfig(distill=...) trains the whole pruned model and needs it in memory in one "
+                              "process: " + ("load the model and pass the module to prune_model" if streamed else
+                                             "run without torchrun") + ", or set distill=None to prune without it")
     dev = torch.device(options.device) if options.device is not None else torch.device("cpu")
     if not streamed and options.device is None:
         dev = next((p.device for p in model.parameters() if p.device.type != "meta"), dev)
@@ -179,7 +185,14 @@ def prune_model(
                     storage=options.storage or ("auto" if dev.type == "cuda" else "dense"),
                     progress=options.progress and topo.rank == 0, sink=writer, rank=topo.rank, world_size=topo.world_size,
                 )
+                distillation = None
+                if distill is not None:
+                    distillation = Distillation(distill, batches, seed=config.seed, run_dir=run_path, identity=identity,
+                                                storage=pipeline.storage, log=options.log)
+                    distillation.capture(model)  # the dense teacher, before the block pass prunes in place
                 report = pipeline.run(batches)
+                if distillation is not None:
+                    report.distill = distillation.run(model)
                 report.settings.update(sequential=options.sequential)
                 if not streamed:
                     attach_quantizer(model)  # model.save_pretrained now writes the ARMOR format

@@ -54,6 +54,8 @@ class PruneReport:
         settings: method settings (ARMOR config, SparseGPT block size and damping).
         block_errors: with block reconstruction, ``{block index: (before, after)}``: the relative
             output error ``‖Y − Y_dense‖² / ‖Y_dense‖²`` of the block on held-out calibration data.
+        distill: with end-to-end distillation, its held-out KL before and after, the kept step,
+            the curve ``[[step, KL], …]`` and its seconds (``{}``: off).
         rank, world_size: where this process stood in a ``torchrun`` job (not saved: every rank
             returns a report, rank 0 writes the model).
     """
@@ -64,6 +66,7 @@ class PruneReport:
     seconds: float = 0.0
     settings: Dict[str, Any] = field(default_factory=dict)
     block_errors: Dict[int, Tuple[float, float]] = field(default_factory=dict)
+    distill: Dict[str, Any] = field(default_factory=dict)
     rank: int = 0
     world_size: int = 1
 
@@ -105,6 +108,7 @@ class PruneReport:
             mean_relative_proxy_loss=self.mean_relative_proxy_loss,
             mean_relative_output_loss=self.mean_relative_output_loss,
             block_errors={str(k): list(v) for k, v in sorted(self.block_errors.items())},
+            **({"distill": self.distill} if self.distill else {}),
             layers=[{k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(layer).items()}
                     for layer in self.layers],
         )
