@@ -212,12 +212,12 @@ class DistillConfig:
         train_core: also train the kept core values (masks stay fixed).
     """
 
-    steps: int = 32
-    lr: float = 1e-3
+    steps: int = 16
+    lr: float = 2e-3
     windows_per_step: int = 2
     held_out: int = 4
     top_k: int = 64
-    eval_every: int = 8
+    eval_every: int = 4
     train_core: bool = False
 
     def __post_init__(self) -> None:
