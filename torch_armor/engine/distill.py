@@ -123,6 +123,8 @@ def coarse_kl(logits: torch.Tensor, teacher: TopK) -> torch.Tensor:
     log_p = teacher.log_probs.to(logits.device)
     log_p_rest = teacher.log_rest.to(logits.device)
     kept = (log_p.exp() * (log_p - log_q.gather(-1, idx))).sum(-1)
+    if idx.shape[-1] >= logits.shape[-1]:  # the whole vocabulary: no rest (its logsumexp over nothing has no gradient)
+        return kept
     rest = torch.where(torch.isfinite(log_p_rest), log_p_rest.exp() * (log_p_rest - _rest(log_q, idx)),
                        torch.zeros_like(log_p_rest))
     return kept + rest
