@@ -34,8 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torch_armor import ArmorConfig, ReconstructConfig, RefineConfig  # noqa: E402
-from torch_armor.core.levers import OPTIMIZERS, DistillConfig  # noqa: E402
+from torch_armor import ArmorConfig, DistillConfig, ReconstructConfig, RefineConfig  # noqa: E402
+from torch_armor.core.levers import OPTIMIZERS  # noqa: E402
 from torch_armor.recipes.quality import DEMO_METHODS, run_quality  # noqa: E402
 
 DEFAULT = ArmorConfig()
