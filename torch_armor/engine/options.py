@@ -84,7 +84,7 @@ class PruneOptions:
         hidden_dir: keep the calibration hidden states in files there instead of in memory (one
             per batch; each is read when its batch runs).
         progress: a progress bar over the blocks.
-        log: called with a line of text about resuming (default: the ``torch_armor`` logger).
+        log: called with a line of text about resuming and distillation (default: the ``torch_armor`` logger).
     """
 
     out: Optional[PathLike] = None
