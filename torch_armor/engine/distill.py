@@ -212,18 +212,19 @@ def distill_model(model: nn.Module, windows: Sequence[Window], teacher: Dict[int
         for step in range(1, config.steps + 1):
             optimizer.zero_grad(set_to_none=True)
             chosen = [train[i] for i in order[(step - 1) * config.windows_per_step:step * config.windows_per_step]]
-            parts = []
-            w = weights()
-            for j in chosen:
-                parts.append(_mean_kl(_logits(model, windows[j], w), teacher[j], windows[j]))
-            count = sum(n for _, n in parts)
-            loss = sum(s for s, _ in parts) / max(count, 1)
-            loss.backward()
+            count = sum(int(windows[j][1].sum()) if windows[j][1] is not None else windows[j][0].shape[1]
+                        for j in chosen)
+            loss = 0.0
+            for j in chosen:  # one window's graph at a time (its full-vocabulary logits are the big tensors)
+                part, _ = _mean_kl(_logits(model, windows[j], weights()), teacher[j], windows[j])
+                part = part / max(count, 1)
+                part.backward()
+                loss += float(part.detach())
             optimizer.step()
             if step % config.eval_every == 0 or step == config.steps:
                 kl = held_out_kl()
                 curve.append((step, kl))
-                (log or logger.info)(f"distillation step {step}/{config.steps}: train KL {float(loss.detach()):.5f}, "
+                (log or logger.info)(f"distillation step {step}/{config.steps}: train KL {loss:.5f}, "
                                      f"held-out KL {kl:.5f}")
                 if kl < best:
                     best, kept, best_step = kl, snapshot(), step
