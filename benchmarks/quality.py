@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import platform
 import shlex
@@ -33,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torch_armor import ArmorConfig, ReconstructConfig, RefineConfig  # noqa: E402
+from torch_armor import ArmorConfig, DistillConfig, ReconstructConfig, RefineConfig  # noqa: E402
 from torch_armor.core.levers import OPTIMIZERS  # noqa: E402
 from torch_armor.recipes.quality import DEMO_METHODS, run_quality  # noqa: E402
 
@@ -44,6 +45,9 @@ VARIANTS = {
     "proxy-only": {"block_size": 16, "refine": None, "reconstruct": None},   # issue #11's default
     "refine": {"block_size": 16, "refine": RefineConfig(), "reconstruct": None},   # + output-space refinement
     "refine+reconstruct": {"block_size": 16, "refine": RefineConfig(), "reconstruct": ReconstructConfig(steps=8)},
+    # + end-to-end distillation of the wrappers (A, B) after the block pass; + the kept core values too
+    "default+distill": {"distill": DistillConfig()},
+    "default+distill-core": {"distill": DistillConfig(train_core=True)},
     "budget+refine": {"block_size": "budget", "refine": RefineConfig(), "reconstruct": None},  # one model-wide budget
     # by hand, the opposite of what the budget's knapsack chose: attention at 8, down_proj at 32 (4.69%)
     # the default + full-H sparse-core steps after refinement (the mask moves under XᵀX)
@@ -81,6 +85,9 @@ def main(argv=None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.variants and any(VARIANTS[v].get("distill") for v in args.variants):  # the held-out KL curve
+        logging.basicConfig(format="%(message)s")
+        logging.getLogger("torch_armor").setLevel(logging.INFO)
     configs = [dataclasses.replace(DEFAULT, **VARIANTS[v], seed=args.armor_seed) for v in args.variants or ()]
     for block in args.armor_blocks if not args.variants else ():
         for budget in args.budgets:

@@ -320,7 +320,8 @@ def test_api_reference_shows_every_field_with_its_real_default():
             assert documented == actual, call.func.id
             checked.add(call.func.id)
     assert checked == {"PruneOptions", "ArmorConfig", "SparseGPTConfig", "WandaConfig", "NoWagConfig",
-                       "MagnitudeConfig", "BcdConfig", "AdamConfig", "RefineConfig", "ReconstructConfig"}
+                       "MagnitudeConfig", "BcdConfig", "AdamConfig", "RefineConfig", "ReconstructConfig",
+                       "DistillConfig"}
 
 
 def test_user_guide_config_examples_build():

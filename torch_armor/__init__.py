@@ -50,6 +50,7 @@ _EXPORTS = {
     "BaselineConfig": "torch_armor.core.method_config",  # deprecated: the method's own config (SparseGPTConfig, …)
     "BcdConfig": "torch_armor.core.config",
     "config_for_method": "torch_armor.engine.methods",
+    "DistillConfig": "torch_armor.core.config",
     "enable_finetuning": "torch_armor.tensor.finetune",
     "evaluate": "torch_armor.recipes.harness",  # lm-evaluation-harness: the eval extra
     "factorize": "torch_armor.core.factorize",

@@ -72,7 +72,8 @@ class ArmorSparsifier(CalibratedSparsifier):
     ``block_size`` gets that block size's default ``group_updates`` unless that is set too.
     Each layer's config is resolved with :meth:`ArmorConfig.for_layer` (``block_size="auto"``
     picks a block size per layer) and checked against its shape in ``prepare``. Block
-    reconstruction needs decoder blocks: the sparsifier, which sees layers, skips it.
+    reconstruction needs decoder blocks and distillation the whole model: the sparsifier, which sees
+    layers, skips both.
 
     Example::
 

@@ -3,6 +3,7 @@
 * the per-layer optimizer: :class:`BcdConfig` (default) or :class:`AdamConfig` (the paper's);
 * output-space refinement: :class:`RefineConfig`, or ``None`` (off);
 * block reconstruction: :class:`ReconstructConfig`, or ``None`` (off);
+* end-to-end distillation: :class:`DistillConfig`, or ``None`` (off, the default);
 * the allocation of wrapper parameters (``block_size``, ``block_sizes``, ``max_overhead``) and
   the rest stay top level.
 
@@ -26,12 +27,13 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 import torch
 
 from torch_armor.core import config_compat
-from torch_armor.core.levers import SELECTIONS, AdamConfig, BcdConfig, Optimizer, ReconstructConfig, RefineConfig
+from torch_armor.core.levers import (SELECTIONS, AdamConfig, BcdConfig, DistillConfig, Optimizer, ReconstructConfig,
+                                     RefineConfig)
 from torch_armor.core.method_config import MethodConfig, normalized_pattern, plain_value
 from torch_armor.core.pattern import auto_block_size, candidate_block_sizes, check_layer_shape
 from torch_armor.errors import ArmorInputError
 
-__all__ = ["ArmorConfig", "BcdConfig", "AdamConfig", "RefineConfig", "ReconstructConfig", "SELECTIONS"]
+__all__ = ["ArmorConfig", "BcdConfig", "AdamConfig", "RefineConfig", "ReconstructConfig", "DistillConfig", "SELECTIONS"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float64)
 _NAMED_BLOCK_SIZES = ("auto", "budget")
@@ -88,6 +90,9 @@ class ArmorConfig(MethodConfig):
         optimizer: :class:`BcdConfig` (default) or :class:`AdamConfig`.
         refine: :class:`RefineConfig` (default) or ``None``: no output-space refinement.
         reconstruct: :class:`ReconstructConfig` (default) or ``None``: no block reconstruction.
+        distill: ``None`` (default: off) or :class:`DistillConfig`: end-to-end distillation of the
+            wrappers towards the dense model's next-token distributions after the block pass
+            (:func:`~torch_armor.prune_model` on an in-memory model only).
 
     Every field after ``block_size`` is keyword-only.
 
@@ -115,6 +120,7 @@ class ArmorConfig(MethodConfig):
     optimizer: Optimizer = BcdConfig()
     refine: Optional[RefineConfig] = RefineConfig()
     reconstruct: Optional[ReconstructConfig] = ReconstructConfig()
+    distill: Optional[DistillConfig] = None
 
     def __post_init__(self) -> None:
         named = self.block_size in _NAMED_BLOCK_SIZES
@@ -140,7 +146,8 @@ class ArmorConfig(MethodConfig):
                 or not self.max_overhead > 0):
             raise ArmorInputError(f"max_overhead must be a positive fraction (0.05 = 5%), got {self.max_overhead!r}")
         for key, kinds in (("optimizer", (BcdConfig, AdamConfig)), ("refine", (RefineConfig, type(None))),
-                           ("reconstruct", (ReconstructConfig, type(None)))):
+                           ("reconstruct", (ReconstructConfig, type(None))),
+                           ("distill", (DistillConfig, type(None)))):
             if not isinstance(getattr(self, key), kinds):
                 names = " or ".join("None" if k is type(None) else f"{k.__name__}()" for k in kinds)
                 raise ArmorInputError(f"ArmorConfig.{key} must be {names}, got {getattr(self, key)!r}")

@@ -174,6 +174,10 @@ def flat_dict(cfg: Any, plain: Callable[[Any], Any]) -> Dict[str, Any]:
             out[key] = plain(getattr(getattr(cfg, lever) or _LEVER_DEFAULTS[lever], name))
     if recon is None:
         out["reconstruct_steps"] = 0
+    if cfg.distill is not None:  # only when on: configs without distillation keep their earlier form
+        out["distill_steps"] = cfg.distill.steps
+        out.update({f"distill_{f.name}": plain(getattr(cfg.distill, f.name)) for f in dataclasses.fields(cfg.distill)
+                    if f.name != "steps" and getattr(cfg.distill, f.name) != f.default})
     known = set(_LEVER_FIELDS.values())
     for lever in ("optimizer", "refine", "reconstruct"):  # fields added after the flat form: only when set
         value = getattr(cfg, lever)

@@ -2,7 +2,8 @@
 
 * the per-layer optimizer: :class:`BcdConfig` (default) or :class:`AdamConfig` (the paper's);
 * output-space refinement: :class:`RefineConfig` (``ArmorConfig(refine=None)``: off);
-* block reconstruction: :class:`ReconstructConfig` (``ArmorConfig(reconstruct=None)``: off).
+* block reconstruction: :class:`ReconstructConfig` (``ArmorConfig(reconstruct=None)``: off);
+* end-to-end distillation: :class:`DistillConfig` (``ArmorConfig(distill=None)``, the default: off).
 
 A new setting of a lever is a new field with a default here; :meth:`ArmorConfig.to_dict
 <torch_armor.core.config.ArmorConfig.to_dict>` serializes it as ``"<lever>_<field>"`` when it
@@ -18,7 +19,7 @@ from typing import ClassVar, Optional, Union
 from torch_armor.core.method_config import check_count, check_fraction
 from torch_armor.errors import ArmorInputError
 
-__all__ = ["BcdConfig", "AdamConfig", "RefineConfig", "ReconstructConfig", "Optimizer", "OPTIMIZERS", "SELECTIONS"]
+__all__ = ["BcdConfig", "AdamConfig", "RefineConfig", "ReconstructConfig", "DistillConfig", "Optimizer", "OPTIMIZERS", "SELECTIONS"]
 
 #: How a tile picks the groups its sparse-core steps update
 #: (:func:`~torch_armor.core.sparse_core.select_groups`).
@@ -189,6 +190,53 @@ class ReconstructConfig:
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not (math.isfinite(self.lr)
                                                                                       and self.lr > 0):
             raise ArmorInputError(f"ReconstructConfig.lr must be a positive finite number, got {self.lr!r}")
+
+
+def _positive_int(owner: str, name: str, value: object, minimum: int = 1, hint: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ArmorInputError(f"{owner}.{name} must be an integer >= {minimum}, got {value!r}{hint}")
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """End-to-end distillation in :func:`~torch_armor.prune_model` (in-memory models only): after
+    the block pass, Adam on every ARMOR layer's ``A`` and ``B`` (and, with ``train_core``, the kept
+    core values; masks fixed) towards the dense model's next-token distributions, measured by the
+    KL divergence on the calibration windows (:mod:`torch_armor.engine.distill`). The dense model's
+    top-``top_k`` log-probabilities (and the rest's total) are cached before pruning; the last
+    ``held_out`` windows are never trained on and decide which iterate is kept.
+
+    Args:
+        steps: Adam steps, ``windows_per_step`` training windows each (seeded order).
+        lr: Adam's step relative to each tensor's RMS.
+        windows_per_step: calibration windows per step (the micro-batch).
+        held_out: calibration windows kept out of training, for the kept iterate.
+        top_k: dense log-probabilities cached per token (the KL is taken over these ``top_k``
+            tokens and one bin for the rest: a lower bound of the full KL, exact at the vocabulary size).
+        eval_every: measure the held-out KL every this many steps (and after the last).
+        train_core: also train the kept core values (masks stay fixed).
+    """
+
+    steps: int = 16
+    lr: float = 2e-3
+    windows_per_step: int = 2
+    held_out: int = 4
+    top_k: int = 64
+    eval_every: int = 4
+    train_core: bool = False
+
+    def __post_init__(self) -> None:
+        owner = "DistillConfig"
+        _positive_int(owner, "steps", self.steps, hint="; ArmorConfig(distill=None) turns distillation off")
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not (math.isfinite(self.lr)
+                                                                                      and self.lr > 0):
+            raise ArmorInputError(f"DistillConfig.lr must be a positive finite number, got {self.lr!r}")
+        _positive_int(owner, "windows_per_step", self.windows_per_step)
+        _positive_int(owner, "held_out", self.held_out)
+        _positive_int(owner, "top_k", self.top_k)
+        _positive_int(owner, "eval_every", self.eval_every)
+        if not isinstance(self.train_core, bool):
+            raise ArmorInputError(f"DistillConfig.train_core must be True or False, got {self.train_core!r}")
 
 
 Optimizer = Union[BcdConfig, AdamConfig]

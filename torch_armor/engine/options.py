@@ -85,12 +85,12 @@ class PruneOptions:
         hidden_dir: keep the calibration hidden states in files there instead of in memory (one
             per batch; each is read when its batch runs).
         progress: a progress bar over the blocks.
-        log: called with a line of text about resuming (default: the ``torch_armor`` logger).
         expert_calibration: mixture-of-experts models: each expert's statistics from the tokens the
             router sends to it (``"routed"``, default) or from every token (``"all"``, llm-compressor's
             ``calibrate_all_experts``; the block's output stays routed). See docs/moe.md.
         min_expert_tokens: an expert routed fewer calibration tokens than this takes the statistics
             of all tokens reaching its block (through its own weights), with a warning naming it.
+        log: called with a line of text about resuming and distillation (default: the ``torch_armor`` logger).
     """
 
     out: Optional[PathLike] = None

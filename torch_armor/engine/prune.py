@@ -41,6 +41,7 @@ from torch_armor.calibration.validate import check_token_ids, vocab_size_of
 from torch_armor.core.config import ArmorConfig
 from torch_armor.engine.batches import calibration_batches, hash_batches
 from torch_armor.engine.blocks import BLOCKS_DIR, BlockPipeline
+from torch_armor.engine.distill import Distillation
 from torch_armor.engine.distributed import init_distributed, launched_world_size
 from torch_armor.engine.experts import dense_lines, dense_weights, group_by_param, layer_module, routed_token_lines
 from torch_armor.engine.identity import identity_string
@@ -155,6 +156,11 @@ def prune_model(
             raise ArmorInputError(f"{param}: ARMOR converts all {total} experts of a fused parameter together, "
                                   f"the layer selection holds {len(chosen)}; select every expert of it or none")
     dense = dense_weights(model, names, blocks_prefix)
+    distill = getattr(config, "distill", None)
+    if distill is not None and (streamed or world > 1):
+        raise ArmorInputError("ArmorConfig(distill=...) trains the whole pruned model and needs it in memory in one "
+                              "process: " + ("load the model and pass the module to prune_model" if streamed else
+                                             "run without torchrun") + ", or set distill=None to prune without it")
     dev = torch.device(options.device) if options.device is not None else torch.device("cpu")
     if not streamed and options.device is None:
         dev = next((p.device for p in model.parameters() if p.device.type != "meta"), dev)
@@ -191,7 +197,14 @@ def prune_model(
                     progress=options.progress and topo.rank == 0, sink=writer, rank=topo.rank, world_size=topo.world_size,
                     expert_calibration=options.expert_calibration, min_expert_tokens=options.min_expert_tokens,
                 )
+                distillation = None
+                if distill is not None:
+                    distillation = Distillation(distill, batches, seed=config.seed, run_dir=run_path, identity=identity,
+                                                storage=pipeline.storage, log=options.log)
+                    distillation.capture(model)  # the dense teacher, before the block pass prunes in place
                 report = pipeline.run(batches)
+                if distillation is not None:
+                    report.distill = distillation.run(model)
                 report.settings.update(sequential=options.sequential)
                 report.dense_weights = dense
                 if experts and topo.rank == 0:

@@ -58,6 +58,8 @@ class PruneReport:
             embeddings, unselected layers, …; block index as ``*``), one entry per kind.
         expert_tokens: mixture-of-experts models: ``{f"{experts module}.{e}": routed calibration
             tokens}`` of each pruned expert (summed over the windows).
+        distill: with end-to-end distillation, its held-out KL before and after, the kept step,
+            the curve ``[[step, KL], …]`` and its seconds (``{}``: off).
         rank, world_size: where this process stood in a ``torchrun`` job (not saved: every rank
             returns a report, rank 0 writes the model).
     """
@@ -68,6 +70,7 @@ class PruneReport:
     seconds: float = 0.0
     settings: Dict[str, Any] = field(default_factory=dict)
     block_errors: Dict[int, Tuple[float, float]] = field(default_factory=dict)
+    distill: Dict[str, Any] = field(default_factory=dict)
     rank: int = 0
     world_size: int = 1
     dense_weights: Dict[str, Tuple[int, str]] = field(default_factory=dict)
@@ -113,6 +116,7 @@ class PruneReport:
             block_errors={str(k): list(v) for k, v in sorted(self.block_errors.items())},
             dense_weights={k: {"count": c, "why": why} for k, (c, why) in self.dense_weights.items()},
             expert_tokens=dict(self.expert_tokens),
+            **({"distill": self.distill} if self.distill else {}),
             layers=[{k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(layer).items()}
                     for layer in self.layers],
         )

@@ -1,0 +1,341 @@
+"""End-to-end distillation: after the block pass, tune every ARMOR layer's wrappers so that the
+pruned model's next-token distributions match the dense model's.
+
+Block reconstruction sees one block; errors that pile up across blocks, and how they reach the
+logits, are seen only here. With the masks fixed, ``A``, ``B`` (and the kept core values) are
+continuous, so Adam on KL(dense ‖ pruned) over the calibration windows applies. The weights
+``Ŵ = A · (core ⊙ M) · B`` are built from leaf tensors (``torch.func.functional_call``; the
+model is not modified until the end), and the iterate with the lowest KL on held-out windows
+(calibration windows never trained on) is written back.
+
+The dense teacher is cached before the block pass prunes the model in place: per token its
+``top_k`` log-probabilities, their token ids and the log of the remaining mass
+(:func:`dense_top_k`; 64 × 512 tokens at ``top_k=64``: 17 MB, where full fp32 logits of a
+49152-token vocabulary would be 6.4 GB). The loss is the KL between the two distributions
+coarsened to those ``top_k`` tokens plus one bin for the rest (:func:`coarse_kl`): by the chain
+rule of the KL divergence it equals the full KL minus ``p_rest · KL(p(·|rest) ‖ q(·|rest))``, a
+lower bound that is exact when ``top_k`` covers the vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save
+from torch import nn
+from torch.func import functional_call
+
+from torch_armor._io import atomic_write
+
+from torch_armor.core.blockdiag import block_diag_left, block_diag_right
+from torch_armor.core.factors import ArmorFactors
+from torch_armor.core.levers import DistillConfig
+from torch_armor.errors import ArmorInputError
+from torch_armor.tensor.armor_tensor import ArmorTensor, armor_linear_from_factors
+
+__all__ = ["TopK", "Window", "windows_of", "dense_top_k", "coarse_kl", "distill_model", "DistillResult", "Distillation",
+           "DISTILLED_NAME"]
+
+logger = logging.getLogger("torch_armor")
+
+#: In a run directory: the distilled wrappers (and cores) of a finished distillation.
+DISTILLED_NAME = "distilled.safetensors"
+#: one calibration window: ``(ids (1, seq), attention mask (1, seq) or None)``
+Window = Tuple[torch.Tensor, Optional[torch.Tensor]]
+
+
+@dataclass
+class TopK:
+    """The dense model's next-token distribution at every position of one window, cut to its
+    ``k`` most likely tokens: ``log_probs`` ``(seq, k)``, ``indices`` ``(seq, k)`` and
+    ``log_rest`` ``(seq,)``, the log of the probability of every other token together."""
+
+    log_probs: torch.Tensor
+    indices: torch.Tensor
+    log_rest: torch.Tensor
+
+
+@dataclass
+class DistillResult:
+    """``before``/``after``: the held-out KL (nats per token) of the pruned model before
+    distillation and of the kept iterate; ``curve``: ``(step, held-out KL)`` at every check;
+    ``best_step``: the kept iterate (0: none helped, the model is unchanged)."""
+
+    before: float
+    after: float
+    best_step: int = 0
+    curve: List[Tuple[int, float]] = field(default_factory=list)
+    seconds: float = 0.0
+    teacher_seconds: float = 0.0
+
+
+def windows_of(batches: Sequence[Any]) -> List[Window]:
+    """Calibration batches (``(b, seq)`` ids or ``(ids, mask)`` pairs) as single windows."""
+    out: List[Window] = []
+    for item in batches:
+        ids, mask = item if isinstance(item, (tuple, list)) else (item, None)
+        for j in range(ids.shape[0]):
+            out.append((ids[j:j + 1], None if mask is None else mask[j:j + 1]))
+    return out
+
+
+def _logits(model: nn.Module, window: Window, weights: Optional[Dict[str, torch.Tensor]] = None) -> torch.Tensor:
+    ids, mask = window
+    device = next(p.device for p in model.parameters())
+    kwargs = {"attention_mask": mask.to(device)} if mask is not None else {}
+    if weights is None:
+        out = model(ids.to(device), **kwargs)
+    else:
+        out = functional_call(model, weights, (ids.to(device),), kwargs, strict=False)
+    logits = out.logits if hasattr(out, "logits") else (out[0] if isinstance(out, (tuple, list)) else out)
+    return logits[0].float()
+
+
+def _rest(log_probs: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """log of the total probability of the tokens not in ``indices`` (``log_probs`` over the vocabulary)."""
+    return torch.logsumexp(log_probs.scatter(-1, indices, float("-inf")), dim=-1)
+
+
+@torch.no_grad()
+def dense_top_k(model: nn.Module, windows: Sequence[Window], k: int) -> List[TopK]:
+    """The model's top-``k`` next-token log-probabilities at every position of each window (run
+    it on the dense model, before pruning)."""
+    out = []
+    for window in windows:
+        log_probs = torch.log_softmax(_logits(model, window), dim=-1)
+        top = log_probs.topk(min(k, log_probs.shape[-1]), dim=-1)
+        out.append(TopK(top.values.cpu(), top.indices.to(torch.int32).cpu(), _rest(log_probs, top.indices).cpu()))
+    return out
+
+
+def coarse_kl(logits: torch.Tensor, teacher: TopK) -> torch.Tensor:
+    """Per position, KL(teacher ‖ softmax(logits)) over the teacher's ``k`` tokens and one bin for
+    the rest (nats). ``logits``: ``(seq, vocab)``."""
+    log_q = torch.log_softmax(logits, dim=-1)
+    idx = teacher.indices.to(device=logits.device, dtype=torch.long)
+    log_p = teacher.log_probs.to(logits.device)
+    log_p_rest = teacher.log_rest.to(logits.device)
+    kept = (log_p.exp() * (log_p - log_q.gather(-1, idx))).sum(-1)
+    if idx.shape[-1] >= logits.shape[-1]:  # the whole vocabulary: no rest (its logsumexp over nothing has no gradient)
+        return kept
+    rest = torch.where(torch.isfinite(log_p_rest), log_p_rest.exp() * (log_p_rest - _rest(log_q, idx)),
+                       torch.zeros_like(log_p_rest))
+    return kept + rest
+
+
+def _mean_kl(logits: torch.Tensor, teacher: TopK, window: Window) -> Tuple[torch.Tensor, int]:
+    """Sum of the per-token KL over the window's real (unpadded) positions, and their count."""
+    kl = coarse_kl(logits, teacher)
+    mask = window[1]
+    if mask is None:
+        return kl.sum(), kl.numel()
+    keep = mask[0].to(device=kl.device, dtype=torch.bool)
+    return kl[keep].sum(), int(keep.sum())
+
+
+def _armor_layers(model: nn.Module) -> Dict[str, nn.Module]:
+    return {name: m for name, m in model.named_modules() if isinstance(m._parameters.get("weight"), ArmorTensor)}
+
+
+def distill_model(model: nn.Module, windows: Sequence[Window], teacher: Dict[int, TopK], config: DistillConfig, *,
+                  seed: int = 0, storage: str = "dense",
+                  log: Optional[Callable[[str], None]] = None) -> DistillResult:
+    """Adam on the ARMOR layers of ``model`` (pruned in place) towards ``teacher``.
+
+    Args:
+        model: a causal LM whose pruned linears hold :class:`ArmorTensor` weights.
+        windows: the calibration windows; the last ``config.held_out`` are held out.
+        teacher: :func:`dense_top_k` of the dense model, by window index (the held-out windows and
+            every training window the steps reach).
+        config: steps, learning rate, micro-batch, held-out windows, ``train_core``.
+        seed: the order of the training windows.
+        storage: the core storage of the weights written back (as the block pass used).
+
+    Returns:
+        :class:`DistillResult`; the model's ARMOR weights hold the kept iterate (masks unchanged,
+        bit-identical weights when no step lowered the held-out KL).
+    """
+    start = time.perf_counter()
+    layers = _armor_layers(model)
+    if not layers:
+        raise ArmorInputError("distillation: the model has no ARMOR layers (nothing was pruned with ArmorConfig)")
+    held, train = held_out_split(len(windows), config)
+    leaves: Dict[str, List[torch.Tensor]] = {}
+    masks: Dict[str, torch.Tensor] = {}
+    groups = []
+    for name, module in layers.items():
+        w = module.weight
+        core = w.core_dense().detach().float()
+        masks[name] = core != 0
+        tensors = [t.detach().float().clone(memory_format=torch.contiguous_format) for t in (w.a_blocks, core, w.b_blocks)]
+        leaves[name] = tensors
+        for j, t in enumerate(tensors):
+            if j == 1 and not config.train_core:
+                continue
+            t.requires_grad_(True)
+            scale = float(t.detach().square().mean().sqrt()) or 1.0
+            groups.append({"params": [t], "lr": config.lr * scale})
+    optimizer = torch.optim.Adam(groups)
+    frozen = [p for p in model.parameters() if p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+
+    def weights() -> Dict[str, torch.Tensor]:
+        return {f"{name}.weight": block_diag_right(block_diag_left(a, core * masks[name]), b)
+                for name, (a, core, b) in leaves.items()}
+
+    def held_out_kl() -> float:
+        total, count = 0.0, 0
+        with torch.no_grad():
+            w = weights()
+            for j in held:
+                s, n = _mean_kl(_logits(model, windows[j], w), teacher[j], windows[j])
+                total, count = total + float(s), count + n
+        return total / max(count, 1)
+
+    def snapshot() -> Dict[str, List[torch.Tensor]]:
+        return {name: [t.detach().clone() for t in ts] for name, ts in leaves.items()}
+
+    try:
+        before = best = held_out_kl()
+        kept, best_step = None, 0
+        curve = [(0, before)]
+        (log or logger.info)(f"distillation: held-out KL {before:.5f} nats/token before ({len(held)} windows)")
+        order = training_order(len(train), config, seed)
+        for step in range(1, config.steps + 1):
+            optimizer.zero_grad(set_to_none=True)
+            chosen = [train[i] for i in order[(step - 1) * config.windows_per_step:step * config.windows_per_step]]
+            count = sum(int(windows[j][1].sum()) if windows[j][1] is not None else windows[j][0].shape[1]
+                        for j in chosen)
+            loss = 0.0
+            for j in chosen:  # one window's graph at a time (its full-vocabulary logits are the big tensors)
+                part, _ = _mean_kl(_logits(model, windows[j], weights()), teacher[j], windows[j])
+                part = part / max(count, 1)
+                part.backward()
+                loss += float(part.detach())
+            optimizer.step()
+            if step % config.eval_every == 0 or step == config.steps:
+                kl = held_out_kl()
+                curve.append((step, kl))
+                (log or logger.info)(f"distillation step {step}/{config.steps}: train KL {loss:.5f}, "
+                                     f"held-out KL {kl:.5f}")
+                if kl < best:
+                    best, kept, best_step = kl, snapshot(), step
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+    if kept is not None:
+        for name, module in layers.items():
+            a, core, b = kept[name]
+            w = module.weight
+            factors = ArmorFactors(a.to(w.dtype), (core * masks[name]).to(w.dtype), b.to(w.dtype), masks[name],
+                                   w.pattern)
+            armor_linear_from_factors(module, factors, storage=storage, name=name)
+    return DistillResult(before, best, best_step, curve, time.perf_counter() - start)
+
+
+def held_out_split(n_windows: int, config: DistillConfig) -> Tuple[List[int], List[int]]:
+    """``(held-out, training)`` window indices: the last ``config.held_out`` windows are held out."""
+    if config.held_out >= n_windows:
+        raise ArmorInputError(f"DistillConfig.held_out={config.held_out} leaves no training window among the "
+                              f"{n_windows} calibration windows: lower held_out or give more calibration windows")
+    return list(range(n_windows - config.held_out, n_windows)), list(range(n_windows - config.held_out))
+
+
+def training_order(n_train: int, config: DistillConfig, seed: int) -> List[int]:
+    """Positions into the training windows, ``steps × windows_per_step`` of them: seeded epochs."""
+    need = config.steps * config.windows_per_step
+    gen = torch.Generator().manual_seed(seed)
+    order: List[int] = []
+    while len(order) < need:
+        order += torch.randperm(n_train, generator=gen).tolist()
+    return order[:need]
+
+
+def windows_needed(n_windows: int, config: DistillConfig, seed: int) -> List[int]:
+    """The windows whose teacher distillation reads: the held-out ones and every training window reached."""
+    held, train = held_out_split(n_windows, config)
+    return sorted(set(held) | {train[i] for i in training_order(len(train), config, seed)})
+
+
+class Distillation:
+    """:func:`~torch_armor.prune_model`'s distillation: the dense teacher cached before the block
+    pass (:meth:`capture`), the training after it (:meth:`run`), and, with a run directory, the
+    finished result in :data:`DISTILLED_NAME` — written atomically once distillation ends, so a
+    resumed run applies it instead of distilling again and a crash loses at most the distillation.
+    """
+
+    def __init__(self, config: DistillConfig, batches: Sequence[Any], *, seed: int = 0,
+                 run_dir: Optional[Path] = None, identity: str = "", storage: str = "dense",
+                 log: Optional[Callable[[str], None]] = None) -> None:
+        self.config, self.seed, self.storage, self.log = config, seed, storage, log or logger.info
+        self.windows = windows_of(batches)
+        self.needed = windows_needed(len(self.windows), config, seed)  # checks held_out first
+        self.path = None if run_dir is None else Path(run_dir) / DISTILLED_NAME
+        self.identity = json.dumps({"run": identity, "distill": asdict(config), "seed": seed}, sort_keys=True)
+        self.teacher: Dict[int, TopK] = {}
+        self.teacher_seconds = 0.0
+
+    def _finished(self) -> bool:
+        if self.path is None or not self.path.exists():
+            return False
+        with safe_open(str(self.path), framework="pt") as fh:
+            return (fh.metadata() or {}).get("identity") == self.identity
+
+    def capture(self, model: nn.Module) -> None:
+        """Cache the dense model's top-k distributions on the windows distillation reads (skipped
+        when the run directory holds a finished distillation)."""
+        if self._finished():
+            return
+        start = time.perf_counter()
+        tops = dense_top_k(model, [self.windows[j] for j in self.needed], self.config.top_k)
+        self.teacher = dict(zip(self.needed, tops))
+        self.teacher_seconds = time.perf_counter() - start
+        self.log(f"distillation: dense top-{self.config.top_k} cached on {len(self.needed)} windows "
+                 f"({self.teacher_seconds:.0f} s)")
+
+    def run(self, model: nn.Module) -> Dict[str, Any]:
+        """Distill ``model`` (pruned, in place), or apply the run directory's finished result;
+        returns the report's ``distill`` entry."""
+        if self._finished():
+            return self._apply_saved(model)
+        if not self.teacher:
+            raise ArmorInputError("distillation: Distillation.capture(dense model) must run before the block pass")
+        result = distill_model(model, self.windows, self.teacher, self.config, seed=self.seed, storage=self.storage,
+                               log=self.log)
+        result.teacher_seconds = self.teacher_seconds
+        summary = {"before": result.before, "after": result.after, "best_step": result.best_step,
+                   "curve": [list(c) for c in result.curve], "seconds": result.seconds,
+                   "teacher_seconds": result.teacher_seconds}
+        self.log(f"distillation: held-out KL {result.before:.5f} -> {result.after:.5f} (step {result.best_step}, "
+                 f"{result.seconds:.0f} s)")
+        if self.path is not None:
+            tensors = {}
+            for name, module in _armor_layers(model).items():
+                w = module.weight
+                tensors[f"{name}.a_blocks"] = w.a_blocks.detach().contiguous()
+                tensors[f"{name}.b_blocks"] = w.b_blocks.detach().contiguous()
+                if self.config.train_core:
+                    tensors[f"{name}.core"] = w.core_dense().detach().contiguous()
+            atomic_write(self.path, save(tensors, metadata={"identity": self.identity, "summary": json.dumps(summary)}))
+        return summary
+
+    def _apply_saved(self, model: nn.Module) -> Dict[str, Any]:
+        with safe_open(str(self.path), framework="pt") as fh:
+            keys = set(fh.keys())
+            for name, module in _armor_layers(model).items():
+                w = module.weight
+                core = fh.get_tensor(f"{name}.core") if f"{name}.core" in keys else w.core_dense().detach()
+                factors = ArmorFactors(fh.get_tensor(f"{name}.a_blocks"), core, fh.get_tensor(f"{name}.b_blocks"),
+                                       w.core_dense() != 0, w.pattern)
+                armor_linear_from_factors(module, factors, storage=self.storage, name=name)
+            summary = json.loads((fh.metadata() or {})["summary"])
+        self.log(f"distillation already finished in {self.path.parent}: applied")
+        return summary
