@@ -121,6 +121,8 @@ def _prune(args: argparse.Namespace, out: Path, run_dir: Path) -> int:
              if report.mean_relative_output_loss is not None else "")
           + (f", wrapper overhead {100 * report.overhead:.2f}%" if report.overhead else "")
           + f", pruning {report.seconds:.1f} s, total {total:.1f} s")
+    if report.reconstruction_summary():
+        print(report.reconstruction_summary())
     size = checkpoint_size(out)
     print(f"size: {size.parameters:,} stored parameters, {size.parameter_bytes / 2**20:.1f} MiB of weights "
           f"(dense model: {size.dense_parameters:,} parameters, {size.dense_parameter_bytes / 2**20:.1f} MiB)")

@@ -28,24 +28,39 @@ def _block_problem():
     return block, layers, inputs, targets, factors
 
 
-def _held_out_error(block, layers, factors, inp, target) -> float:
-    """The block run the plain way, each weight replaced by the factors' dense product."""
+def _held_rows(inputs, count=4, seed=0):
+    """The held-out windows, drawn as documented: the first ``count`` of a seeded permutation."""
+    windows = [(j, r) for j, inp in enumerate(inputs) for r in range(inp.hidden.shape[0])]
+    order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(seed)).tolist()
+    return [windows[i] for i in order[:count]]
+
+
+def _held_out_error(block, layers, factors, inputs, targets, held) -> float:
+    """The block run the plain way on whole batches, each weight replaced by the factors' dense
+    product; the error summed over the held-out rows."""
     saved = {n: m.weight for n, m in layers.items()}
+    err = den = 0.0
     try:
         for n, m in layers.items():
             m.weight = nn.Parameter(factors[n].dense().clone())
-        out = run_block(block, inp, torch.device("cpu"))
+        for j, r in held:
+            out = run_block(block, inputs[j], torch.device("cpu"))[r]
+            err += float((out - targets[j][r]).square().sum())
+            den += float(targets[j][r].square().sum())
     finally:
         for n, m in layers.items():
             m.weight = saved[n]
-    return float((out - target).square().sum() / target.square().sum())
+    return err / den
 
 
 def test_reconstruction_lowers_the_block_error_with_masks_fixed():
     block, layers, inputs, targets, factors = _block_problem()
-    new, before, after = reconstruct_block(block, factors, inputs, targets, steps=30, lr=1e-3)
-    assert before == pytest.approx(_held_out_error(block, layers, factors, inputs[0], targets[0]), rel=1e-4)
-    assert after == pytest.approx(_held_out_error(block, layers, new, inputs[0], targets[0]), rel=1e-4)
+    r = reconstruct_block(block, factors, inputs, targets, ReconstructConfig(steps=30, lr=1e-3, held_out=4))
+    new, before, after = r.factors, r.before, r.after
+    # the 4 held-out windows of 16 (seed 0) are whole rows of some batches: recompute their error
+    held = _held_rows(inputs)
+    assert before == pytest.approx(_held_out_error(block, layers, factors, inputs, targets, held), rel=1e-4)
+    assert after == pytest.approx(_held_out_error(block, layers, new, inputs, targets, held), rel=1e-4)
     assert after < 0.99 * before
     for n, f in new.items():
         assert torch.equal(f.mask, factors[n].mask)
@@ -56,7 +71,8 @@ def test_reconstruction_lowers_the_block_error_with_masks_fixed():
 
 def test_no_step_that_helps_returns_the_input_factors():
     block, _, inputs, targets, factors = _block_problem()
-    new, before, after = reconstruct_block(block, factors, inputs, targets, steps=3, lr=50.0)
+    r = reconstruct_block(block, factors, inputs, targets, ReconstructConfig(steps=3, lr=50.0))
+    new, before, after = r.factors, r.before, r.after
     if after == before:
         for n in factors:
             assert torch.equal(new[n].core, factors[n].core) and torch.equal(new[n].a_blocks, factors[n].a_blocks)

@@ -54,6 +54,8 @@ class PruneReport:
         settings: method settings (ARMOR config, SparseGPT block size and damping).
         block_errors: with block reconstruction, ``{block index: (before, after)}``: the relative
             output error ``‖Y − Y_dense‖² / ‖Y_dense‖²`` of the block on held-out calibration data.
+        block_curves: with block reconstruction, ``{block index: [(step, held-out error), …]}``:
+            the error at step 0 and at every check (:func:`~torch_armor.engine.reconstruct.reconstruct_block`).
         rank, world_size: where this process stood in a ``torchrun`` job (not saved: every rank
             returns a report, rank 0 writes the model).
     """
@@ -64,6 +66,7 @@ class PruneReport:
     seconds: float = 0.0
     settings: Dict[str, Any] = field(default_factory=dict)
     block_errors: Dict[int, Tuple[float, float]] = field(default_factory=dict)
+    block_curves: Dict[int, List[Tuple[int, float]]] = field(default_factory=dict)
     rank: int = 0
     world_size: int = 1
 
@@ -90,6 +93,21 @@ class PruneReport:
         values = [layer.relative_output_loss for layer in self.layers if layer.relative_output_loss is not None]
         return sum(values) / len(values) if values else None
 
+    def reconstruction_summary(self) -> Optional[str]:
+        """One line on block reconstruction (``None`` without it): the held-out error summed over
+        the blocks before and after, and at each check (blocks with as many checks)."""
+        if not self.block_errors:
+            return None
+        before = sum(b for b, _ in self.block_errors.values())
+        after = sum(a for _, a in self.block_errors.values())
+        line = (f"block reconstruction: held-out relative output error summed over {len(self.block_errors)} blocks "
+                f"{before:.4f} -> {after:.4f} ({100 * (1 - after / before) if before else 0.0:.1f}% lower)")
+        curves = [c for c in self.block_curves.values() if c]
+        if curves and all(len(c) == len(curves[0]) for c in curves):
+            line += "; by step: " + ", ".join(f"{curves[0][i][0]}: {sum(c[i][1] for c in curves):.4f}"
+                                              for i in range(len(curves[0])))
+        return line
+
     def to_dict(self, **extra: Any) -> Dict[str, Any]:
         """JSON-able summary plus one entry per layer; ``extra`` keys are added at the top."""
         out: Dict[str, Any] = dict(extra)
@@ -105,6 +123,7 @@ class PruneReport:
             mean_relative_proxy_loss=self.mean_relative_proxy_loss,
             mean_relative_output_loss=self.mean_relative_output_loss,
             block_errors={str(k): list(v) for k, v in sorted(self.block_errors.items())},
+            block_curves={str(k): [list(p) for p in v] for k, v in sorted(self.block_curves.items())},
             layers=[{k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(layer).items()}
                     for layer in self.layers],
         )
