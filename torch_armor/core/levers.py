@@ -189,7 +189,7 @@ class ReconstructConfig:
             the steps and its own optimizer, instead of one joint stage.
     """
 
-    steps: int = 8
+    steps: int = 32
     lr: float = 5e-3
     micro_batch: Optional[int] = None
     warmup: float = 0.1
