@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
+from torch.utils._pytree import tree_map
 
 from torch_armor.calibration.blocks import BlockInput
 from torch_armor.errors import ArmorInputError
@@ -56,22 +57,16 @@ def split_windows(batch_sizes: Sequence[int], held_out: int, micro_batch: Option
 
 
 def _rows(value: Any, rows: torch.Tensor, size: int) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.index_select(0, rows) if value.dim() >= 2 and value.shape[0] == size and size > 1 else value
-    if isinstance(value, tuple):
-        return tuple(_rows(v, rows, size) for v in value)
-    if isinstance(value, list):
-        return [_rows(v, rows, size) for v in value]
-    if isinstance(value, dict):
-        return {k: _rows(v, rows, size) for k, v in value.items()}
-    return value
+    def cut(v: Any) -> Any:
+        return v.index_select(0, rows) if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] == size else v
+    return tree_map(cut, value)
 
 
 def take_rows(inp: BlockInput, target: torch.Tensor, unit: Unit) -> Tuple[BlockInput, torch.Tensor]:
     """The unit's rows of one batch's input (hidden states and keyword arguments) and target."""
     hidden = inp.hidden
     size = hidden.shape[0]
-    if len(unit.rows) == size:
+    if len(unit.rows) == size:  # the whole batch (also every batch of one row)
         return BlockInput(hidden, inp.kwargs), target
     rows = torch.tensor(unit.rows, dtype=torch.long)
     return BlockInput(hidden.index_select(0, rows), _rows(inp.kwargs, rows, size)), target.index_select(0, rows)
