@@ -146,7 +146,12 @@ def reconstruct_block(block: nn.Module, factors: Mapping[str, ArmorFactors], inp
                 curve.append((taken, error))
                 if error < best_error:
                     best_error, stale = error, 0
-                    best.update({n: leaves[n].snapshot() for n in stage})
+                    for n in stage:  # in place: two snapshots are never alive at once
+                        if n in best:
+                            for kept, t in zip(best[n], leaves[n].tensors):
+                                kept.copy_(t.detach())
+                        else:
+                            best[n] = leaves[n].snapshot()
                 else:
                     stale += 1
                     if config.patience is not None and stale >= config.patience:
