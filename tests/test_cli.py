@@ -257,7 +257,6 @@ def test_block_size_default_is_the_config_default():
     parser = build_parser()
     for argv in (["prune", "smollm2", "--out", "x"], ["demo"]):
         args = parser.parse_args(argv)
-        assert args.block_size == ArmorConfig().block_size
         assert _armor_config(args) == ArmorConfig()
     auto = parser.parse_args(["prune", "smollm2", "--out", "x", "--block-size", "auto", "--max-overhead", "0.1"])
     assert _armor_config(auto) == ArmorConfig(block_size="auto", max_overhead=0.1)
@@ -266,6 +265,29 @@ def test_block_size_default_is_the_config_default():
     issue12 = parser.parse_args(["prune", "smollm2", "--out", "x", "--block-size", "budget", "--refine", "none",
                                  "--reconstruct-steps", "5"])
     assert _armor_config(issue12) == ArmorConfig(block_size="budget", refine=None, reconstruct=ReconstructConfig(steps=5))
+
+
+def test_preset_then_the_options_given():
+    import dataclasses
+
+    from torch_armor import ArmorConfig
+    from torch_armor.cli import build_parser
+    from torch_armor.cli_commands import armor_config as _armor_config
+
+    parser = build_parser()
+    for name in ("fast", "default", "max"):
+        args = parser.parse_args(["prune", "smollm2", "--out", "x", "--preset", name])
+        assert _armor_config(args) == ArmorConfig.preset(name)
+    fast = ArmorConfig.preset("fast")
+    args = parser.parse_args(["prune", "smollm2", "--out", "x", "--preset", "fast", "--iters", "3",
+                              "--reconstruct-steps", "7", "--block-size", "8"])
+    assert _armor_config(args) == dataclasses.replace(
+        fast, block_size=8, optimizer=dataclasses.replace(fast.optimizer, iters=3),
+        reconstruct=dataclasses.replace(fast.reconstruct, steps=7))
+    assert _armor_config(parser.parse_args(["prune", "smollm2", "--out", "x", "--preset", "max", "--refine", "none",
+                                            "--reconstruct-steps", "0"])).reconstruct is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["prune", "smollm2", "--out", "x", "--preset", "slow"])
 
 
 def test_prune_prints_stored_and_dense_sizes(tmp_path, capsys, tiny_hf_dir, text_files):

@@ -36,6 +36,7 @@ from typing import Optional, Sequence
 from torch_armor._io import RUN_DIR_NAME
 from torch_armor.core.config import ArmorConfig
 from torch_armor.core.levers import OPTIMIZERS
+from torch_armor.core.presets import PRESETS
 from torch_armor.cli_names import (DEMO_METHODS, DENSE, FULL_PROTOCOL, HARNESS_JSON, QUICK_PROTOCOL, REPORT_JSON,
                                    REPORT_PNG)
 from torch_armor.engine.methods import method_named, method_names
@@ -111,23 +112,27 @@ def _add_model(p: argparse.ArgumentParser, help_text: str) -> None:
 
 
 def _add_armor(p: argparse.ArgumentParser) -> None:
-    """The ARMOR options; their defaults are ArmorConfig's (documented there, in one place)."""
+    """The ARMOR options: ``--preset`` (default ``default``, i.e. ArmorConfig()), then options that
+    change single levers on top of it; an option not given keeps the preset's value."""
     default = ArmorConfig()
     g = p.add_argument_group("ARMOR")
-    g.add_argument("--block-size", type=_block_size, default=default.block_size,
+    g.add_argument("--preset", choices=tuple(PRESETS), default="default",
+                   help="a named set of ARMOR settings (torch_armor.core.presets: fast, default = ArmorConfig(), "
+                        "max); the options below change it")
+    g.add_argument("--block-size", type=_block_size, default=None,
                    help=f"wrapper block size d_b; 'auto': per layer, the largest d_b dividing both dimensions "
                         f"within --max-overhead; 'budget': one --max-overhead budget for the whole model, "
                         f"spent where it lowers the loss most (default {default.block_size})")
-    g.add_argument("--max-overhead", type=_positive_float, default=default.max_overhead,
+    g.add_argument("--max-overhead", type=_positive_float, default=None,
                    help="wrapper-overhead budget of --block-size auto/budget, a fraction (default 0.05 = 5%%)")
     refine = "output" if default.refine is not None else "none"
-    g.add_argument("--refine", choices=("output", "none"), default=refine,
+    g.add_argument("--refine", choices=("output", "none"), default=None,
                    help=f"after each layer's optimizer, refine A, core values and B under the output-space "
                         f"loss tr((W-Ŵ) XᵀX (W-Ŵ)ᵀ) (default {refine})")
     steps = default.reconstruct.steps if default.reconstruct is not None else 0
-    g.add_argument("--reconstruct-steps", type=int, default=steps,
+    g.add_argument("--reconstruct-steps", type=int, default=None,
                    help=f"Adam steps of block reconstruction per decoder block (default {steps}; 0: off)")
-    g.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default=default.optimizer.name,
+    g.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default=None,
                    help=f"per-layer optimizer (default {default.optimizer.name})")
     g.add_argument("--iters", type=int, default=None,
                    help="iterations per layer (default: "

@@ -12,7 +12,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Dict
 
 import torch
 
@@ -55,12 +55,24 @@ def setup(args: argparse.Namespace) -> None:
 
 
 def armor_config(args: argparse.Namespace) -> ArmorConfig:
-    """The ArmorConfig of the ARMOR options; an option not given keeps ArmorConfig's default."""
-    kind = OPTIMIZERS[args.optimizer]
-    optimizer = kind(**({"iters": args.iters} if args.iters is not None else {}), time_budget_s=args.time_budget)
-    return ArmorConfig(block_size=args.block_size, max_overhead=args.max_overhead, pattern=args.pattern,
-                       seed=args.seed, optimizer=optimizer, refine=RefineConfig() if args.refine == "output" else None,
-                       reconstruct=ReconstructConfig(steps=args.reconstruct_steps) if args.reconstruct_steps else None)
+    """The ArmorConfig of ``--preset`` with the ARMOR options that were given applied on top."""
+    base = ArmorConfig.preset(args.preset)
+    changes: Dict[str, Any] = {"pattern": args.pattern, "seed": args.seed}
+    for key in ("block_size", "max_overhead"):
+        if getattr(args, key) is not None:
+            changes[key] = getattr(args, key)
+    if args.optimizer is not None or args.iters is not None or args.time_budget is not None:
+        kind = OPTIMIZERS[args.optimizer] if args.optimizer is not None else type(base.optimizer)
+        optimizer = base.optimizer if isinstance(base.optimizer, kind) else kind()
+        given = {"iters": args.iters, "time_budget_s": args.time_budget}
+        changes["optimizer"] = dataclasses.replace(optimizer, **{k: v for k, v in given.items() if v is not None})
+    if args.refine is not None:
+        changes["refine"] = (base.refine or RefineConfig()) if args.refine == "output" else None
+    if args.reconstruct_steps is not None:
+        changes["reconstruct"] = (dataclasses.replace(base.reconstruct or ReconstructConfig(),
+                                                      steps=args.reconstruct_steps)
+                                  if args.reconstruct_steps else None)
+    return dataclasses.replace(base, **changes)
 
 
 def method_config(args: argparse.Namespace) -> Any:
@@ -121,6 +133,8 @@ def _prune(args: argparse.Namespace, out: Path, run_dir: Path) -> int:
              if report.mean_relative_output_loss is not None else "")
           + (f", wrapper overhead {100 * report.overhead:.2f}%" if report.overhead else "")
           + f", pruning {report.seconds:.1f} s, total {total:.1f} s")
+    if report.reconstruction_summary():
+        print(report.reconstruction_summary())
     size = checkpoint_size(out)
     print(f"size: {size.parameters:,} stored parameters, {size.parameter_bytes / 2**20:.1f} MiB of weights "
           f"(dense model: {size.dense_parameters:,} parameters, {size.dense_parameter_bytes / 2**20:.1f} MiB)")

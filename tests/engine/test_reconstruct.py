@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
 
 from conftest import make_tiny_llama
 from torch_armor import ArmorConfig, BcdConfig, prune_model, PruneOptions, ReconstructConfig, RefineConfig
-from torch_armor.calibration.blocks import block_statistics, capture_block_inputs, run_block
+from torch_armor.calibration.blocks import BlockInput, block_statistics, capture_block_inputs, run_block
 from torch_armor.engine.reconstruct import reconstruct_block
+from torch_armor.core.factorize import factorize
+from torch_armor.engine.reconstruct_weights import FactorLeaves, build_weights, weight_names
 from torch_armor.engine.runner import solve_layer
+from torch_armor.errors import ArmorInputError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CALIB = torch.randint(0, 128, (16, 64), generator=torch.Generator().manual_seed(3))
@@ -28,24 +33,39 @@ def _block_problem():
     return block, layers, inputs, targets, factors
 
 
-def _held_out_error(block, layers, factors, inp, target) -> float:
-    """The block run the plain way, each weight replaced by the factors' dense product."""
+def _held_rows(inputs, count=4, seed=0):
+    """The held-out windows, drawn as documented: the first ``count`` of a seeded permutation."""
+    windows = [(j, r) for j, inp in enumerate(inputs) for r in range(inp.hidden.shape[0])]
+    order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(seed)).tolist()
+    return [windows[i] for i in order[:count]]
+
+
+def _held_out_error(block, layers, factors, inputs, targets, held) -> float:
+    """The block run the plain way on whole batches, each weight replaced by the factors' dense
+    product; the error summed over the held-out rows."""
     saved = {n: m.weight for n, m in layers.items()}
+    err = den = 0.0
     try:
         for n, m in layers.items():
             m.weight = nn.Parameter(factors[n].dense().clone())
-        out = run_block(block, inp, torch.device("cpu"))
+        for j, r in held:
+            out = run_block(block, inputs[j], torch.device("cpu"))[r]
+            err += float((out - targets[j][r]).square().sum())
+            den += float(targets[j][r].square().sum())
     finally:
         for n, m in layers.items():
             m.weight = saved[n]
-    return float((out - target).square().sum() / target.square().sum())
+    return err / den
 
 
 def test_reconstruction_lowers_the_block_error_with_masks_fixed():
     block, layers, inputs, targets, factors = _block_problem()
-    new, before, after = reconstruct_block(block, factors, inputs, targets, steps=30, lr=1e-3)
-    assert before == pytest.approx(_held_out_error(block, layers, factors, inputs[0], targets[0]), rel=1e-4)
-    assert after == pytest.approx(_held_out_error(block, layers, new, inputs[0], targets[0]), rel=1e-4)
+    r = reconstruct_block(block, factors, inputs, targets, ReconstructConfig(steps=30, lr=1e-3, held_out=4))
+    new, before, after = r.factors, r.before, r.after
+    # the 4 held-out windows of 16 (seed 0) are whole rows of some batches: recompute their error
+    held = _held_rows(inputs)
+    assert before == pytest.approx(_held_out_error(block, layers, factors, inputs, targets, held), rel=1e-4)
+    assert after == pytest.approx(_held_out_error(block, layers, new, inputs, targets, held), rel=1e-4)
     assert after < 0.99 * before
     for n, f in new.items():
         assert torch.equal(f.mask, factors[n].mask)
@@ -56,7 +76,8 @@ def test_reconstruction_lowers_the_block_error_with_masks_fixed():
 
 def test_no_step_that_helps_returns_the_input_factors():
     block, _, inputs, targets, factors = _block_problem()
-    new, before, after = reconstruct_block(block, factors, inputs, targets, steps=3, lr=50.0)
+    r = reconstruct_block(block, factors, inputs, targets, ReconstructConfig(steps=3, lr=50.0))
+    new, before, after = r.factors, r.before, r.after
     if after == before:
         for n in factors:
             assert torch.equal(new[n].core, factors[n].core) and torch.equal(new[n].a_blocks, factors[n].a_blocks)
@@ -78,3 +99,96 @@ def test_prune_model_reconstructs_each_block_and_resumes_exactly(tmp_path):
         a = p.dense_weight() if hasattr(p, "dense_weight") else p
         b = q.dense_weight() if hasattr(q, "dense_weight") else q
         assert torch.equal(a.detach(), b.detach()), n
+
+
+def test_the_kept_iterate_is_the_best_checked_one_and_never_worse():
+    block, _, inputs, targets, factors = _block_problem()
+    r = reconstruct_block(block, factors, inputs, targets, ReconstructConfig(steps=12, lr=2e-2, checks=6))
+    assert r.curve[0] == (0, r.before) and len(r.curve) == 7 and r.steps == 12
+    assert r.after == min(e for _, e in r.curve) <= r.before
+    assert [s for s, _ in r.curve] == [0, 2, 4, 6, 8, 10, 12]
+
+
+def test_same_seed_same_bits_and_views_do_not_change_them():
+    block, _, inputs, targets, factors = _block_problem()
+    cfg = ReconstructConfig(steps=6, micro_batch=1, held_out=3)
+    first = reconstruct_block(block, factors, inputs, targets, cfg, seed=5)
+    views = {n: dataclasses.replace(f, core=f.core.t().contiguous().t()) for n, f in factors.items()}
+    again = reconstruct_block(block, views, inputs, targets, cfg, seed=5)
+    assert first.curve == again.curve
+    for n in factors:
+        for key in ("a_blocks", "core", "b_blocks"):
+            assert torch.equal(getattr(first.factors[n], key), getattr(again.factors[n], key)), (n, key)
+
+
+def test_split_stages_and_early_stop():
+    block, _, inputs, targets, factors = _block_problem()
+    r = reconstruct_block(block, factors, inputs, targets, ReconstructConfig(steps=8, split_stages=True, checks=2))
+    assert r.steps == 8 and r.after <= r.before and len(r.curve) == 5
+    for n, f in r.factors.items():
+        assert torch.equal(f.mask, factors[n].mask) and not f.core[~f.mask].any()
+    # a step size that only hurts: every check is worse, patience 1 stops after the first check
+    bad = reconstruct_block(block, factors, inputs, targets, ReconstructConfig(steps=12, lr=50.0, checks=6, patience=1))
+    assert bad.steps == 2 and bad.after == bad.before
+    assert all(torch.equal(bad.factors[n].core, factors[n].core) for n in factors)
+
+
+def test_building_w_hat_keeps_no_weight_sized_tensor_in_the_graph():
+    """Ŵ is checkpointed: the masked core and ``A·core`` that build it are recomputed in the
+    backward pass, not kept — a step's memory holds Ŵ (what ``F.linear`` saves) and the leaves."""
+    _, layers, _, _, factors = _block_problem()
+    for name, f in factors.items():
+        leaves = FactorLeaves(f, torch.device("cpu"))
+        saved = []
+
+        def pack(t, size=f.core.numel()):  # weight-sized float tensors of any shape
+            if t.numel() == size and t.is_floating_point():
+                saved.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            w = leaves.weight(grad=True)
+        assert saved == [], name
+        w.square().sum().backward()  # the recomputation gives the gradient autograd would
+        plain = [t.detach().clone().requires_grad_(True) for t in leaves.tensors]
+        core = torch.zeros(f.core.shape).masked_scatter(leaves.mask, plain[1])
+        ref = torch.block_diag(*plain[0]) @ core @ torch.block_diag(*plain[2])
+        ref.square().sum().backward()
+        for t, p in zip(leaves.tensors, plain):
+            assert torch.allclose(t.grad, p.grad, rtol=1e-4, atol=1e-6), name
+
+
+class _Experts(nn.Module):
+    """A toy fused-experts block: ``weight`` is ``(E, out, in)``, expert ``e`` reads slice ``e`` of the input."""
+
+    def __init__(self, experts=3, d=16):
+        super().__init__()
+        self.proj = nn.Linear(d, d, bias=False)
+        self.experts = nn.Module()
+        self.experts.weight = nn.Parameter(torch.randn(experts, d, d, generator=torch.Generator().manual_seed(1)) / 4)
+
+    def forward(self, hidden):
+        x = self.proj(hidden)
+        parts = x.chunk(self.experts.weight.shape[0], dim=1)
+        return torch.cat([p @ w.T for p, w in zip(parts, self.experts.weight)], dim=1)
+
+
+def test_fused_expert_factors_build_the_stacked_parameter():
+    block = _Experts()
+    cfg = ArmorConfig(block_size=8, optimizer=BcdConfig(iters=1), refine=None)
+    weights = {"proj": block.proj.weight, **{f"experts.weight.{e}": block.experts.weight[e] for e in range(3)}}
+    factors = {n: factorize(w.detach(), torch.ones(16), cfg) for n, w in weights.items()}
+    groups = weight_names(block, factors)
+    assert groups == {"proj.weight": ["proj"], "experts.weight": [f"experts.weight.{e}" for e in range(3)]}
+    built = build_weights(groups, {n: FactorLeaves(f, torch.device("cpu")) for n, f in factors.items()})
+    hand = torch.stack([factors[f"experts.weight.{e}"].dense() for e in range(3)])
+    assert built["experts.weight"].shape == (3, 16, 16)
+    assert torch.allclose(built["experts.weight"], hand, atol=1e-6)
+    assert torch.allclose(built["proj.weight"], factors["proj"].dense(), atol=1e-6)
+    inputs = [BlockInput(torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(j))) for j in range(3)]
+    targets = [block(inp.hidden).detach() for inp in inputs]
+    r = reconstruct_block(block, factors, inputs, targets, ReconstructConfig(steps=10, lr=1e-2, held_out=2))
+    assert r.after < r.before
+    missing = {n: f for n, f in factors.items() if n != "experts.weight.1"}
+    with pytest.raises(ArmorInputError, match=r"experts \[1\]"):
+        weight_names(block, missing)

@@ -31,6 +31,7 @@ from torch_armor.core.levers import (SELECTIONS, AdamConfig, BcdConfig, DistillC
                                      RefineConfig)
 from torch_armor.core.method_config import MethodConfig, normalized_pattern, plain_value
 from torch_armor.core.pattern import auto_block_size, candidate_block_sizes, check_layer_shape
+from torch_armor.core.presets import preset_changes
 from torch_armor.errors import ArmorInputError
 
 __all__ = ["ArmorConfig", "BcdConfig", "AdamConfig", "RefineConfig", "ReconstructConfig", "DistillConfig", "SELECTIONS"]
@@ -154,6 +155,20 @@ class ArmorConfig(MethodConfig):
 
     def __getattr__(self, name: str) -> Any:  # flat attributes of earlier releases, deprecated
         return config_compat.legacy_attribute(self, name)
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "ArmorConfig":
+        """The named preset (:data:`~torch_armor.core.presets.PRESETS`: ``"fast"``, ``"default"``
+        — ``ArmorConfig()`` —, ``"max"``) with ``overrides`` applied on top.
+
+        Example::
+
+            >>> ArmorConfig.preset("default") == ArmorConfig()
+            True
+            >>> ArmorConfig.preset("fast", seed=1).optimizer.iters
+            10
+        """
+        return cls(**{**preset_changes(name), **overrides})
 
     # -- derived values ------------------------------------------------------------------------
     @property

@@ -19,7 +19,8 @@ from typing import ClassVar, Optional, Union
 from torch_armor.core.method_config import check_count, check_fraction
 from torch_armor.errors import ArmorInputError
 
-__all__ = ["BcdConfig", "AdamConfig", "RefineConfig", "ReconstructConfig", "DistillConfig", "Optimizer", "OPTIMIZERS", "SELECTIONS"]
+__all__ = ["BcdConfig", "AdamConfig", "RefineConfig", "ReconstructConfig", "DistillConfig", "DECAYS", "Optimizer",
+           "OPTIMIZERS", "SELECTIONS"]
 
 #: How a tile picks the groups its sparse-core steps update
 #: (:func:`~torch_armor.core.sparse_core.select_groups`).
@@ -167,21 +168,43 @@ class RefineConfig:
         check_fraction("RefineConfig", "damp", self.damp)
 
 
+#: How block reconstruction's learning rate decays after the warm-up (:func:`~torch_armor.engine.reconstruct.lr_factor`).
+DECAYS = ("cosine", "linear", "constant")
+
+
 @dataclass(frozen=True)
 class ReconstructConfig:
     """Block reconstruction in :func:`~torch_armor.prune_model` (the sparsifiers, which see no
     blocks, skip it): after a decoder block's linears are factorized, Adam on the block's ``A``,
-    ``B`` and kept core values, masks fixed, towards the dense block's outputs
-    (:mod:`torch_armor.engine.reconstruct`).
+    ``B`` and kept core values, masks fixed, towards the dense block's outputs on the pruned
+    stream (:mod:`torch_armor.engine.reconstruct`).
 
     Args:
-        steps: Adam steps per block, one calibration batch each (``ArmorConfig(reconstruct=None)``
-            turns reconstruction off).
-        lr: Adam's step relative to each factor's RMS.
+        steps: Adam steps per block (``ArmorConfig(reconstruct=None)`` turns reconstruction off);
+            the steps walk epochs over the training micro-batches, each epoch in a new seeded order.
+        lr: Adam's peak step relative to each factor's RMS.
+        micro_batch: calibration windows per step (``None``: each calibration batch as it is);
+            a step on 1 window costs about a quarter of one on 4.
+        warmup: fraction of the steps with a linear learning-rate warm-up from ``lr / warmup_steps``.
+        decay: the learning rate after the warm-up, one of :data:`DECAYS` (``"cosine"``: to near 0).
+        held_out: calibration windows never trained on; their error decides the kept iterate
+            (at least one window is always trained on).
+        checks: held-out evaluations per block (evenly spaced; the last step is always checked).
+        patience: stop after this many checks in a row without a better held-out error
+            (``None``: run every step).
+        split_stages: one stage per top-level submodule (attention, then MLP), each with half of
+            the steps and its own optimizer, instead of one joint stage.
     """
 
-    steps: int = 8
+    steps: int = 32
     lr: float = 5e-3
+    micro_batch: Optional[int] = None
+    warmup: float = 0.1
+    decay: str = "cosine"
+    held_out: int = 4
+    checks: int = 4
+    patience: Optional[int] = None
+    split_stages: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
@@ -190,6 +213,17 @@ class ReconstructConfig:
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not (math.isfinite(self.lr)
                                                                                       and self.lr > 0):
             raise ArmorInputError(f"ReconstructConfig.lr must be a positive finite number, got {self.lr!r}")
+        if self.micro_batch is not None:
+            check_count("ReconstructConfig", "micro_batch", self.micro_batch, minimum=1)
+        check_fraction("ReconstructConfig", "warmup", self.warmup)
+        if self.decay not in DECAYS:
+            raise ArmorInputError(f"ReconstructConfig.decay must be one of {DECAYS}, got {self.decay!r}")
+        check_count("ReconstructConfig", "held_out", self.held_out, minimum=1)
+        check_count("ReconstructConfig", "checks", self.checks, minimum=1)
+        if self.patience is not None:
+            check_count("ReconstructConfig", "patience", self.patience, minimum=1)
+        if not isinstance(self.split_stages, bool):
+            raise ArmorInputError(f"ReconstructConfig.split_stages must be True or False, got {self.split_stages!r}")
 
 
 def _positive_int(owner: str, name: str, value: object, minimum: int = 1, hint: str = "") -> None:

@@ -235,9 +235,7 @@ class BlockPipeline:
     def _replay(self, index: int, prefix: str, names: List[str], report: PruneReport) -> None:
         """A block finished by an earlier run: its factors are converted from the store (an
         in-memory model) or it was already written (a streamed one)."""
-        errors = self._reconstructed_errors(index)
-        if errors is not None:
-            report.block_errors[index] = errors
+        self._replay_errors(index, report)
         solutions = {}
         for name in names:
             factors = self.store.load(name)
@@ -258,12 +256,16 @@ class BlockPipeline:
     def _marker(self, index: int) -> Optional[Path]:
         return None if self.store is None else self.store.directory / RECONSTRUCTED_DIR / f"block-{index:05d}.json"
 
-    def _reconstructed_errors(self, index: int) -> Optional[tuple]:
-        """``(before, after)`` of a block a run already reconstructed (its marker), else ``None``."""
+    def _replay_errors(self, index: int, report: PruneReport) -> bool:
+        """Copy the held-out errors and curve of a block a run already reconstructed (its marker)
+        into ``report``; ``False`` if there is no marker."""
         marker = self._marker(index)
         if marker is None or not marker.exists():
-            return None
-        return tuple(json.loads(marker.read_text())["errors"])
+            return False
+        saved = json.loads(marker.read_text())
+        report.block_errors[index] = tuple(saved["errors"])
+        report.block_curves[index] = [tuple(point) for point in saved.get("curve", ())]
+        return True
 
     def _fresh_store(self) -> RunStore:
         """This rank's view of the run store after rank 0 wrote to it (re-read from disk)."""
@@ -275,17 +277,14 @@ class BlockPipeline:
         """Adam on the block's factors against the dense block's outputs (rank 0; the result goes
         through the run store, and a marker says the block's stored factors are final)."""
         names = list(solutions)
-        errors = self._reconstructed_errors(index)
-        if errors is not None:  # an interrupted run finished it: the store holds the result
-            report.block_errors[index] = errors
+        if self._replay_errors(index, report):  # an interrupted run finished it: the store holds the result
             return solutions
         prefix = f"{self.blocks_prefix}.{index}."
         if self.rank == 0:
             start = time.perf_counter()
-            new, before, after = reconstruct_block(
-                block, {n[len(prefix):]: solutions[n].factors for n in names}, recon[0], recon[1],
-                steps=self.config.reconstruct.steps, lr=self.config.reconstruct.lr, device=self.device,
-                seed=self.config.seed)
+            result = reconstruct_block(block, {n[len(prefix):]: solutions[n].factors for n in names}, recon[0],
+                                       recon[1], self.config.reconstruct, device=self.device, seed=self.config.seed)
+            new, before, after = result.factors, result.before, result.after
             seconds = (time.perf_counter() - start) / len(names)
             solutions = {n: LayerSolution(n, self.method.name, seconds=solutions[n].seconds + seconds,
                                           factors=with_losses(new[n[len(prefix):]], layers[n].weight, stats[n].xtx,
@@ -296,16 +295,18 @@ class BlockPipeline:
                     self.store.save(n, solutions[n].factors, config=cfgs[n], seconds=solutions[n].seconds)
                 marker = self._marker(index)
                 marker.parent.mkdir(parents=True, exist_ok=True)
-                atomic_write(marker, json.dumps({"errors": [before, after]}).encode())
+                atomic_write(marker, json.dumps({"errors": [before, after], "curve": result.curve}).encode())
             report.block_errors[index] = (before, after)
-            logger.info("block %d reconstructed: held-out relative output error %.5f -> %.5f", index, before, after)
+            report.block_curves[index] = [tuple(point) for point in result.curve]
+            logger.info("block %d reconstructed (%d steps): held-out relative output error %s", index, result.steps,
+                        " -> ".join(f"{e:.5f}" for _, e in result.curve))
         if self.world_size > 1:
             dist.barrier()  # rank 0 saved the reconstructed factors: every rank reads them
             if self.rank != 0:
                 store = self._fresh_store()
                 solutions = {n: LayerSolution(n, self.method.name, factors=store.load(n), seconds=solutions[n].seconds)
                              for n in names}
-                report.block_errors[index] = self._reconstructed_errors(index)
+                self._replay_errors(index, report)
         return solutions
 
     def _solve_block(self, names: List[str], layers: Dict[str, nn.Linear], stats, report: PruneReport, bar,

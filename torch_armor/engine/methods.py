@@ -189,7 +189,7 @@ def _armor_needs_xtx(config: ArmorConfig) -> bool:
 
 
 def _armor_describe(cfg: ArmorConfig) -> str:
-    """``d_b=16, bcd, ≤30 it, output refine ×3, block reconstruction 8 steps``."""
+    """``d_b=16, bcd, ≤30 it, output refine ×3, block reconstruction 32 steps``."""
     opt = cfg.optimizer
     size = f"{100 * cfg.max_overhead:g}% model-wide budget" if cfg.block_size == "budget" else f"d_b={cfg.block_size}"
     parts = [size, opt.name]

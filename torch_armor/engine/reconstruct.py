@@ -2,27 +2,59 @@
 
 Per-layer objectives do not see the block: how errors in ``q``/``k``/``v`` pass through the
 softmax, or in ``gate``/``up`` through the SiLU product. ARMOR is well placed to fix that after
-the fact: with the masks fixed, ``A``, ``B`` and the kept core values are continuous, so plain
-Adam on the block's output error applies. The dense weights are swapped for
-``Ŵ = A · (core ⊙ M) · B`` built from leaf tensors (``torch.func.functional_call``; the block
-itself is not modified), and the best iterate on held-out batches is kept.
+the fact: with the masks fixed, ``A``, ``B`` and the kept core values are continuous, so Adam on
+the block's output error applies (as block-wise reconstruction does for quantization: BRECQ,
+OmniQuant). The dense weights are swapped for ``Ŵ = A · (core ⊙ M) · B`` built from leaf tensors
+(``torch.func.functional_call``; the block itself is not modified).
+
+The loop (:class:`~torch_armor.core.levers.ReconstructConfig`): ``steps`` Adam steps walking
+epochs over the training micro-batches (a new seeded order each epoch), a linear warm-up then a
+cosine/linear decay of the step size, ``checks`` evaluations of the relative error on held-out
+calibration windows — the best held-out iterate is kept (the input factors if none is better), so
+reconstruction never makes the held-out error worse — with optional early stopping and optional
+separate stages (attention, then MLP).
+
+Memory: the trainable tensors are the kept core values only (half the core at 2:4), Adam runs
+per tensor (no multi-tensor temporaries), ``Ŵ`` is checkpointed (the graph keeps ``Ŵ``, not the
+products that build it), and a snapshot is taken only when the held-out error improves.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Dict, List, Mapping, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
 from torch_armor.calibration.blocks import BlockInput, to_device as _to
-from torch_armor.core.blockdiag import block_diag_left, block_diag_right
 from torch_armor.core.factors import ArmorFactors
+from torch_armor.core.levers import ReconstructConfig
+from torch_armor.engine.reconstruct_data import Unit, lr_factor, split_windows, take_rows
+from torch_armor.engine.reconstruct_weights import FactorLeaves, build_weights, weight_names
 from torch_armor.errors import ArmorInputError
 
-__all__ = ["reconstruct_block"]
+__all__ = ["Reconstruction", "reconstruct_block", "stages_of"]
+
+
+@dataclass
+class Reconstruction:
+    """What :func:`reconstruct_block` returns.
+
+    Attributes:
+        factors: the kept factors (masks unchanged; the input factors if no step helped).
+        before, after: the held-out relative output error ``‖Y − Y_dense‖² / ‖Y_dense‖²`` of the
+            input and of the kept factors.
+        curve: ``(step, held-out error)`` at step 0 and at every check.
+        steps: the Adam steps taken (fewer than configured after an early stop).
+    """
+
+    factors: Dict[str, ArmorFactors]
+    before: float
+    after: float
+    curve: List[Tuple[int, float]] = field(default_factory=list)
+    steps: int = 0
 
 
 def _output(block: nn.Module, weights: Dict[str, torch.Tensor], inp: BlockInput, device: torch.device) -> torch.Tensor:
@@ -31,82 +63,105 @@ def _output(block: nn.Module, weights: Dict[str, torch.Tensor], inp: BlockInput,
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def _relative_error(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return (out - target).square().sum() / target.square().sum().clamp_min(torch.finfo(out.dtype).tiny)
+def _squared(block, weights, inp, target, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(‖Y − Y_dense‖², ‖Y_dense‖²)`` of one unit."""
+    target = target.to(device=device, dtype=torch.float32)
+    return (_output(block, weights, inp, device) - target).square().sum(), target.square().sum()
+
+
+def stages_of(names: Sequence[str]) -> List[List[str]]:
+    """The factor names grouped by their first component (``self_attn``, ``mlp``, …), in order."""
+    stages: Dict[str, List[str]] = {}
+    for name in names:
+        stages.setdefault(name.split(".", 1)[0], []).append(name)
+    return list(stages.values())
 
 
 def reconstruct_block(block: nn.Module, factors: Mapping[str, ArmorFactors], inputs: Sequence[BlockInput],
-                      targets: Sequence[torch.Tensor], *, steps: int, lr: float = 1e-3,
-                      device: torch.device = torch.device("cpu"), seed: int = 0,
-                      ) -> Tuple[Dict[str, ArmorFactors], float, float]:
+                      targets: Sequence[torch.Tensor], config: ReconstructConfig = ReconstructConfig(), *,
+                      device: torch.device = torch.device("cpu"), seed: int = 0) -> Reconstruction:
     """Adam on the factors of ``block``'s linears against the dense block's outputs.
 
     Args:
         block: the decoder block, its linears still holding their dense weights (fp32 compute).
-        factors: ``{name of a linear inside block: its ArmorFactors}``.
+        factors: ``{name inside block: its ArmorFactors}`` (``P.e`` for expert ``e`` of a fused
+            3-D parameter ``P``, see :mod:`torch_armor.engine.reconstruct_weights`).
         inputs: the calibration batches that reach the block.
         targets: the dense block's output for each batch.
-        steps: Adam steps, one batch each (batches in a seeded random order); held-out: the
-            first batch (the last when there is only one) is never trained on and decides
-            which iterate is kept.
-        lr: step size relative to each tensor's RMS (every factor moves by about ``lr`` of its scale).
-        seed: the batch order.
-
-    Returns:
-        ``(factors, error_before, error_after)``: the kept factors (masks unchanged; the input
-        factors if no step helped) and the held-out relative output error ``‖Y − Y_dense‖² / ‖Y_dense‖²``
-        before and after.
+        config: steps, schedule, micro-batches, held-out windows, stages.
+        seed: the held-out windows and the batch order.
     """
     if len(inputs) != len(targets) or not inputs:
         raise ArmorInputError(f"reconstruct_block: {len(inputs)} input batches for {len(targets)} targets")
-    held_out = 0
-    train = [j for j in range(len(inputs)) if j != held_out] or [held_out]
-    leaves: Dict[str, List[torch.Tensor]] = {}
-    masks: Dict[str, torch.Tensor] = {}
-    groups = []
-    for name, f in factors.items():
-        # contiguous: factors fresh from the optimizer may be views (e.g. transposed), and the strides
-        # pick the kernels — a resumed run reads contiguous copies and must get the same bits
-        tensors = [t.detach().to(device=device, dtype=torch.float32).clone(memory_format=torch.contiguous_format)
-                   .requires_grad_(True) for t in (f.a_blocks, f.core, f.b_blocks)]
-        leaves[name] = tensors
-        masks[name] = f.mask.to(device)
-        for t in tensors:
-            scale = float(t.detach().square().mean().sqrt()) or 1.0
-            groups.append({"params": [t], "lr": lr * scale})
-    optimizer = torch.optim.Adam(groups)
-
-    def weights() -> Dict[str, torch.Tensor]:
-        return {f"{name}.weight": block_diag_right(block_diag_left(a, core * masks[name]), b)
-                for name, (a, core, b) in leaves.items()}
+    held, train = split_windows([int(t.shape[0]) for t in targets], config.held_out, config.micro_batch, seed)
+    groups = weight_names(block, factors)
+    leaves = {n: FactorLeaves(f, device) for n, f in factors.items()}
 
     def held_out_error() -> float:
         with torch.no_grad():
-            return float(_relative_error(_output(block, weights(), inputs[held_out], device),
-                                         targets[held_out].to(device=device, dtype=torch.float32)))
-
-    def snapshot() -> Dict[str, List[torch.Tensor]]:
-        return {name: [t.detach().clone() for t in ts] for name, ts in leaves.items()}
+            weights = build_weights(groups, leaves, trainable=set())
+            err = den = 0.0
+            for unit in held:
+                e, d = _squared(block, weights, *take_rows(inputs[unit.batch], targets[unit.batch], unit), device)
+                err, den = err + float(e), den + float(d)
+        return err / max(den, torch.finfo(torch.float32).tiny)
 
     before = best_error = held_out_error()
-    best = snapshot()
-    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed)).tolist()
-    check_every = max(1, steps // 4)
-    for step in range(1, steps + 1):
-        j = train[order[(step - 1) % len(train)]]
-        optimizer.zero_grad(set_to_none=True)
-        loss = _relative_error(_output(block, weights(), inputs[j], device),
-                               targets[j].to(device=device, dtype=torch.float32))
-        loss.backward()
-        optimizer.step()
-        if step % check_every == 0 or step == steps:
-            error = held_out_error()
-            if error < best_error:
-                best_error, best = error, snapshot()
-    out = {}
-    for name, f in factors.items():
-        a, core, b = best[name]
-        out[name] = dataclasses.replace(f, a_blocks=a.to(f.a_blocks.device, f.a_blocks.dtype),
-                                        core=(core * masks[name]).to(f.core.device, f.core.dtype),
-                                        b_blocks=b.to(f.b_blocks.device, f.b_blocks.dtype))
-    return out, before, best_error
+    curve: List[Tuple[int, float]] = [(0, before)]
+    best: Dict[str, List[torch.Tensor]] = {}  # names absent: their input factors (or the last stage's best)
+    order: List[int] = []
+    generator = torch.Generator().manual_seed(seed)
+    stages = stages_of(list(factors)) if config.split_stages else [list(factors)]
+    per_stage = max(1, config.steps // len(stages))
+    taken = 0
+    for stage in stages:
+        trainable = set(stage)
+        frozen = None
+        if len(stages) > 1:
+            frozen = {p: w for p, w in build_weights(groups, leaves, trainable=set()).items()
+                      if not any(m in trainable for m in groups[p])}
+        tensors = [t for n in stage for t in leaves[n].tensors]
+        optimizer = torch.optim.Adam([{"params": [t], "lr": config.lr * (float(t.detach().square().mean().sqrt()) or 1.0)}
+                                      for t in tensors], foreach=False)
+        peaks = [g["lr"] for g in optimizer.param_groups]
+        warmup = round(config.warmup * per_stage)
+        check_every = max(1, per_stage // config.checks)
+        stale = 0
+        for step in range(1, per_stage + 1):
+            if not order:  # a new epoch over the training micro-batches
+                order = torch.randperm(len(train), generator=generator).tolist()
+            unit: Unit = train[order.pop(0)]
+            scale = lr_factor(step, per_stage, warmup, config.decay)
+            for group, peak in zip(optimizer.param_groups, peaks):
+                group["lr"] = peak * scale
+            optimizer.zero_grad(set_to_none=True)
+            inp, target = take_rows(inputs[unit.batch], targets[unit.batch], unit)
+            err, den = _squared(block, build_weights(groups, leaves, trainable, frozen), inp, target, device)
+            (err / den.clamp_min(torch.finfo(torch.float32).tiny)).backward()
+            del err, den
+            optimizer.step()
+            taken += 1
+            if step % check_every == 0 or step == per_stage:
+                error = held_out_error()
+                curve.append((taken, error))
+                if error < best_error:
+                    best_error, stale = error, 0
+                    for n in stage:  # in place: two snapshots are never alive at once
+                        if n in best:
+                            for kept, t in zip(best[n], leaves[n].tensors):
+                                kept.copy_(t.detach())
+                        else:
+                            best[n] = leaves[n].snapshot()
+                else:
+                    stale += 1
+                    if config.patience is not None and stale >= config.patience:
+                        break
+        del optimizer
+        if len(stages) > 1:  # the next stage starts from the kept iterate
+            with torch.no_grad():
+                for n in stage:
+                    kept = best[n] if n in best else FactorLeaves(factors[n], device).tensors
+                    for t, v in zip(leaves[n].tensors, kept):
+                        t.copy_(v)
+    out = {n: (leaves[n].factors(f, best[n]) if n in best else f) for n, f in factors.items()}
+    return Reconstruction(out, before, best_error, curve, taken)

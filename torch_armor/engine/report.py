@@ -60,6 +60,8 @@ class PruneReport:
             tokens}`` of each pruned expert (summed over the windows).
         distill: with end-to-end distillation, its held-out KL before and after, the kept step,
             the curve ``[[step, KL], …]`` and its seconds (``{}``: off).
+        block_curves: with block reconstruction, ``{block index: [(step, held-out error), …]}``:
+            the error at step 0 and at every check (:func:`~torch_armor.engine.reconstruct.reconstruct_block`).
         rank, world_size: where this process stood in a ``torchrun`` job (not saved: every rank
             returns a report, rank 0 writes the model).
     """
@@ -71,6 +73,7 @@ class PruneReport:
     settings: Dict[str, Any] = field(default_factory=dict)
     block_errors: Dict[int, Tuple[float, float]] = field(default_factory=dict)
     distill: Dict[str, Any] = field(default_factory=dict)
+    block_curves: Dict[int, List[Tuple[int, float]]] = field(default_factory=dict)
     rank: int = 0
     world_size: int = 1
     dense_weights: Dict[str, Tuple[int, str]] = field(default_factory=dict)
@@ -99,6 +102,21 @@ class PruneReport:
         values = [layer.relative_output_loss for layer in self.layers if layer.relative_output_loss is not None]
         return sum(values) / len(values) if values else None
 
+    def reconstruction_summary(self) -> Optional[str]:
+        """One line on block reconstruction (``None`` without it): the held-out error summed over
+        the blocks before and after, and at each check (blocks with as many checks)."""
+        if not self.block_errors:
+            return None
+        before = sum(b for b, _ in self.block_errors.values())
+        after = sum(a for _, a in self.block_errors.values())
+        line = (f"block reconstruction: held-out relative output error summed over {len(self.block_errors)} blocks "
+                f"{before:.4f} -> {after:.4f} ({100 * (1 - after / before) if before else 0.0:.1f}% lower)")
+        curves = [c for c in self.block_curves.values() if c]
+        if curves and all(len(c) == len(curves[0]) for c in curves):
+            line += "; by step: " + ", ".join(f"{curves[0][i][0]}: {sum(c[i][1] for c in curves):.4f}"
+                                              for i in range(len(curves[0])))
+        return line
+
     def to_dict(self, **extra: Any) -> Dict[str, Any]:
         """JSON-able summary plus one entry per layer; ``extra`` keys are added at the top."""
         out: Dict[str, Any] = dict(extra)
@@ -117,6 +135,7 @@ class PruneReport:
             dense_weights={k: {"count": c, "why": why} for k, (c, why) in self.dense_weights.items()},
             expert_tokens=dict(self.expert_tokens),
             **({"distill": self.distill} if self.distill else {}),
+            block_curves={str(k): [list(p) for p in v] for k, v in sorted(self.block_curves.items())},
             layers=[{k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(layer).items()}
                     for layer in self.layers],
         )

@@ -1,0 +1,147 @@
+"""Choosing ARMOR's settings without looking at the evaluation text: perplexity on held-out
+*calibration* windows (sotu text that no calibration window touches), and optionally Wikipedia.
+
+The quality protocol's model and calibration (SmolLM2-135M, 2:4, 64 random 512-token sotu windows,
+seed 0; pruned sequentially through ``prune_model``). Held-out windows: consecutive non-overlapping
+``seq_len`` windows of the sotu tokens, in order, skipping every window that shares a token with
+a calibration window. Each setting prunes from the dense weights; the table gives held-out
+calibration perplexity (the column settings are chosen on), Wikipedia perplexity when
+``--wiki`` (the first ``--n-eval`` non-overlapping windows, as ``benchmarks/quality.py``), prune
+wall time and this process's CPU time during the prune (others share the machine: wall under
+load overstates the cost alone).
+
+Settings (``--settings``): the presets (``fast``, ``default``, ``max``: :mod:`torch_armor.core.presets`)
+and the named changes of :data:`SETTINGS` (``steps32`` … : ``ArmorConfig()`` with those changes).
+
+Run:  python benchmarks/reconstruct_sweep.py --settings default steps32 --threads 1
+      python benchmarks/reconstruct_sweep.py --settings default --wiki --threads 1     # the chosen setting
+      python benchmarks/reconstruct_sweep.py --settings steps8 steps32 --layers 0-5 --n-heldout 8  # quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from torch_armor import ArmorConfig, PruneOptions, ReconstructConfig, RefineConfig, prune_model  # noqa: E402
+from torch_armor.core.presets import PRESETS  # noqa: E402
+from torch_armor.recipes.data import calibration_windows, eval_windows, load_text, tokenize_text  # noqa: E402
+from torch_armor.recipes.evaluate import perplexity  # noqa: E402
+from torch_armor.recipes.models import load_model, select_layers  # noqa: E402
+from torch_armor.recipes.quality import _materialize  # noqa: E402
+
+_R = ArmorConfig().reconstruct or ReconstructConfig()
+#: Named settings: ``ArmorConfig()`` with these changes (reconstruction fields replace the default's).
+SETTINGS = {
+    "no-reconstruct": {"reconstruct": None},
+    "steps8": {"reconstruct": dataclasses.replace(_R, steps=8)},
+    "steps32": {"reconstruct": dataclasses.replace(_R, steps=32)},
+    "steps128": {"reconstruct": dataclasses.replace(_R, steps=128)},
+    "steps512": {"reconstruct": dataclasses.replace(_R, steps=512)},
+    "steps32-mb4": {"reconstruct": dataclasses.replace(_R, steps=32, micro_batch=4)},
+    "steps128-mb1": {"reconstruct": dataclasses.replace(_R, steps=128, micro_batch=1)},
+    "no-schedule": {"reconstruct": dataclasses.replace(_R, warmup=0.0, decay="constant")},
+    "split-stages": {"reconstruct": dataclasses.replace(_R, split_stages=True)},
+    "refine1": {"refine": RefineConfig(rounds=1)},
+}
+
+
+def heldout_windows(ids: torch.Tensor, calib_starts: torch.Tensor, seq_len: int, count: int) -> torch.Tensor:
+    """The first ``count`` non-overlapping windows of ``ids`` that share no token with a calibration window."""
+    covered = torch.zeros(ids.numel(), dtype=torch.bool)
+    for s in calib_starts.tolist():
+        covered[s:s + seq_len] = True
+    rows = [ids[k * seq_len:(k + 1) * seq_len] for k in range(ids.numel() // seq_len)
+            if not covered[k * seq_len:(k + 1) * seq_len].any()]
+    if len(rows) < count:
+        raise SystemExit(f"only {len(rows)} held-out calibration windows of {seq_len} tokens exist; ask for fewer")
+    return torch.stack(rows[:count])
+
+
+def config_of(name: str) -> ArmorConfig:
+    return ArmorConfig.preset(name) if name in PRESETS else dataclasses.replace(ArmorConfig(), **SETTINGS[name])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--settings", nargs="+", choices=(*PRESETS, *SETTINGS), default=["default"])
+    parser.add_argument("--n-calib", type=int, default=64)
+    parser.add_argument("--n-heldout", type=int, default=16, help="held-out calibration windows")
+    parser.add_argument("--wiki", action="store_true", help="also Wikipedia perplexity (the reported number)")
+    parser.add_argument("--n-eval", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--layers", default=None, help="restrict pruning to some decoder layers (quick looks only)")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    command = "python benchmarks/reconstruct_sweep.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    print(command)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
+
+    net, tokenizer = load_model("smollm2")
+    ids = tokenize_text(load_text("sotu"), tokenizer)
+    starts = torch.randint(0, ids.numel() - args.seq_len + 1, (args.n_calib,), generator=torch.Generator().manual_seed(0))
+    calib = calibration_windows(ids, None, n_windows=args.n_calib, seq_len=args.seq_len, seed=0)
+    assert torch.equal(calib, ids[starts[:, None] + torch.arange(args.seq_len)])
+    heldout = heldout_windows(ids, starts, args.seq_len, args.n_heldout)
+    wiki = eval_windows("wiki", tokenizer, n_windows=args.n_eval, seq_len=args.seq_len) if args.wiki else None
+    names = select_layers(net, args.layers)
+    dense = {n: net.get_submodule(n).weight for n in names}
+
+    rows = []
+    base = {"setting": "dense", "heldout_ppl": perplexity(net, heldout, batch_size=8, progress=False),
+            "wiki_ppl": perplexity(net, wiki, batch_size=8, progress=False) if wiki is not None else None,
+            "prune_s": 0.0, "prune_cpu_s": 0.0}
+    rows.append(base)
+    print(f"dense: held-out calibration ppl {base['heldout_ppl']:.3f}", flush=True)
+    for name in args.settings:
+        for n, w in dense.items():
+            net.get_submodule(n).weight = w
+        cfg = config_of(name)
+        wall, cpu = time.perf_counter(), time.process_time()
+        report = prune_model(net, calib, cfg, layers=names, options=PruneOptions(batch_size=4, progress=False))
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        _materialize(net, names)  # W_hat written into each linear, as benchmarks/quality.py evaluates ARMOR
+        row = {"setting": name, "config": str(cfg),
+               "heldout_ppl": perplexity(net, heldout, batch_size=8, progress=False),
+               "wiki_ppl": perplexity(net, wiki, batch_size=8, progress=False) if wiki is not None else None,
+               "prune_s": wall, "prune_cpu_s": cpu, "overhead": report.overhead,
+               "reconstruction": report.reconstruction_summary(),
+               "block_curves": {str(k): v for k, v in report.block_curves.items()}}
+        rows.append(row)
+        print(f"{name}: held-out calibration ppl {row['heldout_ppl']:.3f}"
+              + (f", wiki ppl {row['wiki_ppl']:.3f}" if wiki is not None else "")
+              + f", prune {wall / 60:.1f} min wall, {cpu / 60:.1f} min CPU; {row['reconstruction']}", flush=True)
+    for n, w in dense.items():
+        net.get_submodule(n).weight = w
+
+    print()
+    print(f"SmolLM2-135M, 2:4, {len(names)} linears, calibration sotu {args.n_calib}×{args.seq_len} (seed 0), "
+          f"held-out sotu {args.n_heldout}×{args.seq_len}" + (f", wiki {args.n_eval}×{args.seq_len}" if args.wiki else ""))
+    print()
+    print("| setting | held-out calib ppl | Wikipedia ppl | prune wall (min) | prune CPU (min) |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        wiki_s = f"{r['wiki_ppl']:.2f}" if r["wiki_ppl"] is not None else "–"
+        print(f"| {r['setting']} | {r['heldout_ppl']:.2f} | {wiki_s} | {r['prune_s'] / 60:.1f} | {r['prune_cpu_s'] / 60:.1f} |")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"command": command, "rows": rows}, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

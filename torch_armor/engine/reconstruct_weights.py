@@ -1,0 +1,105 @@
+"""Block reconstruction's trainable tensors and the weights built from them.
+
+Each linear's factors become three leaves: ``A``'s blocks, the *kept* core values (a 1-D tensor,
+half the core for 2:4 — the dropped values never get a gradient, an Adam state or a copy) and
+``B``'s blocks. ``Ŵ = A · scatter(mask, values) · B`` is built under activation checkpointing: the
+forward graph keeps ``Ŵ`` only, the intermediates are recomputed in the backward pass.
+
+Names: a factor named ``f"{P}.{e}"`` where ``P`` is a 3-D parameter of the block (fused experts,
+``(E, out, in)``) is expert ``e``'s slice of ``P``, and ``P`` is built as the stack of the
+experts' ``Ŵ``; any other factor ``n`` gives ``n.weight``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Mapping, Optional
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from torch_armor.core.blockdiag import block_diag_left, block_diag_right
+from torch_armor.core.factors import ArmorFactors
+from torch_armor.errors import ArmorInputError
+
+__all__ = ["FactorLeaves", "weight_names", "build_weights"]
+
+
+def _product(a: torch.Tensor, values: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    core = torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter(mask, values)
+    return block_diag_right(block_diag_left(a, core), b)
+
+
+class FactorLeaves:
+    """One linear's trainable tensors (fp32, contiguous, on ``device``) and its fixed mask."""
+
+    def __init__(self, factors: ArmorFactors, device: torch.device) -> None:
+        self.mask = factors.mask.to(device=device, dtype=torch.bool)
+        # contiguous copies: factors fresh from the optimizer may be views (e.g. transposed), and the
+        # strides pick the kernels — a resumed run reads contiguous copies and must get the same bits
+        core = factors.core.detach().to(device=device, dtype=torch.float32)
+        self.tensors = [factors.a_blocks.detach().to(device=device, dtype=torch.float32)
+                        .clone(memory_format=torch.contiguous_format),
+                        core.masked_select(self.mask),
+                        factors.b_blocks.detach().to(device=device, dtype=torch.float32)
+                        .clone(memory_format=torch.contiguous_format)]
+        for t in self.tensors:
+            t.requires_grad_(True)
+
+    def weight(self, grad: bool) -> torch.Tensor:
+        """``Ŵ`` (checkpointed when ``grad``; a plain tensor without a graph otherwise)."""
+        a, values, b = self.tensors
+        if not grad:
+            with torch.no_grad():
+                return _product(a, values, b, self.mask)
+        return checkpoint(_product, a, values, b, self.mask, use_reentrant=False)
+
+    def snapshot(self) -> List[torch.Tensor]:
+        return [t.detach().clone() for t in self.tensors]
+
+    def factors(self, like: ArmorFactors, values: Optional[List[torch.Tensor]] = None) -> ArmorFactors:
+        """``like`` with these leaves (or the snapshot ``values``) as its ``A``, core and ``B``."""
+        a, kept, b = values if values is not None else [t.detach() for t in self.tensors]
+        core = torch.zeros(self.mask.shape, dtype=kept.dtype, device=kept.device).masked_scatter(self.mask, kept)
+        return dataclasses.replace(like, a_blocks=a.to(like.a_blocks.device, like.a_blocks.dtype),
+                                   core=core.to(like.core.device, like.core.dtype),
+                                   b_blocks=b.to(like.b_blocks.device, like.b_blocks.dtype))
+
+
+def weight_names(block: nn.Module, names: Mapping[str, object]) -> Dict[str, List[str]]:
+    """``{parameter of block: the factor names that build it, in order}``: ``P`` from
+    ``P.0 … P.{E-1}`` for a 3-D parameter ``P`` (every expert must be there), ``n.weight`` from ``n``."""
+    params = dict(block.named_parameters())
+    out: Dict[str, List[str]] = {}
+    experts: Dict[str, Dict[int, str]] = {}
+    for name in names:
+        head, _, tail = name.rpartition(".")
+        if tail.isdigit() and head in params and params[head].dim() == 3:
+            experts.setdefault(head, {})[int(tail)] = name
+        else:
+            out[f"{name}.weight"] = [name]
+    for head, by_index in experts.items():
+        count = params[head].shape[0]
+        if sorted(by_index) != list(range(count)):
+            missing = sorted(set(range(count)) - set(by_index))
+            raise ArmorInputError(f"block reconstruction: fused expert parameter {head!r} has {count} experts but "
+                                  f"no factors for experts {missing}; prune all of its experts or none")
+        out[head] = [by_index[e] for e in range(count)]
+    return out
+
+
+def build_weights(groups: Mapping[str, List[str]], leaves: Mapping[str, FactorLeaves],
+                  trainable: Optional[set] = None, frozen: Optional[Dict[str, torch.Tensor]] = None
+                  ) -> Dict[str, torch.Tensor]:
+    """The block's weights for :func:`torch.func.functional_call`: a group whose factors are all
+    outside ``trainable`` (``None``: all trainable) is taken from ``frozen`` when given there."""
+    out = {}
+    for param, members in groups.items():
+        if frozen is not None and param in frozen:
+            out[param] = frozen[param]
+            continue
+        grad = trainable is None or any(m in trainable for m in members)
+        built = [leaves[m].weight(grad) for m in members]
+        out[param] = built[0] if param == f"{members[0]}.weight" else torch.stack(built)
+    return out
