@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torch_armor import ArmorConfig, DistillConfig, ReconstructConfig, RefineConfig  # noqa: E402
 from torch_armor.core.levers import OPTIMIZERS  # noqa: E402
+from torch_armor.core.presets import PRESETS  # noqa: E402
 from torch_armor.recipes.quality import DEMO_METHODS, run_quality  # noqa: E402
 
 DEFAULT = ArmorConfig()
@@ -47,6 +48,9 @@ VARIANTS = {
     "refine+reconstruct": {"block_size": 16, "refine": RefineConfig(), "reconstruct": ReconstructConfig(steps=8)},
     # + end-to-end distillation of the wrappers (A, B) after the block pass; + the kept core values too
     "default+distill": {"distill": DistillConfig()},
+    "fast": dict(PRESETS["fast"]),
+    "max": dict(PRESETS["max"]),
+    "default-no-distill": {"distill": None},
     "default+distill-core": {"distill": DistillConfig(train_core=True)},
     "budget+refine": {"block_size": "budget", "refine": RefineConfig(), "reconstruct": None},  # one model-wide budget
     # by hand, the opposite of what the budget's knapsack chose: attention at 8, down_proj at 32 (4.69%)

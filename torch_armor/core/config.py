@@ -3,7 +3,7 @@
 * the per-layer optimizer: :class:`BcdConfig` (default) or :class:`AdamConfig` (the paper's);
 * output-space refinement: :class:`RefineConfig`, or ``None`` (off);
 * block reconstruction: :class:`ReconstructConfig`, or ``None`` (off);
-* end-to-end distillation: :class:`DistillConfig`, or ``None`` (off, the default);
+* end-to-end distillation: :class:`DistillConfig` (the default), or ``None`` (off);
 * the allocation of wrapper parameters (``block_size``, ``block_sizes``, ``max_overhead``) and
   the rest stay top level.
 
@@ -91,9 +91,10 @@ class ArmorConfig(MethodConfig):
         optimizer: :class:`BcdConfig` (default) or :class:`AdamConfig`.
         refine: :class:`RefineConfig` (default) or ``None``: no output-space refinement.
         reconstruct: :class:`ReconstructConfig` (default) or ``None``: no block reconstruction.
-        distill: ``None`` (default: off) or :class:`DistillConfig`: end-to-end distillation of the
+        distill: :class:`DistillConfig` (default) or ``None``: end-to-end distillation of the
             wrappers towards the dense model's next-token distributions after the block pass
-            (:func:`~torch_armor.prune_model` on an in-memory model only).
+            (:func:`~torch_armor.prune_model` on an in-memory model; skipped with a warning on a
+            streamed checkpoint, under ``torchrun`` or with too few calibration windows).
 
     Every field after ``block_size`` is keyword-only.
 
@@ -121,7 +122,7 @@ class ArmorConfig(MethodConfig):
     optimizer: Optimizer = BcdConfig()
     refine: Optional[RefineConfig] = RefineConfig()
     reconstruct: Optional[ReconstructConfig] = ReconstructConfig()
-    distill: Optional[DistillConfig] = None
+    distill: Optional[DistillConfig] = DistillConfig()
 
     def __post_init__(self) -> None:
         named = self.block_size in _NAMED_BLOCK_SIZES

@@ -5,10 +5,11 @@ Each preset is ``ArmorConfig()`` with the lever settings below replaced; ``"defa
 ``ArmorConfig()`` itself. Measured costs and perplexities: docs/results.md.
 
 * ``"fast"``: 10 exact sweeps per layer, one refinement round, 32 reconstruction steps on single
-  windows (a quarter of the cost of a 4-window step) — for a first look at a model.
+  windows (a quarter of the cost of a 4-window step), no distillation — for a first look at a model.
 * ``"default"``: the library's defaults.
-* ``"max"``: 60 sweeps per layer, the default refinement, 512 reconstruction steps per block (about
-  eight epochs over the calibration batches) with early stopping on the held-out windows.
+* ``"max"``: the default with 16 full-``XᵀX`` sparse-core steps after refinement (the mask may
+  change), 64 reconstruction steps per block (four epochs over the calibration batches) and 48
+  distillation steps — about three times the default's cost.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any, Dict, Mapping
 
-from torch_armor.core.levers import BcdConfig, ReconstructConfig, RefineConfig
+from torch_armor.core.levers import BcdConfig, DistillConfig, ReconstructConfig, RefineConfig
 from torch_armor.errors import ArmorInputError
 
 __all__ = ["PRESETS", "preset_changes"]
@@ -27,12 +28,13 @@ PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
         "optimizer": BcdConfig(iters=10),
         "refine": RefineConfig(rounds=1),
         "reconstruct": ReconstructConfig(steps=32, micro_batch=1),
+        "distill": None,
     }),
     "default": MappingProxyType({}),
     "max": MappingProxyType({
-        "optimizer": BcdConfig(iters=60),
-        "reconstruct": ReconstructConfig(steps=512, patience=3, checks=16),
-        # end-to-end distillation and full-H sparse-core updates join here once they land
+        "refine": RefineConfig(core_steps=16),
+        "reconstruct": ReconstructConfig(steps=64),
+        "distill": DistillConfig(steps=48),
     }),
 })
 

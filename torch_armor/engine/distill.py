@@ -40,7 +40,7 @@ from torch_armor.core.levers import DistillConfig
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import ArmorTensor, armor_linear_from_factors
 
-__all__ = ["TopK", "Window", "windows_of", "dense_top_k", "coarse_kl", "distill_model", "DistillResult", "Distillation",
+__all__ = ["TopK", "Window", "windows_of", "distill_skip_reason", "dense_top_k", "coarse_kl", "distill_model", "DistillResult", "Distillation",
            "DISTILLED_NAME"]
 
 logger = logging.getLogger("torch_armor")
@@ -263,6 +263,19 @@ def windows_needed(n_windows: int, config: DistillConfig, seed: int) -> List[int
     """The windows whose teacher distillation reads: the held-out ones and every training window reached."""
     held, train = held_out_split(n_windows, config)
     return sorted(set(held) | {train[i] for i in training_order(len(train), config, seed)})
+
+
+def distill_skip_reason(config: DistillConfig, *, n_windows: int, streamed: bool, world_size: int) -> str:
+    """Why :func:`~torch_armor.prune_model` cannot distill here (``""``: it can): distillation trains
+    the whole pruned model in one process and needs training windows besides the held-out ones."""
+    if streamed:
+        return "it trains the whole pruned model and needs it in memory (load the model and pass the module)"
+    if world_size > 1:
+        return "it runs in one process (run without torchrun)"
+    if n_windows <= config.held_out:
+        return (f"{n_windows} calibration windows leave none to train on besides the {config.held_out} held-out ones "
+                "(give more windows or lower DistillConfig.held_out)")
+    return ""
 
 
 class Distillation:

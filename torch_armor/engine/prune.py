@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence, Tuple, Union
 
@@ -41,7 +42,7 @@ from torch_armor.calibration.validate import check_token_ids, vocab_size_of
 from torch_armor.core.config import ArmorConfig
 from torch_armor.engine.batches import calibration_batches, hash_batches
 from torch_armor.engine.blocks import BLOCKS_DIR, BlockPipeline
-from torch_armor.engine.distill import Distillation
+from torch_armor.engine.distill import Distillation, distill_skip_reason, windows_of
 from torch_armor.engine.distributed import init_distributed, launched_world_size
 from torch_armor.engine.experts import dense_lines, dense_weights, group_by_param, layer_module, routed_token_lines
 from torch_armor.engine.identity import identity_string
@@ -157,10 +158,12 @@ def prune_model(
                                   f"the layer selection holds {len(chosen)}; select every expert of it or none")
     dense = dense_weights(model, names, blocks_prefix)
     distill = getattr(config, "distill", None)
-    if distill is not None and (streamed or world > 1):
-        raise ArmorInputError("ArmorConfig(distill=...) trains the whole pruned model and needs it in memory in one "
-                              "process: " + ("load the model and pass the module to prune_model" if streamed else
-                                             "run without torchrun") + ", or set distill=None to prune without it")
+    if distill is not None:
+        why_not = distill_skip_reason(distill, n_windows=len(windows_of(batches)), streamed=streamed, world_size=world)
+        if why_not:
+            warnings.warn(f"end-to-end distillation skipped: {why_not}; ArmorConfig(distill=None) prunes without it",
+                          stacklevel=2)
+            distill = None
     dev = torch.device(options.device) if options.device is not None else torch.device("cpu")
     if not streamed and options.device is None:
         dev = next((p.device for p in model.parameters() if p.device.type != "meta"), dev)
