@@ -1,14 +1,15 @@
 """Named ARMOR settings, a ladder from quick to thorough: :meth:`ArmorConfig.preset(name)
-<torch_armor.core.config.ArmorConfig.preset>` and ``torch-armor prune --preset NAME``.
+<torch_armor.core.config.ArmorConfig.preset>` and ``torch-armor prune --preset NAME``. Not measured as a whole yet.
 
 Each preset is ``ArmorConfig()`` with the lever settings below replaced; ``"default"`` is
-``ArmorConfig()`` itself. Measured costs and perplexities: docs/results.md.
+``ArmorConfig()`` itself. The reconstruction-steps curve behind them: docs/results.md (the presets
+as a whole are not measured yet).
 
 * ``"fast"``: 10 exact sweeps per layer, one refinement round, 32 reconstruction steps on single
   windows (a quarter of the cost of a 4-window step) — for a first look at a model.
 * ``"default"``: the library's defaults.
-* ``"max"``: 60 sweeps per layer, the default refinement, 512 reconstruction steps per block (about
-  eight epochs over the calibration batches) with early stopping on the held-out windows.
+* ``"max"``: 60 sweeps per layer, the default refinement, 128 reconstruction steps per block (eight
+  epochs over the calibration batches), stopping early after two held-out checks without gain.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
     "default": MappingProxyType({}),
     "max": MappingProxyType({
         "optimizer": BcdConfig(iters=60),
-        "reconstruct": ReconstructConfig(steps=512, patience=3, checks=16),
+        "reconstruct": ReconstructConfig(steps=128, checks=8, patience=2),
         # end-to-end distillation and full-H sparse-core updates join here once they land
     }),
 })
