@@ -67,7 +67,7 @@ def test_config_defaults():
     paper = ArmorConfig(optimizer=AdamConfig())
     assert (paper.optimizer.lr, paper.optimizer.iterations, paper.optimizer.selection_rule) == (1e-4, 1000, "l1-random")
     assert ArmorConfig(optimizer=AdamConfig(selection="mixed")).optimizer.selection_rule == "mixed"
-    assert cfg.refine == RefineConfig() and cfg.reconstruct == ReconstructConfig(steps=8)
+    assert cfg.refine == RefineConfig() and cfg.reconstruct == ReconstructConfig(steps=32)
 
 
 def test_config_is_frozen_and_keeps_what_was_given():
