@@ -260,6 +260,71 @@ def factorize(
         >>> f.relative_loss <= 1.0, f.dense().shape
         (True, torch.Size([64, 64]))
     """
+    config, problem, scales, start = _nowag_start(weight, act_sq_norm, config, name)
+    a, b, core, mask = start
+
+    opt = config.optimizer
+    log = _Log(problem, opt)
+    if opt.iterations > 0 and float(problem.nowag_loss) > 0:
+        run = _run_adam if isinstance(opt, AdamConfig) else _run_bcd
+        best = run(problem, opt, config.seed, log, a, b, core, mask.clone())
+        a, b, core, mask = best["a"], best["b"], best["core"], best["mask"]
+
+    run = _Run(log.losses, log.iters, log.times, float(log.best_loss), int(log.best_iter))
+    return _factors_from_run(weight, act_sq_norm, config, problem, scales, (a, core, b, mask), run, xtx, name)
+
+
+@dataclass
+class _Run:
+    """What an optimizer run of one layer logged: losses at ``iters`` (seconds ``times``), the best."""
+    losses: List[torch.Tensor]
+    iters: List[int]
+    times: List[float]
+    best_loss: float
+    best_iter: int
+
+
+def _factors_from_run(weight, act_sq_norm, config: ArmorConfig, problem: _Problem, scales, factors, run: _Run,
+                      xtx, name) -> ArmorFactors:
+    """Check the optimizer's best point, undo the normalization, refine under ``XᵀX`` if given."""
+    row_norm, col_norm, w_exp, h_exp = scales
+    a, core, b, mask = factors
+    dtype, d_b = config.dtype, config.block_size
+    device = problem.w_bar.device
+    p, q = problem.tiles
+    pattern = problem.pattern
+    losses = torch.stack([torch.as_tensor(x, dtype=dtype, device=device) for x in run.losses]).double().cpu()
+    nowag_loss = float(problem.nowag_loss)
+    history = losses / nowag_loss if nowag_loss > 0 else torch.zeros_like(losses)
+    _check_result(problem, a, core, b, mask, run.best_loss, name)
+    out_dtype = weight.dtype
+    factors = ArmorFactors(
+        a_blocks=(row_norm.reshape(p, d_b, 1) * a).detach().to(out_dtype) * 2.0 ** w_exp,
+        core=core.detach().to(out_dtype),
+        b_blocks=(b * col_norm.reshape(q, 1, d_b)).detach().to(out_dtype),
+        mask=mask.detach().clone(),
+        pattern=str(pattern),
+        history=history,
+        history_iters=torch.tensor(run.iters, dtype=torch.long),
+        history_time_s=torch.tensor(run.times, dtype=torch.float64),
+        nowag_loss=nowag_loss * 2.0 ** h_exp,
+        best_iter=run.best_iter,
+    )
+    if xtx is not None and config.refine is not None:
+        refine = config.refine
+        factors = refine_output(weight.detach().to(device), xtx.to(device), factors, rounds=refine.rounds,
+                                cg_steps=refine.cg_steps, damp=refine.damp, act_sq_norm=act_sq_norm.to(device))
+    for label in ("a_blocks", "core", "b_blocks"):
+        if not bool(torch.isfinite(getattr(factors, label)).all()):
+            raise ArmorNumericalError(
+                f"{layer_prefix(name)}the {label} factors overflow {out_dtype} (weight scale 2^{w_exp}); "
+                f"factorize in a wider dtype (ArmorConfig(dtype=torch.float64)) or rescale the weight")
+    return factors
+
+
+def _nowag_start(weight, act_sq_norm, config: Optional[ArmorConfig], name):
+    """Resolve ``config`` for the layer and build the NoWag-P starting point:
+    ``(config, problem, (row_norm, col_norm, w_exp, h_exp), (A, B, core, mask))``."""
     pattern = validate_layer(weight, act_sq_norm, (config or ArmorConfig()).pattern, None, name)
     config = (config or ArmorConfig()).for_layer(*weight.shape, name=name)
     device = torch.device(config.device) if config.device is not None else weight.device
@@ -277,41 +342,7 @@ def factorize(
     p, q = problem.tiles
     eye = torch.eye(d_b, device=device, dtype=dtype)
     a, b = eye.repeat(p, 1, 1), eye.repeat(q, 1, 1)
-
-    opt = config.optimizer
-    log = _Log(problem, opt)
-    if opt.iterations > 0 and float(problem.nowag_loss) > 0:
-        run = _run_adam if isinstance(opt, AdamConfig) else _run_bcd
-        best = run(problem, opt, config.seed, log, a, b, core, mask.clone())
-        a, b, core, mask = best["a"], best["b"], best["core"], best["mask"]
-
-    losses = torch.stack([torch.as_tensor(x, dtype=dtype, device=device) for x in log.losses]).double().cpu()
-    nowag_loss = float(problem.nowag_loss)
-    history = losses / nowag_loss if nowag_loss > 0 else torch.zeros_like(losses)
-    _check_result(problem, a, core, b, mask, float(log.best_loss), name)
-    out_dtype = weight.dtype
-    factors = ArmorFactors(
-        a_blocks=(row_norm.reshape(p, d_b, 1) * a).detach().to(out_dtype) * 2.0 ** w_exp,
-        core=core.detach().to(out_dtype),
-        b_blocks=(b * col_norm.reshape(q, 1, d_b)).detach().to(out_dtype),
-        mask=mask.detach().clone(),
-        pattern=str(pattern),
-        history=history,
-        history_iters=torch.tensor(log.iters, dtype=torch.long),
-        history_time_s=torch.tensor(log.times, dtype=torch.float64),
-        nowag_loss=nowag_loss * 2.0 ** h_exp,
-        best_iter=int(log.best_iter),
-    )
-    if xtx is not None and config.refine is not None:
-        refine = config.refine
-        factors = refine_output(weight.detach().to(device), xtx.to(device), factors, rounds=refine.rounds,
-                                cg_steps=refine.cg_steps, damp=refine.damp, act_sq_norm=act_sq_norm.to(device))
-    for label in ("a_blocks", "core", "b_blocks"):
-        if not bool(torch.isfinite(getattr(factors, label)).all()):
-            raise ArmorNumericalError(
-                f"{layer_prefix(name)}the {label} factors overflow {out_dtype} (weight scale 2^{w_exp}); "
-                f"factorize in a wider dtype (ArmorConfig(dtype=torch.float64)) or rescale the weight")
-    return factors
+    return config, problem, (row_norm, col_norm, w_exp, h_exp), (a, b, core, mask)
 
 
 def _pow2_scaled(t: torch.Tensor, device, dtype) -> Tuple[torch.Tensor, int]:
