@@ -28,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import time
+import warnings
 from functools import partial
 from typing import List, Optional, Sequence
 
@@ -35,11 +36,12 @@ import torch
 
 from torch_armor.core.bcd import refine_core_cg, update_a, update_b
 from torch_armor.core.config import ArmorConfig
-from torch_armor.core.factorize import (_choose_groups, _factors_from_run, _nowag_start, _Run, _weighted_sq, factorize,
+from torch_armor.core.factorize import (_factors_from_run, _nowag_start, _Run, _weighted_sq, factorize,
                                         reconstruct_normalized)
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.core.levers import BcdConfig
-from torch_armor.core.sparse_core import block_grams, core_gradient, sparse_core_steps
+from torch_armor.core.sparse_core import (DECREASE_SELECTIONS, block_grams, core_gradient, group_decrease, select_groups,
+                                          selection_uniforms, sparse_core_steps)
 from torch_armor.errors import ArmorInputError
 
 __all__ = ["factorize_batched", "serial_reason"]
@@ -55,6 +57,8 @@ def serial_reason(config: ArmorConfig) -> Optional[str]:
         return "tol > 0 (experts would stop at different sweeps)"
     if opt.time_budget_s is not None:
         return "a time budget (experts would stop at different sweeps)"
+    if opt.selection_rule == "random":
+        return "selection 'random' (its integer draws are not batched)"
     return None
 
 
@@ -68,6 +72,18 @@ def _sweep_dense(w_bar, h, a, core, mask, b, *, ridge: float, cg_steps: int):
     grad = core_gradient(residual, a, b, h)
     a_gram, b_gram = block_grams(a, b, h)
     return a, b, core, _weighted_sq(residual, h), grad, a_gram, b_gram
+
+
+def _sparse_steps(core, mask, grad, a_gram, b_gram, uniform, *, opt: BcdConfig, pattern, d_b: int, num: int):
+    """One expert's group selection (its random draws given as ``uniform``) and its ``num`` exact
+    sparse-core steps per tile (vmapped over experts); the new core, mask and the loss decrease."""
+    rule = opt.selection_rule
+    decrease = (group_decrease(core, grad, a_gram, b_gram, pattern.n, pattern.m)
+                if rule in DECREASE_SELECTIONS else None)
+    rows, groups = select_groups(grad, d_b, pattern.m, rule, None, num=num, decrease=decrease, uniform=uniform)
+    core, mask = core.clone(), mask.clone()
+    gain = sparse_core_steps(core, mask, a_gram, b_gram, grad, pattern.n, pattern.m, rows, groups)
+    return core, mask, gain.sum()
 
 
 def _where(better: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
@@ -124,6 +140,8 @@ def factorize_batched(
     pattern, d_b = first.pattern, first.d_b
     generators = [torch.Generator(device=w_bar.device).manual_seed(cfg.seed) for _ in range(n_exp)]
     group_updates = opt.group_updates_per_sweep(d_b)
+    tiles = first.tiles[0] * first.tiles[1]
+    steps = partial(_sparse_steps, opt=opt, pattern=pattern, d_b=d_b, num=group_updates)
     sweep = torch.vmap(partial(_sweep_dense, ridge=opt.ridge, cg_steps=opt.cg_steps))
     best = {"a": a.clone(), "b": b.clone(), "core": core.clone(), "mask": mask.clone()}
     best_loss, best_iter = nowag.clone(), torch.zeros(n_exp, dtype=torch.long, device=w_bar.device)
@@ -133,14 +151,14 @@ def factorize_batched(
         a, b, core, loss, grad, a_gram, b_gram = sweep(w_bar, h, a, core, mask, b)
         core = core.contiguous()
         if group_updates > 0:
-            grad = grad.contiguous()
-            gains = []
-            for e in range(n_exp):
-                rows, groups = _choose_groups(opt, d_b, pattern, core[e], grad[e], a_gram[e], b_gram[e], generators[e],
-                                              num=group_updates)
-                gains.append(sparse_core_steps(core[e], mask[e], a_gram[e], b_gram[e], grad[e], pattern.n, pattern.m,
-                                               rows, groups).sum())
-            loss = loss - torch.stack(gains)
+            uniform = [selection_uniforms(opt.selection_rule, tiles, group_updates, g, w_bar.device, grad.dtype)
+                       for g in generators]
+            uniform = torch.stack(uniform) if uniform[0] is not None else None
+            with warnings.catch_warnings():  # take / index_copy_ run through vmap's per-expert fallback
+                warnings.filterwarnings("ignore", message="There is a performance drop", category=UserWarning)
+                core, mask, gain = torch.vmap(steps, in_dims=(0, 0, 0, 0, 0, None if uniform is None else 0))(
+                    core, mask, grad.contiguous(), a_gram, b_gram, uniform)
+            loss = loss - gain
         better = loss < best_loss
         for key, value in (("a", a), ("b", b), ("core", core), ("mask", mask)):
             best[key] = _where(better, value, best[key])
