@@ -21,7 +21,7 @@ from torch_armor.core.sparse_core import (DECREASE_SELECTIONS, block_grams, core
                                           sparse_core_step, sparse_core_steps)
 from torch_armor.errors import ArmorNumericalError
 
-__all__ = ["factorize", "reconstruct_normalized"]
+__all__ = ["factorize", "reconstruct_normalized", "nowag_start", "factors_from_run", "RunLog", "weighted_sq"]
 
 #: Clock behind ``time_budget_s`` and ``ArmorFactors.history_time_s`` (wall time). Benchmarks
 #: on a shared machine may set it to ``time.process_time`` (CPU seconds of this process).
@@ -32,7 +32,8 @@ def reconstruct_normalized(a: torch.Tensor, core: torch.Tensor, b: torch.Tensor)
     return block_diag_right(block_diag_left(a, core), b)
 
 
-def _weighted_sq(residual: torch.Tensor, act_sq_norm: torch.Tensor) -> torch.Tensor:
+def weighted_sq(residual: torch.Tensor, act_sq_norm: torch.Tensor) -> torch.Tensor:
+    """The proxy loss ``Σ R² h`` of a residual (normalized space)."""
     return (residual.square() * act_sq_norm).sum()
 
 
@@ -167,7 +168,7 @@ def _run_adam(problem: _Problem, opt: AdamConfig, seed: int, log: _Log, a, b, co
             a_s_view = a_s.view(p, d_b, q, d_b // m, m)
             a_s_view[p_idx, :, q_idx, groups] += a_col[..., None] * delta[:, :, None, :]
             w_prime.copy_(torch.where(mask, s, w_prime))
-        loss = _weighted_sq(residual, h)
+        loss = weighted_sq(residual, h)
         log.keep_best(it - 1, loss, best, {"a": a, "b": b, "core": s, "mask": mask})
         if it > 1 and log.is_log_point(it - 1):
             log.record(it - 1, loss)
@@ -181,7 +182,7 @@ def _run_adam(problem: _Problem, opt: AdamConfig, seed: int, log: _Log, a, b, co
     # Label the final point by the Adam steps taken; record it unless already recorded.
     if steps_done > log.iters[-1]:
         s = (w_prime * mask).contiguous()
-        loss = _weighted_sq(w_bar - reconstruct_normalized(a, s, b), h)
+        loss = weighted_sq(w_bar - reconstruct_normalized(a, s, b), h)
         log.keep_best(steps_done, loss, best, {"a": a, "b": b, "core": s, "mask": mask})
         log.record(steps_done, loss)
     return best
@@ -204,7 +205,7 @@ def _run_bcd(problem: _Problem, opt: BcdConfig, seed: int, log: _Log, a, b, core
         b = update_b(w_bar, a, core, b, opt.ridge)
         core = refine_core_cg(w_bar, h, a, core, mask, b, opt.cg_steps, opt.ridge).contiguous()
         residual = w_bar - reconstruct_normalized(a, core, b)
-        loss = _weighted_sq(residual, h)
+        loss = weighted_sq(residual, h)
         if pattern.structured and group_updates > 0:
             grad = core_gradient(residual, a, b, h).contiguous()
             a_gram, b_gram = block_grams(a, b, h)
@@ -260,7 +261,7 @@ def factorize(
         >>> f.relative_loss <= 1.0, f.dense().shape
         (True, torch.Size([64, 64]))
     """
-    config, problem, scales, start = _nowag_start(weight, act_sq_norm, config, name)
+    config, problem, scales, start = nowag_start(weight, act_sq_norm, config, name)
     a, b, core, mask = start
 
     opt = config.optimizer
@@ -270,12 +271,12 @@ def factorize(
         best = run(problem, opt, config.seed, log, a, b, core, mask.clone())
         a, b, core, mask = best["a"], best["b"], best["core"], best["mask"]
 
-    run = _Run(log.losses, log.iters, log.times, float(log.best_loss), int(log.best_iter))
-    return _factors_from_run(weight, act_sq_norm, config, problem, scales, (a, core, b, mask), run, xtx, name)
+    run = RunLog(log.losses, log.iters, log.times, float(log.best_loss), int(log.best_iter))
+    return factors_from_run(weight, act_sq_norm, config, problem, scales, (a, core, b, mask), run, xtx, name)
 
 
 @dataclass
-class _Run:
+class RunLog:
     """What an optimizer run of one layer logged: losses at ``iters`` (seconds ``times``), the best."""
     losses: List[torch.Tensor]
     iters: List[int]
@@ -284,9 +285,10 @@ class _Run:
     best_iter: int
 
 
-def _factors_from_run(weight, act_sq_norm, config: ArmorConfig, problem: _Problem, scales, factors, run: _Run,
+def factors_from_run(weight, act_sq_norm, config: ArmorConfig, problem: _Problem, scales, factors, run: RunLog,
                       xtx, name) -> ArmorFactors:
-    """Check the optimizer's best point, undo the normalization, refine under ``XᵀX`` if given."""
+    """The :class:`ArmorFactors` of an optimizer's best point ``factors = (A, core, B, mask)`` of
+    ``problem`` (checked against ``run.best_loss``): normalization undone, refined under ``XᵀX`` if given."""
     row_norm, col_norm, w_exp, h_exp = scales
     a, core, b, mask = factors
     dtype, d_b = config.dtype, config.block_size
@@ -322,7 +324,7 @@ def _factors_from_run(weight, act_sq_norm, config: ArmorConfig, problem: _Proble
     return factors
 
 
-def _nowag_start(weight, act_sq_norm, config: Optional[ArmorConfig], name):
+def nowag_start(weight, act_sq_norm, config: Optional[ArmorConfig], name):
     """Resolve ``config`` for the layer and build the NoWag-P starting point:
     ``(config, problem, (row_norm, col_norm, w_exp, h_exp), (A, B, core, mask))``."""
     pattern = validate_layer(weight, act_sq_norm, (config or ArmorConfig()).pattern, None, name)
@@ -338,7 +340,7 @@ def _nowag_start(weight, act_sq_norm, config: Optional[ArmorConfig], name):
     w_bar, row_norm, col_norm = normalize_weight(w)
     mask = mask_from_scores(nowag_scores(w_bar, h), pattern).contiguous()
     core = (w_bar * mask).contiguous()
-    problem = _Problem(w_bar, h, pattern, d_b, _weighted_sq(w_bar - core, h))
+    problem = _Problem(w_bar, h, pattern, d_b, weighted_sq(w_bar - core, h))
     p, q = problem.tiles
     eye = torch.eye(d_b, device=device, dtype=dtype)
     a, b = eye.repeat(p, 1, 1), eye.repeat(q, 1, 1)
@@ -367,7 +369,7 @@ def _check_result(problem: _Problem, a, core, b, mask, best_loss: float, name: O
                                       "ArmorConfig(dtype=torch.float64) or optimizer=BcdConfig(), and report the layer")
     if bool((core.ne(0) & ~mask).any()):
         raise ArmorNumericalError(f"{where}the sparse core has non-zeros outside its mask; please report the layer")
-    recomputed = float(_weighted_sq(problem.w_bar - reconstruct_normalized(a, core, b), problem.h))
+    recomputed = float(weighted_sq(problem.w_bar - reconstruct_normalized(a, core, b), problem.h))
     nowag = float(problem.nowag_loss)
     tol = 1e-2 * nowag + 1e3 * torch.finfo(problem.w_bar.dtype).eps * float(problem.h.double().sum())
     if not math.isfinite(recomputed) or abs(recomputed - best_loss) > tol or recomputed > nowag + tol:

@@ -36,7 +36,7 @@ import torch
 
 from torch_armor.core.bcd import refine_core_cg, update_a, update_b
 from torch_armor.core.config import ArmorConfig
-from torch_armor.core.factorize import (_factors_from_run, _nowag_start, _Run, _weighted_sq, factorize,
+from torch_armor.core.factorize import (factors_from_run, nowag_start, RunLog, weighted_sq, factorize,
                                         reconstruct_normalized)
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.core.levers import BcdConfig
@@ -71,7 +71,7 @@ def _sweep_dense(w_bar, h, a, core, mask, b, *, ridge: float, cg_steps: int):
     residual = w_bar - reconstruct_normalized(a, core, b)
     grad = core_gradient(residual, a, b, h)
     a_gram, b_gram = block_grams(a, b, h)
-    return a, b, core, _weighted_sq(residual, h), grad, a_gram, b_gram
+    return a, b, core, weighted_sq(residual, h), grad, a_gram, b_gram
 
 
 def _sparse_steps(core, mask, grad, a_gram, b_gram, uniform, *, opt: BcdConfig, pattern, d_b: int, num: int):
@@ -122,7 +122,7 @@ def factorize_batched(
         return []
     if serial_reason(config) is not None:
         return serial()
-    starts = [_nowag_start(weights[e], act_sq_norms[e], config, names[e]) for e in range(n_exp)]
+    starts = [nowag_start(weights[e], act_sq_norms[e], config, names[e]) for e in range(n_exp)]
     cfg, first = starts[0][0], starts[0][1]
     if (not first.pattern.structured or any(s[2][2] or s[2][3] for s in starts)
             or any(s[0] != cfg for s in starts) or bool((torch.stack([s[1].nowag_loss for s in starts]) <= 0).any())):
@@ -173,8 +173,8 @@ def factorize_batched(
     best_losses, best_iters = best_loss.tolist(), best_iter.tolist()
     out = []
     for e, (_, problem, scales, _) in enumerate(starts):
-        run = _Run(list(history[e]), iters, times, best_losses[e], best_iters[e])
+        run = RunLog(list(history[e]), iters, times, best_losses[e], best_iters[e])
         factors = (best["a"][e], best["core"][e].clone(), best["b"][e], best["mask"][e].clone())
-        out.append(_factors_from_run(weights[e], act_sq_norms[e], cfg, problem, scales, factors, run, xtxs[e],
+        out.append(factors_from_run(weights[e], act_sq_norms[e], cfg, problem, scales, factors, run, xtxs[e],
                                      names[e]))
     return out
