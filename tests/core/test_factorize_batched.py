@@ -84,3 +84,12 @@ def test_pre_drawn_uniforms_select_the_same_groups(rule):
     uniform = selection_uniforms(rule, 2 * 4, 3, g2, grad.device, grad.dtype)
     drawn = select_groups(grad, 8, 4, rule, None, num=3, decrease=decrease, uniform=uniform)
     assert all(torch.equal(x, y) for x, y in zip(direct, drawn))
+
+
+def test_many_experts_run_in_chunks_with_the_same_result(monkeypatch):
+    import torch_armor.core.factorize_batched as batched_module  # patched: a chunk of two experts
+
+    monkeypatch.setattr(batched_module, "MAX_BATCH_ELEMENTS", 2 * 8 * 16)
+    w, h = _experts(5, 8, 16, seed=3)
+    cfg = ArmorConfig(block_size=8, optimizer=BcdConfig(iters=3))
+    _assert_same(factorize_batched(w, h, cfg), [factorize(w[e], h[e], cfg) for e in range(5)])

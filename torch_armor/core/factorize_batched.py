@@ -45,7 +45,11 @@ from torch_armor.core.sparse_core import (DECREASE_SELECTIONS, block_grams, core
                                           selection_uniforms, sparse_core_steps)
 from torch_armor.errors import ArmorInputError
 
-__all__ = ["factorize_batched", "serial_reason"]
+__all__ = ["factorize_batched", "serial_reason", "MAX_BATCH_ELEMENTS"]
+
+#: Weight elements (E·d_out·d_in) factorized in one batch; more experts run in chunks of that size, so
+#: the optimizer's memory (about 14× the batch's weights, as for one layer) stays bounded for any E.
+MAX_BATCH_ELEMENTS = 1 << 24
 
 
 def serial_reason(config: ArmorConfig) -> Optional[str]:
@@ -123,6 +127,11 @@ def factorize_batched(
         return []
     if serial_reason(config) is not None:
         return serial()
+    chunk = max(1, MAX_BATCH_ELEMENTS // max(1, weights[0].numel()))
+    if n_exp > chunk:
+        return [f for lo in range(0, n_exp, chunk)
+                for f in factorize_batched(weights[lo:lo + chunk], act_sq_norms[lo:lo + chunk], config,
+                                           xtxs=xtxs[lo:lo + chunk], names=names[lo:lo + chunk])]
     starts = [nowag_start(weights[e], act_sq_norms[e], config, names[e]) for e in range(n_exp)]
     cfg, first = starts[0][0], starts[0][1]
     if (not first.pattern.structured or any(s[2][2] or s[2][3] for s in starts)
