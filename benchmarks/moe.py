@@ -10,7 +10,9 @@ experts, routed vs all-token expert calibration.
 2. Routed vs all: the same ARMOR and NoWag-P prunes with ``expert_calibration="all"`` (every
    token through every expert for the statistics), measured on routed tokens as above.
 3. Cost vs E: one decoder layer with 4, 8 and 16 experts, ARMOR; seconds for the expert layers
-   and per expert.
+   and per expert, with the experts of a fused parameter factorized as one batch (the default,
+   ``factorize_batched``) and one after another (the serial loop, by making ``expert_batches``
+   return single layers), in the same run (``--cost``: only this part).
 4. ``--rss``: peak RSS of a streamed prune (NoWag-P, ``prune_model(DIR, …, out=…)`` in a child
    process) of an 8-layer (``--rss-layers``), 16-expert checkpoint written by ``save_pretrained`` (per-expert keys),
    against the checkpoint's bytes; the peak of a child that only imports torch_armor and builds
@@ -18,6 +20,7 @@ experts, routed vs all-token expert calibration.
 
 Run:  python benchmarks/moe.py --threads 1                 # ~20 min on one loaded core
       python benchmarks/moe.py --threads 1 --rss           # ~2 min
+      python benchmarks/moe.py --threads 1 --cost          # ~10 min: only the cost vs E part
       python benchmarks/moe.py --threads 1 --tiny          # seconds: smoke test of the script
 """
 
@@ -43,6 +46,7 @@ from torch_armor.calibration.blocks import block_statistics, capture_block_input
 from torch_armor.calibration.experts import split_expert_name  # noqa: E402
 from torch_armor.calibration.selection import prunable_names  # noqa: E402
 from torch_armor.core.config import ArmorConfig, BcdConfig  # noqa: E402
+from torch_armor.engine import layers as engine_layers  # noqa: E402
 from torch_armor.engine.experts import layer_module  # noqa: E402
 from torch_armor.engine.methods import config_for_method, method_label  # noqa: E402
 from torch_armor.engine.prune import PruneOptions, prune_model  # noqa: E402
@@ -162,26 +166,29 @@ def rss(shape: dict, threads: int, layers: int) -> None:
     print(f"| {size / 2**20:.0f} | {peak / 2**20:.0f} | {base / 2**20:.0f} | {(peak - base) / size:.1%} |")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--experts", type=int, default=16)
-    ap.add_argument("--windows", type=int, default=32)
-    ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--rss", action="store_true", help="only the streamed prune's peak RSS")
-    ap.add_argument("--rss-layers", type=int, default=8, help="decoder layers of the --rss checkpoint")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    shape = TINY if args.tiny else SHAPE
-    print(f"# benchmarks/moe.py  threads={args.threads}  load average at start: {load()}  (other helpers running)")
-    if args.rss:
-        rss(shape, args.threads, args.rss_layers)
-        return
+def cost(shape: dict, args, calib) -> None:
+    """Part 3: ARMOR's expert-layer seconds for 4, 8, 16 experts, batched and serial."""
+    print("\n## ARMOR prune time vs number of experts (one decoder layer)\n")
+    print("| experts | expert layers | batched: expert-layer s | s per expert | serial: expert-layer s | s per expert |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    real = engine_layers.expert_batches
+    for experts in (4, 8, 16):
+        spent = []
+        for batched in (True, False):
+            engine_layers.expert_batches = real if batched else (lambda todo, configs: [[n] for n in todo])
+            try:
+                _, report, _ = run(build(shape, 1, experts), calib, armor_config(args.iters))
+            finally:
+                engine_layers.expert_batches = real
+            expert_layers = [r for r in report.layers if split_expert_name(r.name) is not None]
+            spent.append(sum(r.seconds for r in expert_layers))
+        print(f"| {experts} | {len(expert_layers)} | {spent[0]:.1f} | {spent[0] / experts:.2f} | {spent[1]:.1f} | "
+              f"{spent[1] / experts:.2f} |", flush=True)
+
+
+def quality(shape: dict, args, calib) -> None:
+    """Parts 1 and 2: relative output loss per layer kind, routed and all-token calibration."""
     model = build(shape, args.layers, args.experts)
-    calib = torch.randint(0, shape["vocab_size"], (args.windows, args.seq_len), generator=torch.Generator().manual_seed(1))
     params = sum(p.numel() for p in model.parameters())
     print(f"model: Qwen3-MoE random, {args.layers} layers, {args.experts} experts (top-2), hidden {shape['hidden_size']}, "
           f"expert intermediate {shape['moe_intermediate_size']}: {params / 1e6:.1f} M parameters; calibration "
@@ -205,15 +212,30 @@ def main() -> None:
     for (name, mode), (values, seconds) in rows.items():
         print(f"| {method_label(name)} | {mode} | " + " | ".join(f"{values[k]:.4f}" for k in kinds) + f" | {seconds:.0f} |")
 
-    print("\n## ARMOR prune time vs number of experts (one decoder layer)\n")
-    print("| experts | expert layers | expert-layer seconds | seconds per expert | total s |")
-    print("|---:|---:|---:|---:|---:|")
-    for experts in (4, 8, 16):
-        one = build(shape, 1, experts)
-        _, report, seconds = run(one, calib, armor_config(args.iters))
-        expert_layers = [r for r in report.layers if split_expert_name(r.name) is not None]
-        spent = sum(r.seconds for r in expert_layers)
-        print(f"| {experts} | {len(expert_layers)} | {spent:.1f} | {spent / experts:.2f} | {seconds:.1f} |", flush=True)
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--windows", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--rss", action="store_true", help="only the streamed prune's peak RSS")
+    ap.add_argument("--cost", action="store_true", help="only the prune time vs number of experts")
+    ap.add_argument("--rss-layers", type=int, default=8, help="decoder layers of the --rss checkpoint")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    shape = TINY if args.tiny else SHAPE
+    print(f"# benchmarks/moe.py  threads={args.threads}  load average at start: {load()}  (other helpers running)")
+    if args.rss:
+        rss(shape, args.threads, args.rss_layers)
+        return
+    calib = torch.randint(0, shape["vocab_size"], (args.windows, args.seq_len), generator=torch.Generator().manual_seed(1))
+    if not args.cost:
+        quality(shape, args, calib)
+    cost(shape, args, calib)
     print(f"\nload average at the end: {load()}; pid {os.getpid()}")
 
 

@@ -181,3 +181,21 @@ def test_failed_layer_is_recorded_and_retried(tmp_path):
     assert info["status"] == "failed" and "NaN" in info["error"]
     out = factorize_layers(layers, CFG, RunStore(tmp_path, CFG, "m", "h"), progress=False)
     assert list(out) == names
+
+
+def test_expert_layers_resume_mid_parameter_and_equal_the_serial_factorization(tmp_path):
+    from torch_armor.core.factorize import factorize  # the serial per-layer reference
+    from torch_armor.engine.layers import expert_batches  # which layers run as one batch
+
+    gen = torch.Generator().manual_seed(7)
+    names = [f"m.mlp.experts.down_proj.{e}" for e in range(5)]
+    layers = {n: (torch.randn(16, 32, generator=gen), torch.rand(32, generator=gen) + 0.1) for n in names}
+    store = RunStore(tmp_path, CFG, "synthetic", stats_hash(layers))
+    factorize_layers({n: layers[n] for n in names[:2]}, CFG, store, progress=False)  # interrupted after 2 experts
+    computed = []
+    resumed = factorize_layers(layers, CFG, RunStore(tmp_path, CFG, "synthetic", stats_hash(layers)), progress=False,
+                               on_layer_done=lambda n, f: computed.append(n))
+    assert computed == names[2:]  # the other three as one batch, each saved as its own layer
+    assert expert_batches(names[2:], dict.fromkeys(names, CFG)) == [names[2:]]
+    for n in names:
+        assert_same_factors(resumed[n], factorize(*layers[n], CFG.for_layer(16, 32)))

@@ -227,3 +227,41 @@ def test_armor_on_part_of_a_fused_parameters_experts_is_refused_before_any_work(
     report = prune_model(model, CALIB, config_for_method("wanda"), layers="experts.down_proj.1$",
                          options=PruneOptions(progress=False))
     assert [r.name for r in report.layers] == [f"model.layers.{i}.mlp.experts.down_proj.1" for i in range(2)]
+
+
+@pytest.mark.parametrize("refine", [None, RefineConfig(rounds=1, cg_steps=5)])
+def test_experts_of_a_fused_parameter_are_factorized_as_one_batch_equal_to_the_serial_loop(refine, monkeypatch,
+                                                                                          tmp_path):
+    import torch_armor.core.factorize_batched as batched_module  # patched below: count the batched calls
+    import torch_armor.engine.layers as layers_module  # patched below: the serial loop as the reference
+
+    cfg = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=3), reconstruct=None, refine=refine)
+    batches = []
+    real = batched_module.factorize_batched
+
+    def counting(weights, *args, **kwargs):
+        batches.append((len(weights), kwargs.get("names")))
+        return real(weights, *args, **kwargs)
+
+    monkeypatch.setattr("torch_armor.engine.methods.factorize_batched", counting)
+    batched = _build("qwen3_moe")
+    prune_model(batched, CALIB, cfg, options=PruneOptions(progress=False, run_dir=tmp_path / "batched"))
+    expected = [(E, [f"model.layers.{i}.mlp.experts.{attr}.{e}" for e in range(E)])
+                for i in range(2) for attr in ("gate_up_proj", "down_proj")]
+    assert sorted(batches) == sorted(expected)
+
+    monkeypatch.setattr(layers_module, "expert_batches", lambda todo, configs: [[n] for n in todo])
+    serial = _build("qwen3_moe")
+    prune_model(serial, CALIB, cfg, options=PruneOptions(progress=False, run_dir=tmp_path / "serial"))
+    assert len(batches) == len(expected)  # the serial run never batched
+    stored = sorted(f.name for f in (tmp_path / "batched" / "layers").glob("*.safetensors"))
+    assert stored == sorted(f.name for f in (tmp_path / "serial" / "layers").glob("*.safetensors"))
+    assert {f"{n}.safetensors" for _, names in expected for n in names} <= set(stored)  # saved per expert layer
+    for name in stored:
+        one, two = (load_file(str(tmp_path / run / "layers" / name)) for run in ("batched", "serial"))
+        assert one.keys() == two.keys(), name
+        assert [k for k in one if k != "history_time_s" and not torch.equal(one[k], two[k])] == [], name
+    for (n, p), (n2, p2) in zip(batched.named_parameters(), serial.named_parameters()):
+        assert n == n2
+        dense = (p.dense_weight(), p2.dense_weight()) if hasattr(p, "dense_weight") else (p, p2)
+        assert torch.equal(*dense), n

@@ -127,7 +127,7 @@ def refine_core_cg(w_bar: torch.Tensor, act_sq_norm: torch.Tensor, a: torch.Tens
         ok = curv > 0
         alpha = torch.where(ok, rz / torch.where(ok, curv, torch.ones_like(curv)), torch.zeros_like(curv))
         alpha4 = alpha[:, None, :, None]
-        x.add_(alpha4 * direction)
+        x = x + alpha4 * direction  # out of place: also runs under torch.vmap
         r = r - alpha4 * h_dir
         z = sandwich(a_inv, r, b_inv)
         rz_new = _tile_dot(r, z)

@@ -21,7 +21,7 @@ from torch_armor.core.sparse_core import (DECREASE_SELECTIONS, block_grams, core
                                           sparse_core_step, sparse_core_steps)
 from torch_armor.errors import ArmorNumericalError
 
-__all__ = ["factorize", "reconstruct_normalized"]
+__all__ = ["factorize", "reconstruct_normalized", "nowag_start", "factors_from_run", "RunLog", "weighted_sq"]
 
 #: Clock behind ``time_budget_s`` and ``ArmorFactors.history_time_s`` (wall time). Benchmarks
 #: on a shared machine may set it to ``time.process_time`` (CPU seconds of this process).
@@ -32,7 +32,8 @@ def reconstruct_normalized(a: torch.Tensor, core: torch.Tensor, b: torch.Tensor)
     return block_diag_right(block_diag_left(a, core), b)
 
 
-def _weighted_sq(residual: torch.Tensor, act_sq_norm: torch.Tensor) -> torch.Tensor:
+def weighted_sq(residual: torch.Tensor, act_sq_norm: torch.Tensor) -> torch.Tensor:
+    """The proxy loss ``Σ R² h`` of a residual (normalized space)."""
     return (residual.square() * act_sq_norm).sum()
 
 
@@ -167,7 +168,7 @@ def _run_adam(problem: _Problem, opt: AdamConfig, seed: int, log: _Log, a, b, co
             a_s_view = a_s.view(p, d_b, q, d_b // m, m)
             a_s_view[p_idx, :, q_idx, groups] += a_col[..., None] * delta[:, :, None, :]
             w_prime.copy_(torch.where(mask, s, w_prime))
-        loss = _weighted_sq(residual, h)
+        loss = weighted_sq(residual, h)
         log.keep_best(it - 1, loss, best, {"a": a, "b": b, "core": s, "mask": mask})
         if it > 1 and log.is_log_point(it - 1):
             log.record(it - 1, loss)
@@ -181,7 +182,7 @@ def _run_adam(problem: _Problem, opt: AdamConfig, seed: int, log: _Log, a, b, co
     # Label the final point by the Adam steps taken; record it unless already recorded.
     if steps_done > log.iters[-1]:
         s = (w_prime * mask).contiguous()
-        loss = _weighted_sq(w_bar - reconstruct_normalized(a, s, b), h)
+        loss = weighted_sq(w_bar - reconstruct_normalized(a, s, b), h)
         log.keep_best(steps_done, loss, best, {"a": a, "b": b, "core": s, "mask": mask})
         log.record(steps_done, loss)
     return best
@@ -204,7 +205,7 @@ def _run_bcd(problem: _Problem, opt: BcdConfig, seed: int, log: _Log, a, b, core
         b = update_b(w_bar, a, core, b, opt.ridge)
         core = refine_core_cg(w_bar, h, a, core, mask, b, opt.cg_steps, opt.ridge).contiguous()
         residual = w_bar - reconstruct_normalized(a, core, b)
-        loss = _weighted_sq(residual, h)
+        loss = weighted_sq(residual, h)
         if pattern.structured and group_updates > 0:
             grad = core_gradient(residual, a, b, h).contiguous()
             a_gram, b_gram = block_grams(a, b, h)
@@ -260,6 +261,73 @@ def factorize(
         >>> f.relative_loss <= 1.0, f.dense().shape
         (True, torch.Size([64, 64]))
     """
+    config, problem, scales, start = nowag_start(weight, act_sq_norm, config, name)
+    a, b, core, mask = start
+
+    opt = config.optimizer
+    log = _Log(problem, opt)
+    if opt.iterations > 0 and float(problem.nowag_loss) > 0:
+        run = _run_adam if isinstance(opt, AdamConfig) else _run_bcd
+        best = run(problem, opt, config.seed, log, a, b, core, mask.clone())
+        a, b, core, mask = best["a"], best["b"], best["core"], best["mask"]
+
+    run = RunLog(log.losses, log.iters, log.times, float(log.best_loss), int(log.best_iter))
+    return factors_from_run(weight, act_sq_norm, config, problem, scales, (a, core, b, mask), run, xtx, name)
+
+
+@dataclass
+class RunLog:
+    """What an optimizer run of one layer logged: losses at ``iters`` (seconds ``times``), the best."""
+    losses: List[torch.Tensor]
+    iters: List[int]
+    times: List[float]
+    best_loss: float
+    best_iter: int
+
+
+def factors_from_run(weight, act_sq_norm, config: ArmorConfig, problem: _Problem, scales, factors, run: RunLog,
+                      xtx, name) -> ArmorFactors:
+    """The :class:`ArmorFactors` of an optimizer's best point ``factors = (A, core, B, mask)`` of
+    ``problem`` (checked against ``run.best_loss``): normalization undone, refined under ``XᵀX`` if given."""
+    row_norm, col_norm, w_exp, h_exp = scales
+    a, core, b, mask = factors
+    dtype, d_b = config.dtype, config.block_size
+    device = problem.w_bar.device
+    p, q = problem.tiles
+    pattern = problem.pattern
+    losses = torch.stack([torch.as_tensor(x, dtype=dtype, device=device) for x in run.losses]).double().cpu()
+    nowag_loss = float(problem.nowag_loss)
+    history = losses / nowag_loss if nowag_loss > 0 else torch.zeros_like(losses)
+    _check_result(problem, a, core, b, mask, run.best_loss, name)
+    out_dtype = weight.dtype
+    factors = ArmorFactors(
+        a_blocks=(row_norm.reshape(p, d_b, 1) * a).detach().to(out_dtype) * 2.0 ** w_exp,
+        core=core.detach().to(out_dtype),
+        b_blocks=(b * col_norm.reshape(q, 1, d_b)).detach().to(out_dtype),
+        mask=mask.detach().clone(),
+        pattern=str(pattern),
+        history=history,
+        history_iters=torch.tensor(run.iters, dtype=torch.long),
+        history_time_s=torch.tensor(run.times, dtype=torch.float64),
+        nowag_loss=nowag_loss * 2.0 ** h_exp,
+        best_iter=run.best_iter,
+    )
+    if xtx is not None and config.refine is not None:
+        refine = config.refine
+        factors = refine_output(weight.detach().to(device), xtx.to(device), factors, rounds=refine.rounds,
+                                cg_steps=refine.cg_steps, damp=refine.damp, act_sq_norm=act_sq_norm.to(device),
+                                core_steps=refine.core_steps)
+    for label in ("a_blocks", "core", "b_blocks"):
+        if not bool(torch.isfinite(getattr(factors, label)).all()):
+            raise ArmorNumericalError(
+                f"{layer_prefix(name)}the {label} factors overflow {out_dtype} (weight scale 2^{w_exp}); "
+                f"factorize in a wider dtype (ArmorConfig(dtype=torch.float64)) or rescale the weight")
+    return factors
+
+
+def nowag_start(weight, act_sq_norm, config: Optional[ArmorConfig], name):
+    """Resolve ``config`` for the layer and build the NoWag-P starting point:
+    ``(config, problem, (row_norm, col_norm, w_exp, h_exp), (A, B, core, mask))``."""
     pattern = validate_layer(weight, act_sq_norm, (config or ArmorConfig()).pattern, None, name)
     config = (config or ArmorConfig()).for_layer(*weight.shape, name=name)
     device = torch.device(config.device) if config.device is not None else weight.device
@@ -273,46 +341,11 @@ def factorize(
     w_bar, row_norm, col_norm = normalize_weight(w)
     mask = mask_from_scores(nowag_scores(w_bar, h), pattern).contiguous()
     core = (w_bar * mask).contiguous()
-    problem = _Problem(w_bar, h, pattern, d_b, _weighted_sq(w_bar - core, h))
+    problem = _Problem(w_bar, h, pattern, d_b, weighted_sq(w_bar - core, h))
     p, q = problem.tiles
     eye = torch.eye(d_b, device=device, dtype=dtype)
     a, b = eye.repeat(p, 1, 1), eye.repeat(q, 1, 1)
-
-    opt = config.optimizer
-    log = _Log(problem, opt)
-    if opt.iterations > 0 and float(problem.nowag_loss) > 0:
-        run = _run_adam if isinstance(opt, AdamConfig) else _run_bcd
-        best = run(problem, opt, config.seed, log, a, b, core, mask.clone())
-        a, b, core, mask = best["a"], best["b"], best["core"], best["mask"]
-
-    losses = torch.stack([torch.as_tensor(x, dtype=dtype, device=device) for x in log.losses]).double().cpu()
-    nowag_loss = float(problem.nowag_loss)
-    history = losses / nowag_loss if nowag_loss > 0 else torch.zeros_like(losses)
-    _check_result(problem, a, core, b, mask, float(log.best_loss), name)
-    out_dtype = weight.dtype
-    factors = ArmorFactors(
-        a_blocks=(row_norm.reshape(p, d_b, 1) * a).detach().to(out_dtype) * 2.0 ** w_exp,
-        core=core.detach().to(out_dtype),
-        b_blocks=(b * col_norm.reshape(q, 1, d_b)).detach().to(out_dtype),
-        mask=mask.detach().clone(),
-        pattern=str(pattern),
-        history=history,
-        history_iters=torch.tensor(log.iters, dtype=torch.long),
-        history_time_s=torch.tensor(log.times, dtype=torch.float64),
-        nowag_loss=nowag_loss * 2.0 ** h_exp,
-        best_iter=int(log.best_iter),
-    )
-    if xtx is not None and config.refine is not None:
-        refine = config.refine
-        factors = refine_output(weight.detach().to(device), xtx.to(device), factors, rounds=refine.rounds,
-                                cg_steps=refine.cg_steps, damp=refine.damp, act_sq_norm=act_sq_norm.to(device),
-                                core_steps=refine.core_steps)
-    for label in ("a_blocks", "core", "b_blocks"):
-        if not bool(torch.isfinite(getattr(factors, label)).all()):
-            raise ArmorNumericalError(
-                f"{layer_prefix(name)}the {label} factors overflow {out_dtype} (weight scale 2^{w_exp}); "
-                f"factorize in a wider dtype (ArmorConfig(dtype=torch.float64)) or rescale the weight")
-    return factors
+    return config, problem, (row_norm, col_norm, w_exp, h_exp), (a, b, core, mask)
 
 
 def _pow2_scaled(t: torch.Tensor, device, dtype) -> Tuple[torch.Tensor, int]:
@@ -337,7 +370,7 @@ def _check_result(problem: _Problem, a, core, b, mask, best_loss: float, name: O
                                       "ArmorConfig(dtype=torch.float64) or optimizer=BcdConfig(), and report the layer")
     if bool((core.ne(0) & ~mask).any()):
         raise ArmorNumericalError(f"{where}the sparse core has non-zeros outside its mask; please report the layer")
-    recomputed = float(_weighted_sq(problem.w_bar - reconstruct_normalized(a, core, b), problem.h))
+    recomputed = float(weighted_sq(problem.w_bar - reconstruct_normalized(a, core, b), problem.h))
     nowag = float(problem.nowag_loss)
     tol = 1e-2 * nowag + 1e3 * torch.finfo(problem.w_bar.dtype).eps * float(problem.h.double().sum())
     if not math.isfinite(recomputed) or abs(recomputed - best_loss) > tol or recomputed > nowag + tol:

@@ -37,6 +37,7 @@ __all__ = [
     "sparse_core_steps",
     "core_gradient",
     "block_grams",
+    "selection_uniforms",
 ]
 
 
@@ -170,6 +171,7 @@ def select_groups(
     generator: Optional[torch.Generator] = None,
     num: Optional[int] = None,
     decrease: Optional[torch.Tensor] = None,
+    uniform: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Pick one group per tile; return its tile row and group index, each ``(P, Q)``.
 
@@ -181,6 +183,8 @@ def select_groups(
     random rules; the ``num`` largest for the greedy ones (distinct, repeating only if ``num``
     exceeds the groups of a tile); ``"mixed"`` = the ``num // 2`` largest decreases, then
     ``num − num // 2`` ``"l1-random"`` draws (with one draw, plain ``"l1-random"``).
+    ``uniform``: the ``(P·Q, random draws)`` uniform numbers of the ``"l1"``/``"l2-random"`` draws,
+    drawn beforehand from ``generator`` (:func:`selection_uniforms`), so that the rest runs under ``torch.vmap``.
     """
     d_out, d_in = grad.shape
     d_b, n_grp = block_size, block_size // m
@@ -194,7 +198,7 @@ def select_groups(
         if n_greedy:
             parts.append(_largest(_per_tile(decrease, p, q, d_b, n_grp), n_greedy))
         if draws > n_greedy:
-            r, g = select_groups(grad, block_size, m, "l1-random", generator, num=draws - n_greedy)
+            r, g = select_groups(grad, block_size, m, "l1-random", generator, num=draws - n_greedy, uniform=uniform)
             parts.append((r * n_grp + g).reshape(draws - n_greedy, p * q).transpose(0, 1))
         flat_idx = torch.cat(parts, 1).reshape(p, q, draws).permute(2, 0, 1)
         if num is None:
@@ -219,12 +223,28 @@ def select_groups(
             empty = flat.sum(-1, keepdim=True) <= 0
             flat = torch.where(empty, torch.ones_like(flat), flat)
             cdf = flat.cumsum(-1)
-            draw = torch.rand(p * q, draws, generator=generator, device=grad.device, dtype=cdf.dtype) * cdf[:, -1:]
+            if uniform is None:
+                uniform = torch.rand(p * q, draws, generator=generator, device=grad.device, dtype=cdf.dtype)
+            draw = uniform * cdf[:, -1:]
             flat_idx = torch.searchsorted(cdf, draw, right=True).clamp_max(d_b * n_grp - 1)
     flat_idx = flat_idx.reshape(p, q, draws).permute(2, 0, 1)
     if num is None:
         flat_idx = flat_idx[0]
     return flat_idx // n_grp, flat_idx % n_grp
+
+
+def selection_uniforms(selection: str, tiles: int, num: Optional[int], generator: Optional[torch.Generator],
+                       device, dtype) -> Optional[torch.Tensor]:
+    """The uniform numbers :func:`select_groups` would draw from ``generator`` for ``selection``
+    (``None`` for the rules that draw none; ``"random"`` draws integers and is not covered)."""
+    draws = 1 if num is None else num
+    if selection in DECREASE_SELECTIONS:
+        draws -= draws if selection == "decrease-greedy" else draws // 2
+    elif selection not in ("l1-random", "l2-random"):
+        return None
+    if draws == 0:
+        return None
+    return torch.rand(tiles, draws, generator=generator, device=device, dtype=dtype)
 
 
 def block_grams(a: torch.Tensor, b: torch.Tensor, act_sq_norm: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -375,7 +395,7 @@ def sparse_core_steps(
     k_ss = gram.reshape(k_steps, p, q, m * m).index_select(-1, ss_idx).view(k_steps, p, q, n_sup, n, n)
     k_pinv = psd_pinv(k_ss)
     core_flat, mask_flat = core.view(-1), mask.view(-1)
-    total = torch.zeros(p, q, dtype=dtype, device=device)
+    total = torch.zeros(p, q, dtype=dtype, device=device)  # summed out of place: also runs under torch.vmap
     for k in range(k_steps):
         pos = flat[k].reshape(-1)
         cur = core_flat.index_select(0, pos).view(p, q, m)
@@ -396,7 +416,7 @@ def sparse_core_steps(
         new_mask = torch.where(accept[..., None], sup_mask.index_select(0, best.view(-1)).view(p, q, m),
                                mask_flat.index_select(0, pos).view(p, q, m))
         mask_flat.index_copy_(0, pos, new_mask.view(-1))
-        total += torch.where(accept, best_gain - cur_gain, torch.zeros_like(cur_gain))
+        total = total + torch.where(accept, best_gain - cur_gain, torch.zeros_like(cur_gain))
         if k + 1 < k_steps:
             right = ((new - cur)[..., None] * b_rows[k]).sum(-2)  # (P, Q, d_b): δᵀ (B_j D_j B_jᵀ)[G_k, :]
             later = right.expand(k_steps - k - 1, p, q, d_b).gather(-1, cols[k + 1:])

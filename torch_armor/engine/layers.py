@@ -38,16 +38,18 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 import torch
 
+from torch_armor.calibration.experts import split_expert_name
 from torch_armor.core.config import ArmorConfig
 from torch_armor.core.config_compat import LEGACY_KEYWORDS
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.engine.identity import act_sq_norm_of
+from torch_armor.engine.methods import armor_experts
 from torch_armor.engine.runner import solve_layer
 from torch_armor.engine.runstore import RunStore
 from torch_armor.errors import ArmorInputError, RunMismatchError
 from torch_armor.progress import tqdm
 
-__all__ = ["factorize_layers", "layer_configs", "check_layer_inputs", "eager_shapes", "compute_layers",
+__all__ = ["factorize_layers", "layer_configs", "check_layer_inputs", "eager_shapes", "compute_layers", "expert_batches",
            "pending_layers", "LayerInput"]
 
 logger = logging.getLogger("torch_armor")
@@ -158,32 +160,67 @@ def compute_layers(
     total = len(todo) if total is None else total
     out: Dict[str, ArmorFactors] = {}
     bar = tqdm(total=total, initial=total - len(todo), desc=desc, unit="layer", disable=not progress)
+
+    def finish(fqn: str, factors: ArmorFactors, cfg, seconds: float) -> None:
+        if store is not None:
+            store.save(fqn, factors, config=cfg, seconds=seconds)
+        logger.info("%s: relative proxy loss %.4f (%.1fs)", fqn, factors.relative_loss, seconds)
+        if on_layer_done is not None:
+            on_layer_done(fqn, factors)
+        if keep:
+            out[fqn] = factors
+        bar.update(1)
+
     try:
         with torch.no_grad():
-            for fqn in todo:
-                bar.set_postfix_str(fqn[-40:])
-                weight, h = _materialize(fqn, layers[fqn])
+            for group in expert_batches(todo, configs):
+                bar.set_postfix_str(group[0][-40:])
+                inputs = [_materialize(fqn, layers[fqn]) for fqn in group]
                 start = time.perf_counter()
                 try:
-                    cfg = configs[fqn].for_layer(*weight.shape, name=fqn) if weight.dim() == 2 else configs[fqn]
-                    factors = solve_layer(weight, h, cfg, fqn).factors
+                    cfgs = [configs[fqn].for_layer(*w.shape, name=fqn) if w.dim() == 2 else configs[fqn]
+                            for fqn, (w, _) in zip(group, inputs)]
+                    if len(group) > 1:
+                        solved = armor_experts([w for w, _ in inputs], [h for _, h in inputs], cfgs[0], group)
+                    else:
+                        solved = [solve_layer(inputs[0][0], inputs[0][1], cfgs[0], group[0]).factors]
                 except Exception as err:
                     if store is not None:
-                        store.mark_failed(fqn, err)
+                        for fqn in group:
+                            store.mark_failed(fqn, err)
                     raise
-                seconds = time.perf_counter() - start
-                del weight, h
-                if store is not None:
-                    store.save(fqn, factors, config=cfg, seconds=seconds)
-                logger.info("%s: relative proxy loss %.4f (%.1fs)", fqn, factors.relative_loss, seconds)
-                if on_layer_done is not None:
-                    on_layer_done(fqn, factors)
-                if keep:
-                    out[fqn] = factors
-                bar.update(1)
+                seconds = (time.perf_counter() - start) / len(group)
+                del inputs
+                for fqn, factors, cfg in zip(group, solved, cfgs):
+                    finish(fqn, factors, cfg, seconds)
     finally:
         bar.close()
     return out
+
+
+def expert_batches(todo: Sequence[str], configs: Mapping[str, Any]) -> List[List[str]]:
+    """``todo`` cut into the runs factorized together: consecutive expert layers of one fused parameter
+    with one ARMOR config (:func:`~torch_armor.core.factorize_batched.factorize_batched`), else single layers.
+
+    Example::
+
+        >>> cfg = ArmorConfig()
+        >>> names = ["m.mlp.experts.down_proj.0", "m.mlp.experts.down_proj.1", "m.self_attn.q_proj"]
+        >>> expert_batches(names, dict.fromkeys(names, cfg))
+        [['m.mlp.experts.down_proj.0', 'm.mlp.experts.down_proj.1'], ['m.self_attn.q_proj']]
+    """
+    groups: List[List[str]] = []
+    key_of_last = None
+    for fqn in todo:
+        split = split_expert_name(fqn)
+        cfg = configs[fqn]
+        key = (split[0], cfg) if split is not None and isinstance(cfg, ArmorConfig) else None
+        if key is not None and key == key_of_last:
+            groups[-1].append(fqn)
+        else:
+            groups.append([fqn])
+        key_of_last = key
+    return groups
 
 
 def pending_layers(

@@ -24,13 +24,14 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from torch_armor.core import baselines
 from torch_armor.core.config import ArmorConfig
 from torch_armor.core.factorize import factorize
+from torch_armor.core.factorize_batched import factorize_batched
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.core.method_config import MagnitudeConfig, NoWagConfig, SparseGPTConfig, WandaConfig
 from torch_armor.core.proxy import nowag_prune
@@ -210,3 +211,19 @@ def _armor(weight: torch.Tensor, stats: Any, config: ArmorConfig, name: str = ""
         raise ArmorInputError(f"layer {name!r}: output-space refinement needs XᵀX statistics (calibrate with "
                               "track_xtx=True), or set ArmorConfig(refine=None)")
     return factorize(weight, _h(stats, weight), config, xtx=xtx, name=name or None)
+
+
+def armor_experts(weights: Sequence[torch.Tensor], stats: Sequence[Any], config: ArmorConfig,
+                  names: Sequence[str]) -> List[ArmorFactors]:
+    """ARMOR on the same-shape experts of one fused parameter at once
+    (:func:`~torch_armor.core.factorize_batched.factorize_batched`), with the checks of one layer."""
+    for s, name in zip(stats, names):
+        if s is None or getattr(s, "num_tokens", None) == 0:
+            raise ArmorInputError(f"layer {name!r} saw no calibration data: run forward passes on calibration "
+                                  "inputs before solving it")
+        if config.refines and _xtx(s) is None and not isinstance(s, torch.Tensor):
+            raise ArmorInputError(f"layer {name!r}: output-space refinement needs XᵀX statistics (calibrate with "
+                                  "track_xtx=True), or set ArmorConfig(refine=None)")
+    hs = torch.stack([_h(s, w) for s, w in zip(stats, weights)])
+    return factorize_batched(torch.stack([w.detach() for w in weights]), hs, config, xtxs=[_xtx(s) for s in stats],
+                             names=list(names))
