@@ -3,6 +3,8 @@ iterate, masks and cores, resume, the config."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import copy
 import math
 
@@ -20,7 +22,8 @@ from torch_armor.tensor.armor_tensor import ArmorTensor
 pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB = 128
 CALIB = torch.randint(0, VOCAB, (12, 32), generator=torch.Generator().manual_seed(3))
-BASE = ArmorConfig(block_size=8, optimizer=BcdConfig(iters=2), refine=RefineConfig(rounds=1), reconstruct=None)
+BASE = ArmorConfig(block_size=8, optimizer=BcdConfig(iters=2), refine=RefineConfig(rounds=1), reconstruct=None,
+                   distill=None)
 # top_k = the vocabulary: the coarse KL is the full KL, so the float64 reference below is exact
 DISTILL = DistillConfig(steps=6, lr=3e-3, windows_per_step=2, held_out=3, top_k=VOCAB, eval_every=2)
 
@@ -155,18 +158,21 @@ def test_resume_applies_a_finished_distillation_without_redoing_it(tmp_path):
         assert torch.equal(w.dense_weight(), module.weight.dense_weight())
 
 
-def test_streamed_checkpoints_are_refused_with_the_way_out(tmp_path):
+def test_streamed_checkpoints_skip_distillation_with_one_warning_naming_the_way_out(tmp_path):
     model = make_tiny_llama()
     model.save_pretrained(tmp_path / "ckpt")
-    cfg = ArmorConfig(block_size=8, distill=DistillConfig())
-    with pytest.raises(ArmorInputError, match="needs it in memory.*distill=None"):
-        prune_model(tmp_path / "ckpt", CALIB, cfg, options=PruneOptions(out=tmp_path / "out", progress=False))
+    cfg = ArmorConfig(block_size=8, optimizer=BcdConfig(iters=2), reconstruct=None, distill=DistillConfig())
+    with pytest.warns(UserWarning, match="distillation skipped: .*needs it in memory.*distill=None") as caught:
+        report = prune_model(tmp_path / "ckpt", CALIB, cfg, options=PruneOptions(out=tmp_path / "out", progress=False))
+    assert sum("distillation skipped" in str(w.message) for w in caught) == 1
+    assert not report.distill
 
 
-def test_too_many_held_out_windows_name_the_field():
-    cfg = ArmorConfig(block_size=8, distill=DistillConfig(held_out=12))
-    with pytest.raises(ArmorInputError, match="DistillConfig.held_out=12"):
-        _prune(cfg)
+def test_too_many_held_out_windows_skip_distillation_naming_the_field():
+    cfg = dataclasses.replace(BASE, distill=DistillConfig(held_out=12))
+    with pytest.warns(UserWarning, match="12 calibration windows leave none to train on.*DistillConfig.held_out"):
+        _, report = _prune(cfg)
+    assert not report.distill
 
 
 @pytest.mark.parametrize("field,value", [("steps", 0), ("steps", 1.5), ("lr", 0.0), ("lr", float("nan")),
@@ -177,10 +183,10 @@ def test_config_validation_names_the_field(field, value):
         DistillConfig(**{field: value})
 
 
-def test_armor_config_serializes_distillation_only_when_on():
-    assert not any(k.startswith("distill") for k in ArmorConfig().to_dict())
-    on = ArmorConfig(distill=DistillConfig()).to_dict()
-    assert on["distill_steps"] == DistillConfig().steps
+def test_armor_config_serializes_distillation_only_when_changed():
+    assert not any(k.startswith("distill") for k in ArmorConfig().to_dict())  # on by default: the earlier form
+    assert ArmorConfig(distill=None).to_dict()["distill_steps"] == 0
+    assert ArmorConfig(distill=DistillConfig(steps=8)).to_dict()["distill_steps"] == 8
     assert ArmorConfig(distill=DistillConfig(lr=1e-2, train_core=True)).to_dict()["distill_train_core"] is True
     with pytest.raises(ArmorInputError, match="ArmorConfig.distill"):
         ArmorConfig(distill=8)

@@ -132,7 +132,7 @@ def test_armor_prunes_every_expert_keeps_the_router_dense_and_matches_the_slow_r
     original = copy.deepcopy(model)
     routers = _routers(model)
     refine = RefineConfig(rounds=1, cg_steps=5) if arch == "qwen3_moe" else None  # output space (XᵀX) on one
-    cfg = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=2), reconstruct=None, refine=refine)
+    cfg = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=2), reconstruct=None, refine=refine, distill=None)
     report = prune_model(model, CALIB, cfg, options=PruneOptions(progress=False, run_dir=tmp_path))
     names = [r.name for r in report.layers]
     fused = [n for n in names if split_expert_name(n) is not None]
@@ -193,7 +193,7 @@ def test_rarely_routed_experts_fall_back_with_a_warning_each():
 
 
 def test_a_run_directory_resumes_expert_layers_bit_identically(tmp_path):
-    cfg = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=2), reconstruct=None, refine=None)
+    cfg = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=2), reconstruct=None, refine=None, distill=None)
     first = _build("qwen3_moe")
     prune_model(first, CALIB, cfg, options=PruneOptions(progress=False, run_dir=tmp_path))
     lines = []
@@ -235,7 +235,7 @@ def test_experts_of_a_fused_parameter_are_factorized_as_one_batch_equal_to_the_s
     import torch_armor.core.factorize_batched as batched_module  # patched below: count the batched calls
     import torch_armor.engine.layers as layers_module  # patched below: the serial loop as the reference
 
-    cfg = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=3), reconstruct=None, refine=refine)
+    cfg = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=3), reconstruct=None, refine=refine, distill=None)
     batches = []
     real = batched_module.factorize_batched
 

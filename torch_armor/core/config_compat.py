@@ -174,10 +174,11 @@ def flat_dict(cfg: Any, plain: Callable[[Any], Any]) -> Dict[str, Any]:
             out[key] = plain(getattr(getattr(cfg, lever) or _LEVER_DEFAULTS[lever], name))
     if recon is None:
         out["reconstruct_steps"] = 0
-    if cfg.distill is not None:  # only when on: configs without distillation keep their earlier form
-        out["distill_steps"] = cfg.distill.steps
+    if cfg.distill is None:  # distillation (on by default) keys only when changed: earlier forms are kept
+        out["distill_steps"] = 0
+    else:
         out.update({f"distill_{f.name}": plain(getattr(cfg.distill, f.name)) for f in dataclasses.fields(cfg.distill)
-                    if f.name != "steps" and getattr(cfg.distill, f.name) != f.default})
+                    if getattr(cfg.distill, f.name) != f.default})
     known = set(_LEVER_FIELDS.values())
     for lever in ("optimizer", "refine", "reconstruct"):  # fields added after the flat form: only when set
         value = getattr(cfg, lever)
