@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import json
 import shlex
 import shutil
@@ -108,7 +109,11 @@ def _prune(args: argparse.Namespace, out: Path, run_dir: Path) -> int:
         out=out, overwrite=args.overwrite, run_dir=run_dir,
         device=args.device, dtype=parse_dtype(args.dtype), storage=args.storage, sequential=not args.one_shot,
         batch_size=args.batch_size, progress=not args.no_progress, log=log)
-    report = prune_model(model, windows, method_config(args), layers=args.layers, options=options)
+    config = method_config(args)
+    if isinstance(model, (str, os.PathLike)) and getattr(config, "distill", None) is not None:
+        log("end-to-end distillation needs the model in memory: off for this streamed prune")
+        config = dataclasses.replace(config, distill=None)
+    report = prune_model(model, windows, config, layers=args.layers, options=options)
     if report.rank != 0:
         return 0
     tokenizer.save_pretrained(str(out))
