@@ -17,6 +17,7 @@
 :class:`torch_armor.engine.checkpoint.LazyCheckpoint` (load, release): the loader's own peak.
 
 Run:  python benchmarks/memory.py [--work DIR] [--n-calib 8 --seq-len 256] [--threads 1] [--keep]
+      python benchmarks/memory.py --n-calib 4 --seq-len 128 --prune-args "--refine none" --keep
       python benchmarks/memory.py --dry-run          # build + streaming-only child
       python benchmarks/memory.py --tiny --dry-run   # seconds: smoke test of the script itself
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -214,6 +216,7 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint and output (else deleted)")
     ap.add_argument("--dry-run", action="store_true", help="skip the prune: the child only streams the blocks")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer hidden-256 model: smoke test, not a benchmark")
+    ap.add_argument("--prune-args", default="", help="more options for the prune child, e.g. '--refine none'")
     args = ap.parse_args()
     shape = TINY if args.tiny else SHAPE
     ckpt, out = args.work / ("ckpt-tiny" if args.tiny else "ckpt"), args.work / "out"
@@ -227,7 +230,7 @@ def main() -> None:
             what = "prune"
             cmd = [sys.executable, "-m", "torch_armor", "prune", str(ckpt), "--out", str(out), "--iters", "1",
                    "--n-calib", str(args.n_calib), "--seq-len", str(args.seq_len), "--calib", "sotu",
-                   "--threads", str(args.threads), "--no-progress"]
+                   "--threads", str(args.threads), "--no-progress"] + shlex.split(args.prune_args)
         print("child: " + " ".join(cmd[:2] + ["..."] + cmd[3:] if args.dry_run else cmd), file=sys.stderr)
         shutil.rmtree(out, ignore_errors=True)  # the prune refuses a non-empty --out
         r = run_child(cmd, args.work)

@@ -50,6 +50,12 @@ VARIANTS = {
     "default+distill": {"distill": DistillConfig()},
     "fast": dict(PRESETS["fast"]),
     "max": dict(PRESETS["max"]),
+    # the max preset's candidates: 128 distillation steps with warm-up and cosine decay, wrappers only or + cores
+    "max-distill128": {"refine": RefineConfig(core_steps=16), "reconstruct": ReconstructConfig(steps=64),
+                       "distill": DistillConfig(steps=128, warmup=0.05, decay="cosine", eval_every=8)},
+    "max-distill128-core": {"refine": RefineConfig(core_steps=16), "reconstruct": ReconstructConfig(steps=64),
+                            "distill": DistillConfig(steps=128, warmup=0.05, decay="cosine", eval_every=8,
+                                                     train_core=True)},
     "default-no-distill": {"distill": None},
     "default+distill-core": {"distill": DistillConfig(train_core=True)},
     "budget+refine": {"block_size": "budget", "refine": RefineConfig(), "reconstruct": None},  # one model-wide budget

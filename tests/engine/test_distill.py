@@ -143,6 +143,34 @@ def test_masks_unchanged_and_cores_2_4(train_core):
     assert moved == (report.distill["best_step"] > 0)
 
 
+@pytest.mark.parametrize("warmup,decay", [(0.0, "constant"), (0.25, "cosine"), (0.0, "linear")])
+def test_each_step_runs_at_the_scheduled_learning_rate(monkeypatch, warmup, decay):
+    steps, lr = 8, 1e-3
+    seen = []
+    real_step = torch.optim.Adam.step
+
+    def spy(self, *args, **kwargs):  # the real step, after recording each group's learning rate
+        seen.append([g["lr"] for g in self.param_groups])
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", spy)
+    cfg = DistillConfig(steps=steps, lr=lr, held_out=3, top_k=16, eval_every=4, warmup=warmup, decay=decay)
+    model, _ = _prune(dataclasses.replace(BASE, distill=cfg))
+    assert len(seen) == steps
+    # by hand: warm-up `step / w` for w = round(warmup · steps) steps, then the decay over the rest
+    w = round(warmup * steps)
+    expected = []
+    for step in range(1, steps + 1):
+        p = (step - w - 1) / (steps - w)
+        expected.append(step / w if step <= w else {"constant": 1.0, "linear": 1.0 - p,
+                                                     "cosine": (1 + math.cos(math.pi * p)) / 2}[decay])
+    peaks = [lr_g / expected[0] for lr_g in seen[0]]  # lr × each tensor's RMS
+    for rates, factor in zip(seen, expected):
+        assert rates == pytest.approx([peak * factor for peak in peaks], rel=1e-12)
+    if decay == "constant":
+        assert len({tuple(r) for r in seen}) == 1
+
+
 def test_resume_applies_a_finished_distillation_without_redoing_it(tmp_path):
     cfg = ArmorConfig(block_size=8, optimizer=BcdConfig(iters=2), refine=RefineConfig(rounds=1), reconstruct=None,
                       distill=DistillConfig(steps=2, held_out=3, top_k=16, eval_every=1, lr=1e-3))
@@ -177,7 +205,8 @@ def test_too_many_held_out_windows_skip_distillation_naming_the_field():
 
 @pytest.mark.parametrize("field,value", [("steps", 0), ("steps", 1.5), ("lr", 0.0), ("lr", float("nan")),
                                          ("windows_per_step", 0), ("held_out", 0), ("top_k", True),
-                                         ("eval_every", -1), ("train_core", 1)])
+                                         ("eval_every", -1), ("train_core", 1), ("warmup", 1.0),
+                                         ("warmup", -0.1), ("decay", "exponential")])
 def test_config_validation_names_the_field(field, value):
     with pytest.raises(ArmorInputError, match=f"DistillConfig.{field}"):
         DistillConfig(**{field: value})

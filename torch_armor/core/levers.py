@@ -3,7 +3,7 @@
 * the per-layer optimizer: :class:`BcdConfig` (default) or :class:`AdamConfig` (the paper's);
 * output-space refinement: :class:`RefineConfig` (``ArmorConfig(refine=None)``: off);
 * block reconstruction: :class:`ReconstructConfig` (``ArmorConfig(reconstruct=None)``: off);
-* end-to-end distillation: :class:`DistillConfig` (``ArmorConfig(distill=None)``, the default: off).
+* end-to-end distillation: :class:`DistillConfig` (the default; ``ArmorConfig(distill=None)``: off).
 
 A new setting of a lever is a new field with a default here; :meth:`ArmorConfig.to_dict
 <torch_armor.core.config.ArmorConfig.to_dict>` serializes it as ``"<lever>_<field>"`` when it
@@ -249,6 +249,8 @@ class DistillConfig:
             tokens and one bin for the rest: a lower bound of the full KL, exact at the vocabulary size).
         eval_every: measure the held-out KL every this many steps (and after the last).
         train_core: also train the kept core values (masks stay fixed).
+        warmup: fraction of the steps with a linear learning-rate warm-up (0: none).
+        decay: the learning rate after the warm-up, one of :data:`DECAYS` (as block reconstruction's).
     """
 
     steps: int = 16
@@ -258,6 +260,8 @@ class DistillConfig:
     top_k: int = 64
     eval_every: int = 4
     train_core: bool = False
+    warmup: float = 0.0
+    decay: str = "constant"
 
     def __post_init__(self) -> None:
         owner = "DistillConfig"
@@ -271,6 +275,9 @@ class DistillConfig:
         _positive_int(owner, "eval_every", self.eval_every)
         if not isinstance(self.train_core, bool):
             raise ArmorInputError(f"DistillConfig.train_core must be True or False, got {self.train_core!r}")
+        check_fraction(owner, "warmup", self.warmup)
+        if self.decay not in DECAYS:
+            raise ArmorInputError(f"DistillConfig.decay must be one of {DECAYS}, got {self.decay!r}")
 
 
 Optimizer = Union[BcdConfig, AdamConfig]

@@ -37,6 +37,7 @@ from torch_armor._io import atomic_write
 from torch_armor.core.blockdiag import block_diag_left, block_diag_right
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.core.levers import DistillConfig
+from torch_armor.engine.reconstruct_data import lr_factor
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import ArmorTensor, armor_linear_from_factors
 
@@ -154,7 +155,7 @@ def distill_model(model: nn.Module, windows: Sequence[Window], teacher: Dict[int
         windows: the calibration windows; the last ``config.held_out`` are held out.
         teacher: :func:`dense_top_k` of the dense model, by window index (the held-out windows and
             every training window the steps reach).
-        config: steps, learning rate, micro-batch, held-out windows, ``train_core``.
+        config: steps, learning rate and its schedule, micro-batch, held-out windows, ``train_core``.
         seed: the order of the training windows.
         storage: the core storage of the weights written back (as the block pass used).
 
@@ -183,6 +184,8 @@ def distill_model(model: nn.Module, windows: Sequence[Window], teacher: Dict[int
             scale = float(t.detach().square().mean().sqrt()) or 1.0
             groups.append({"params": [t], "lr": config.lr * scale})
     optimizer = torch.optim.Adam(groups)
+    peaks = [g["lr"] for g in optimizer.param_groups]
+    warmup_steps = round(config.warmup * config.steps)
     frozen = [p for p in model.parameters() if p.requires_grad]
     for p in frozen:
         p.requires_grad_(False)
@@ -211,6 +214,9 @@ def distill_model(model: nn.Module, windows: Sequence[Window], teacher: Dict[int
         order = training_order(len(train), config, seed)
         for step in range(1, config.steps + 1):
             optimizer.zero_grad(set_to_none=True)
+            scale = lr_factor(step, config.steps, warmup_steps, config.decay)
+            for group, peak in zip(optimizer.param_groups, peaks):
+                group["lr"] = peak * scale
             chosen = [train[i] for i in order[(step - 1) * config.windows_per_step:step * config.windows_per_step]]
             count = sum(int(windows[j][1].sum()) if windows[j][1] is not None else windows[j][0].shape[1]
                         for j in chosen)
