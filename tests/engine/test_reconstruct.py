@@ -13,7 +13,7 @@ from torch_armor import ArmorConfig, BcdConfig, prune_model, PruneOptions, Recon
 from torch_armor.calibration.blocks import BlockInput, block_statistics, capture_block_inputs, run_block
 from torch_armor.engine.reconstruct import reconstruct_block
 from torch_armor.core.factorize import factorize
-from torch_armor.engine.reconstruct_weights import FactorLeaves, build_weights, weight_names
+from torch_armor.engine.reconstruct_weights import FactoredLinears, FactorLeaves, build_weights, weight_names
 from torch_armor.engine.runner import solve_layer
 from torch_armor.errors import ArmorInputError
 
@@ -156,6 +156,50 @@ def test_building_w_hat_keeps_no_weight_sized_tensor_in_the_graph():
         ref.square().sum().backward()
         for t, p in zip(leaves.tensors, plain):
             assert torch.allclose(t.grad, p.grad, rtol=1e-4, atol=1e-6), name
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_a_factored_linear_keeps_no_weight_sized_tensor_and_gets_autograds_gradients(train):
+    """Inside :class:`FactoredLinears` a linear's ``Ŵ`` and matmul are one checkpointed function:
+    the graph keeps the input and the leaves, never a ``d_out × d_in`` tensor; the gradients of
+    the input and (when trained) of the leaves are those of autograd through the explicit product
+    in float64; a frozen linear passes the input's gradient and gives its leaves none."""
+    block, layers, _, _, factors = _block_problem()
+    groups = weight_names(block, factors)
+    leaves = {n: FactorLeaves(f, torch.device("cpu")) for n, f in factors.items()}
+    gen = torch.Generator().manual_seed(5)
+    xs = {n: torch.randn(2, 5, m.in_features, generator=gen) for n, m in layers.items()}
+    with FactoredLinears(block, groups, leaves) as linears:
+        assert linears.params == {f"{n}.weight" for n in layers}
+        linears.trainable = set(layers) if train else set()
+        for name, module in layers.items():
+            saved = []
+
+            def pack(t, size=factors[name].core.numel()):  # weight-sized float tensors of any shape
+                if t.numel() == size and t.is_floating_point():
+                    saved.append(tuple(t.shape))
+                return t
+
+            x = xs[name].clone().requires_grad_(True)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                y = module(x)
+            assert saved == [], name
+            y.square().sum().backward()
+            plain = [t.detach().double().requires_grad_(True) for t in leaves[name].tensors]
+            x64 = xs[name].double().requires_grad_(True)
+            core = torch.zeros(factors[name].core.shape, dtype=torch.float64).masked_scatter(leaves[name].mask,
+                                                                                              plain[1])
+            w = torch.block_diag(*plain[0]) @ core @ torch.block_diag(*plain[2])
+            (x64 @ w.T).square().sum().backward()
+            assert torch.allclose(x.grad.double(), x64.grad, rtol=1e-4, atol=1e-4), name
+            for t, p in zip(leaves[name].tensors, plain):
+                if train:
+                    assert torch.allclose(t.grad.double(), p.grad, rtol=1e-3, atol=1e-4), name
+                else:
+                    assert t.grad is None, name
+    for name, module in layers.items():  # restored: the plain forward on the dense weight again
+        assert "forward" not in module.__dict__
+        assert torch.equal(module(xs[name]), torch.nn.functional.linear(xs[name], module.weight, module.bias))
 
 
 class _Experts(nn.Module):

@@ -15,8 +15,10 @@ reconstruction never makes the held-out error worse — with optional early stop
 separate stages (attention, then MLP).
 
 Memory: the trainable tensors are the kept core values only (half the core at 2:4), Adam runs
-per tensor (no multi-tensor temporaries), ``Ŵ`` is checkpointed (the graph keeps ``Ŵ``, not the
-products that build it), and a snapshot is taken only when the held-out error improves.
+per tensor (no multi-tensor temporaries), each linear's ``Ŵ`` and its matmul are checkpointed
+together (the graph keeps the linear's input, not ``Ŵ``:
+:class:`~torch_armor.engine.reconstruct_weights.FactoredLinears`), and a snapshot is taken only
+when the held-out error improves.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from torch_armor.calibration.blocks import BlockInput, to_device as _to
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.core.levers import ReconstructConfig
 from torch_armor.engine.reconstruct_data import Unit, lr_factor, split_windows, take_rows
-from torch_armor.engine.reconstruct_weights import FactorLeaves, build_weights, weight_names
+from torch_armor.engine.reconstruct_weights import FactoredLinears, FactorLeaves, build_weights, weight_names
 from torch_armor.errors import ArmorInputError
 
 __all__ = ["Reconstruction", "reconstruct_block", "stages_of"]
@@ -96,6 +98,14 @@ def reconstruct_block(block: nn.Module, factors: Mapping[str, ArmorFactors], inp
     held, train = split_windows([int(t.shape[0]) for t in targets], config.held_out, config.micro_batch, seed)
     groups = weight_names(block, factors)
     leaves = {n: FactorLeaves(f, device) for n, f in factors.items()}
+    with FactoredLinears(block, groups, leaves) as linears:
+        return _reconstruct(block, factors, inputs, targets, config, device, seed, held, train, leaves, linears,
+                            {p: m for p, m in groups.items() if p not in linears.params})
+
+
+def _reconstruct(block, factors, inputs, targets, config, device, seed, held, train, leaves, linears,
+                 groups) -> Reconstruction:
+    """:func:`reconstruct_block`'s loop; ``groups``: the weights built for ``functional_call``."""
 
     def held_out_error() -> float:
         with torch.no_grad():
@@ -115,7 +125,7 @@ def reconstruct_block(block: nn.Module, factors: Mapping[str, ArmorFactors], inp
     per_stage = max(1, config.steps // len(stages))
     taken = 0
     for stage in stages:
-        trainable = set(stage)
+        trainable = linears.trainable = set(stage)
         frozen = None
         if len(stages) > 1:
             frozen = {p: w for p, w in build_weights(groups, leaves, trainable=set()).items()

@@ -2,8 +2,11 @@
 
 Each linear's factors become three leaves: ``A``'s blocks, the *kept* core values (a 1-D tensor,
 half the core for 2:4 — the dropped values never get a gradient, an Adam state or a copy) and
-``B``'s blocks. ``Ŵ = A · scatter(mask, values) · B`` is built under activation checkpointing: the
-forward graph keeps ``Ŵ`` only, the intermediates are recomputed in the backward pass.
+``B``'s blocks. An ``nn.Linear`` with factors runs ``F.linear(x, Ŵ, bias)``, ``Ŵ = A · scatter(mask,
+values) · B``, as one checkpointed function (:class:`FactoredLinears`): the graph keeps the input
+and the leaves, and ``Ŵ`` is rebuilt in the backward pass, so no weight-sized tensor of any linear
+waits there. Other weights (fused experts) are built as tensors for ``functional_call``
+(:func:`build_weights`), checkpointed so the graph keeps ``Ŵ`` and not the products that build it.
 
 Names: a factor named ``f"{P}.{e}"`` where ``P`` is a 3-D parameter of the block (fused experts,
 ``(E, out, in)``) is expert ``e``'s slice of ``P``, and ``P`` is built as the stack of the
@@ -13,9 +16,11 @@ experts' ``Ŵ``; any other factor ``n`` gives ``n.weight``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Mapping, Optional
+import functools
+from typing import Dict, List, Mapping, Optional, Set
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -23,12 +28,17 @@ from torch_armor.core.blockdiag import block_diag_left, block_diag_right
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.errors import ArmorInputError
 
-__all__ = ["FactorLeaves", "weight_names", "build_weights"]
+__all__ = ["FactorLeaves", "FactoredLinears", "weight_names", "build_weights"]
 
 
 def _product(a: torch.Tensor, values: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     core = torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter(mask, values)
     return block_diag_right(block_diag_left(a, core), b)
+
+
+def _linear(x: torch.Tensor, a: torch.Tensor, values: torch.Tensor, b: torch.Tensor, mask: torch.Tensor,
+            bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return F.linear(x, _product(a, values, b, mask), bias)
 
 
 class FactorLeaves:
@@ -54,6 +64,15 @@ class FactorLeaves:
             with torch.no_grad():
                 return _product(a, values, b, self.mask)
         return checkpoint(_product, a, values, b, self.mask, use_reentrant=False)
+
+    def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor], train: bool) -> torch.Tensor:
+        """``F.linear(x, Ŵ, bias)``; where autograd records, one checkpointed function (the graph
+        keeps ``x`` and the leaves; ``Ŵ`` is rebuilt in the backward pass). ``train``: whether the
+        leaves get gradients (the input always does)."""
+        a, values, b = self.tensors if train else [t.detach() for t in self.tensors]
+        if not torch.is_grad_enabled():
+            return _linear(x, a, values, b, self.mask, bias)
+        return checkpoint(_linear, x, a, values, b, self.mask, bias, use_reentrant=False)
 
     def snapshot(self) -> List[torch.Tensor]:
         return [t.detach().clone() for t in self.tensors]
@@ -103,3 +122,35 @@ def build_weights(groups: Mapping[str, List[str]], leaves: Mapping[str, FactorLe
         built = [leaves[m].weight(grad) for m in members]
         out[param] = built[0] if param == f"{members[0]}.weight" else torch.stack(built)
     return out
+
+
+class FactoredLinears:
+    """A context in which every plain ``nn.Linear`` of ``block`` that has factors in ``groups``
+    runs through its leaves (:meth:`FactorLeaves.linear`) instead of its weight; the linears named
+    in :attr:`trainable` get gradients. :attr:`params` are the weights it covers: the rest go to
+    :func:`build_weights`. The block's modules are restored on exit."""
+
+    def __init__(self, block: nn.Module, groups: Mapping[str, List[str]], leaves: Mapping[str, FactorLeaves]) -> None:
+        self.leaves = leaves
+        self.trainable: Set[str] = set()
+        self._modules: Dict[str, nn.Linear] = {}
+        for param, members in groups.items():
+            if param != f"{members[0]}.weight":
+                continue
+            module = block.get_submodule(members[0])
+            # a subclass or a forward already replaced on the instance (hooks of other libraries) keeps its weight path
+            if type(module) is nn.Linear and "forward" not in module.__dict__:
+                self._modules[members[0]] = module
+        self.params = {f"{name}.weight" for name in self._modules}
+
+    def _forward(self, name: str, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return self.leaves[name].linear(x, module.bias, name in self.trainable)
+
+    def __enter__(self) -> "FactoredLinears":
+        for name, module in self._modules.items():
+            module.forward = functools.partial(self._forward, name, module)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module in self._modules.values():
+            module.__dict__.pop("forward", None)
