@@ -9,12 +9,15 @@ the call, minus ``VmRSS`` at that moment; glibc's mmap threshold pinned as in a 
 (:mod:`torch_armor.engine.memory`). One process per implementation (``--which``).
 
 Run:  python benchmarks/reconstruct_memory.py --old /tmp/old_reconstruct.py --threads 1
+      (old: ``git show a5822b6:torch_armor/engine/reconstruct.py``, W_hat kept in the graph; or 666267c's, before
+      the rewrite)
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import subprocess
 import sys
 from pathlib import Path
@@ -69,8 +72,13 @@ def measure(which: str, old: str, hidden: int, inter: int, batch: int, seq_len: 
     if which == "old":
         spec = importlib.util.spec_from_file_location("old_reconstruct", old)
         module = importlib.util.module_from_spec(spec)
+        sys.modules["old_reconstruct"] = module  # dataclasses look their module up
         spec.loader.exec_module(module)
-        call = lambda: module.reconstruct_block(block, factors, inputs, targets, steps=steps)  # noqa: E731
+        if "config" in inspect.signature(module.reconstruct_block).parameters:  # since ReconstructConfig
+            call = lambda: module.reconstruct_block(block, factors, inputs, targets,  # noqa: E731
+                                                    ReconstructConfig(steps=steps, held_out=1, checks=steps))
+        else:
+            call = lambda: module.reconstruct_block(block, factors, inputs, targets, steps=steps)  # noqa: E731
     else:
         from torch_armor.engine.reconstruct import reconstruct_block  # noqa: PLC0415
 

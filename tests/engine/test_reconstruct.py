@@ -101,6 +101,32 @@ def test_prune_model_reconstructs_each_block_and_resumes_exactly(tmp_path):
         assert torch.equal(a.detach(), b.detach()), n
 
 
+def test_xtx_leaves_memory_for_reconstruction_and_comes_back_bit_identical(tmp_path, monkeypatch):
+    """With a run directory, each block's ``XᵀX`` waits on disk while the block is reconstructed
+    and the file is gone afterwards; the report's output losses (which read it back) equal those
+    of a run without a run directory, where nothing moves."""
+    import torch_armor.engine.blocks as engine_blocks
+
+    cfg = ArmorConfig(block_size=8, optimizer=BcdConfig(iters=2), refine=RefineConfig(rounds=1),
+                      reconstruct=ReconstructConfig(steps=4), distill=None)
+    seen = []
+    real = engine_blocks.reconstruct_block
+
+    def spy(*args, **kwargs):  # the real reconstruction, after looking at the file and the statistics
+        seen.append(sorted(p.name for p in (tmp_path / "run").iterdir()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_blocks, "reconstruct_block", spy)
+    on_disk = prune_model(make_tiny_llama(), CALIB[:8], cfg,
+                          options=PruneOptions(run_dir=tmp_path / "run", progress=False, batch_size=2))
+    assert len(seen) == 2 and all(engine_blocks.XTX_OFFLOAD_NAME in names for names in seen)
+    assert not (tmp_path / "run" / engine_blocks.XTX_OFFLOAD_NAME).exists()
+    in_memory = prune_model(make_tiny_llama(), CALIB[:8], cfg, options=PruneOptions(progress=False, batch_size=2))
+    losses = [(r.name, r.relative_output_loss) for r in on_disk.layers]
+    assert losses == [(r.name, r.relative_output_loss) for r in in_memory.layers]
+    assert all(loss is not None and loss > 0 for _, loss in losses)
+
+
 def test_the_kept_iterate_is_the_best_checked_one_and_never_worse():
     block, _, inputs, targets, factors = _block_problem()
     r = reconstruct_block(block, factors, inputs, targets, ReconstructConfig(steps=12, lr=2e-2, checks=6))

@@ -21,9 +21,10 @@ import dataclasses
 import json
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,8 @@ logger = logging.getLogger("torch_armor")
 
 HIDDEN_NAME = "hidden.safetensors"
 RECONSTRUCTED_DIR = "reconstructed"
+#: In a run directory, while a block is reconstructed: its linears' ``XᵀX`` (removed afterwards).
+XTX_OFFLOAD_NAME = "xtx-offload.safetensors"
 #: ``block_size="budget"`` measures loss-versus-block-size curves on this many decoder blocks
 #: (first, middle, last) and applies each layer kind's mean curve to every block.
 ALLOCATION_SAMPLE_BLOCKS = 3
@@ -271,6 +274,34 @@ class BlockPipeline:
         """This rank's view of the run store after rank 0 wrote to it (re-read from disk)."""
         return RunStore(self.store.directory, self.config, self.store.model_id, self.store.stats_hash, rank=self.rank)
 
+    @contextmanager
+    def _xtx_on_disk(self, stats: Dict[str, Any]) -> Iterator[None]:
+        """The block's ``XᵀX`` (one per distinct input: q/k/v share one) written to the run
+        directory and dropped from ``stats`` while block reconstruction runs — it reads none; the
+        report's output losses after it do — then read back (bit-identical). Without a run
+        directory nothing moves."""
+        first: Dict[int, str] = {}
+        for name, s in stats.items():
+            if s.xtx is not None:
+                first.setdefault(id(s.xtx), name)
+        if self.store is None or not first:
+            yield
+            return
+        path = self.store.directory / XTX_OFFLOAD_NAME
+        keys = {name: first[id(s.xtx)] for name, s in stats.items() if s.xtx is not None}
+        device = stats[next(iter(keys))].xtx.device
+        atomic_write(path, save({key: stats[key].xtx.detach().cpu().contiguous() for key in set(keys.values())}))
+        for name in keys:
+            stats[name] = dataclasses.replace(stats[name], xtx=None)
+        try:
+            yield
+        finally:
+            with safe_open(str(path), framework="pt") as fh:
+                loaded = {key: fh.get_tensor(key).to(device) for key in set(keys.values())}
+            for name, key in keys.items():
+                stats[name] = dataclasses.replace(stats[name], xtx=loaded[key])
+            path.unlink(missing_ok=True)
+
     def _reconstruct(self, index: int, block: nn.Module, layers: Dict[str, nn.Linear], stats,
                      solutions: Dict[str, LayerSolution], cfgs: Dict[str, Any], recon,
                      report: PruneReport) -> Dict[str, LayerSolution]:
@@ -282,8 +313,10 @@ class BlockPipeline:
         prefix = f"{self.blocks_prefix}.{index}."
         if self.rank == 0:
             start = time.perf_counter()
-            result = reconstruct_block(block, {n[len(prefix):]: solutions[n].factors for n in names}, recon[0],
-                                       recon[1], self.config.reconstruct, device=self.device, seed=self.config.seed)
+            with self._xtx_on_disk(stats):
+                result = reconstruct_block(block, {n[len(prefix):]: solutions[n].factors for n in names}, recon[0],
+                                           recon[1], self.config.reconstruct, device=self.device,
+                                           seed=self.config.seed)
             new, before, after = result.factors, result.before, result.after
             seconds = (time.perf_counter() - start) / len(names)
             solutions = {n: LayerSolution(n, self.method.name, seconds=solutions[n].seconds + seconds,

@@ -15,7 +15,8 @@ reconstruction never makes the held-out error worse — with optional early stop
 separate stages (attention, then MLP).
 
 Memory: the trainable tensors are the kept core values only (half the core at 2:4), Adam runs
-per tensor (no multi-tensor temporaries), each linear's ``Ŵ`` and its matmul are checkpointed
+per tensor (no multi-tensor temporaries), a step's gradient is accumulated one window at a time
+(one window's activations alive, not the micro-batch's), each linear's ``Ŵ`` and its matmul are checkpointed
 together (the graph keeps the linear's input, not ``Ŵ``:
 :class:`~torch_armor.engine.reconstruct_weights.FactoredLinears`), and a snapshot is taken only
 when the held-out error improves.
@@ -146,9 +147,12 @@ def _reconstruct(block, factors, inputs, targets, config, device, seed, held, tr
                 group["lr"] = peak * scale
             optimizer.zero_grad(set_to_none=True)
             inp, target = take_rows(inputs[unit.batch], targets[unit.batch], unit)
-            err, den = _squared(block, build_weights(groups, leaves, trainable, frozen), inp, target, device)
-            (err / den.clamp_min(torch.finfo(torch.float32).tiny)).backward()
-            del err, den
+            den = target.to(device=device, dtype=torch.float32).square().sum().clamp_min(torch.finfo(torch.float32).tiny)
+            for row in range(target.shape[0]):  # one window's graph at a time: its activations are the big tensors
+                one = take_rows(inp, target, Unit(unit.batch, (row,))) if target.shape[0] > 1 else (inp, target)
+                err, _ = _squared(block, build_weights(groups, leaves, trainable, frozen), *one, device)
+                (err / den).backward()
+                del err
             optimizer.step()
             taken += 1
             if step % check_every == 0 or step == per_stage:
