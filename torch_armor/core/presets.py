@@ -9,7 +9,8 @@ Each preset is ``ArmorConfig()`` with the lever settings below replaced; ``"defa
 * ``"default"``: the library's defaults.
 * ``"max"``: the default with 16 full-``XᵀX`` sparse-core steps after refinement (the mask may
   change), 64 reconstruction steps per block (four epochs over the calibration batches) and 48
-  distillation steps — about three times the default's cost.
+  distillation steps — about 1.7 times the default's CPU time (128 distillation steps were no
+  better on text the calibration never saw: docs/results.md).
 """
 
 from __future__ import annotations
