@@ -56,10 +56,9 @@ def output_loss(weight: torch.Tensor, approx: torch.Tensor, xtx: torch.Tensor) -
 def damped_xtx(xtx: torch.Tensor, damp: float) -> torch.Tensor:
     """``H + damp · mean(diag H) · I`` (SparseGPT's dampening), symmetrized, float32 or wider."""
     h = xtx.float() if xtx.dtype not in (torch.float32, torch.float64) else xtx
-    h = 0.5 * (h + h.T)
+    h = h.add(h.T).mul_(0.5)  # one new (d_in, d_in) tensor: H is the largest thing refinement holds
     if damp > 0:
-        h = h + damp * h.diagonal().mean().clamp_min(torch.finfo(h.dtype).tiny) * torch.eye(
-            h.shape[0], dtype=h.dtype, device=h.device)
+        h.diagonal().add_(damp * h.diagonal().mean().clamp_min(torch.finfo(h.dtype).tiny))
     return h
 
 
@@ -121,19 +120,21 @@ def _update_core(weight, h, a, core, mask, b, steps: int) -> torch.Tensor:
     d_b = a.shape[-1]
     maskf = mask.to(core.dtype)
     a_gram = a.transpose(1, 2) @ a  # blocks of AᵀA
+    # memory: the (d_in, d_in) products are the large tensors; each is freed as soon as it is used
     bh = block_diag_left(b, h)
     q = block_diag_right(bh, b.transpose(1, 2))  # B H Bᵀ
-    q = 0.5 * (q + q.T)
+    residual = weight - block_diag_right(block_diag_left(a, core), b)
+    rhs = block_diag_left(a.transpose(1, 2), residual @ bh.T) * maskf  # Aᵀ R H Bᵀ ⊙ M
+    del bh, residual
+    q = q.add(q.T).mul_(0.5)
     a_inv, q_inv = _sym_inv(a_gram), _sym_inv(_diag_blocks(q, d_b))
 
     def apply_h(v):
-        return block_diag_left(a_gram, v) @ q * maskf
+        return (block_diag_left(a_gram, v) @ q).mul_(maskf)
 
     def precondition(r):
-        return block_diag_right(block_diag_left(a_inv, r), q_inv) * maskf
+        return block_diag_right(block_diag_left(a_inv, r), q_inv).mul_(maskf)
 
-    residual = weight - block_diag_right(block_diag_left(a, core), b)
-    rhs = block_diag_left(a.transpose(1, 2), residual @ bh.T) * maskf  # Aᵀ R H Bᵀ ⊙ M
     return core + _pcg(apply_h, rhs, precondition, steps)
 
 
