@@ -37,7 +37,7 @@ from torch_armor._io import atomic_write
 from torch_armor.core.blockdiag import block_diag_left, block_diag_right
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.core.levers import DistillConfig
-from torch_armor.engine.reconstruct_data import lr_factor
+from torch_armor.engine.reconstruct_data import set_scheduled_lr
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import ArmorTensor, armor_linear_from_factors
 
@@ -214,9 +214,7 @@ def distill_model(model: nn.Module, windows: Sequence[Window], teacher: Dict[int
         order = training_order(len(train), config, seed)
         for step in range(1, config.steps + 1):
             optimizer.zero_grad(set_to_none=True)
-            scale = lr_factor(step, config.steps, warmup_steps, config.decay)
-            for group, peak in zip(optimizer.param_groups, peaks):
-                group["lr"] = peak * scale
+            set_scheduled_lr(optimizer, peaks, step, config.steps, warmup_steps, config.decay)
             chosen = [train[i] for i in order[(step - 1) * config.windows_per_step:step * config.windows_per_step]]
             count = sum(int(windows[j][1].sum()) if windows[j][1] is not None else windows[j][0].shape[1]
                         for j in chosen)

@@ -34,7 +34,7 @@ from torch.func import functional_call
 from torch_armor.calibration.blocks import BlockInput, to_device as _to
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.core.levers import ReconstructConfig
-from torch_armor.engine.reconstruct_data import Unit, lr_factor, split_windows, take_rows
+from torch_armor.engine.reconstruct_data import Unit, set_scheduled_lr, split_windows, take_rows
 from torch_armor.engine.reconstruct_weights import FactoredLinears, FactorLeaves, build_weights, weight_names
 from torch_armor.errors import ArmorInputError
 
@@ -142,15 +142,15 @@ def _reconstruct(block, factors, inputs, targets, config, device, seed, held, tr
             if not order:  # a new epoch over the training micro-batches
                 order = torch.randperm(len(train), generator=generator).tolist()
             unit: Unit = train[order.pop(0)]
-            scale = lr_factor(step, per_stage, warmup, config.decay)
-            for group, peak in zip(optimizer.param_groups, peaks):
-                group["lr"] = peak * scale
+            set_scheduled_lr(optimizer, peaks, step, per_stage, warmup, config.decay)
             optimizer.zero_grad(set_to_none=True)
             inp, target = take_rows(inputs[unit.batch], targets[unit.batch], unit)
             den = target.to(device=device, dtype=torch.float32).square().sum().clamp_min(torch.finfo(torch.float32).tiny)
             for row in range(target.shape[0]):  # one window's graph at a time: its activations are the big tensors
                 one = take_rows(inp, target, Unit(unit.batch, (row,))) if target.shape[0] > 1 else (inp, target)
-                err, _ = _squared(block, build_weights(groups, leaves, trainable, frozen), *one, device)
+                r_inp, r_target = one
+                out = _output(block, build_weights(groups, leaves, trainable, frozen), r_inp, device)
+                err = (out - r_target.to(device=device, dtype=torch.float32)).square().sum()
                 (err / den).backward()
                 del err
             optimizer.step()

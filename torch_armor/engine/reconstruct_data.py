@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_map
 from torch_armor.calibration.blocks import BlockInput
 from torch_armor.errors import ArmorInputError
 
-__all__ = ["Unit", "split_windows", "lr_factor", "take_rows"]
+__all__ = ["Unit", "split_windows", "lr_factor", "set_scheduled_lr", "take_rows"]
 
 
 @dataclass(frozen=True)
@@ -91,3 +91,11 @@ def lr_factor(step: int, steps: int, warmup_steps: int, decay: str) -> float:
     if decay == "linear":
         return 1.0 - p
     return 1.0
+
+
+def set_scheduled_lr(optimizer: torch.optim.Optimizer, peaks: Sequence[float], step: int, steps: int,
+                     warmup_steps: int, decay: str) -> None:
+    """Each param group's learning rate at ``step``: its peak × :func:`lr_factor`."""
+    scale = lr_factor(step, steps, warmup_steps, decay)
+    for group, peak in zip(optimizer.param_groups, peaks):
+        group["lr"] = peak * scale
