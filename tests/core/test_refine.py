@@ -179,3 +179,49 @@ def test_core_steps_through_the_config_and_its_checks():
             RefineConfig(core_steps=bad)
     with pytest.raises(ArmorInputError, match="core_steps"):
         refine_output(w, xtx, fixed, core_steps=-1)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10_000), n_blocks=st.integers(1, 11), d_b=st.sampled_from([1, 2, 4]),
+       chunks=st.integers(1, 9))
+def test_tiled_b_h_bt_and_symmetrize_equal_the_dense_formulas(seed, n_blocks, d_b, chunks):
+    g = torch.Generator().manual_seed(seed)
+    n = n_blocks * d_b
+    h = torch.randn(n, n, generator=g, dtype=torch.float64)
+    b = torch.randn(n_blocks, d_b, d_b, generator=g, dtype=torch.float64)
+    dense_b = block_diag_dense(b)
+    torch.testing.assert_close(refine._b_h_bt(h, b, chunks), dense_b @ h @ dense_b.T, rtol=1e-12, atol=1e-12)
+    want = (h + h.T) / 2
+    got = refine._symmetrize_(h.clone(), chunks)
+    assert torch.equal(got, want)  # the same two additions and halvings, bit for bit
+
+
+class _NewSquareTensors(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts op results that own a new storage of at least ``min_numel`` elements."""
+
+    def __init__(self, min_numel: int):
+        super().__init__()
+        self.min_numel, self.count = min_numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if (isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs
+                    and t.untyped_storage().nbytes() >= self.min_numel * t.element_size()):
+                self.count += 1
+        return out
+
+
+def test_core_and_b_steps_of_a_wide_layer_allocate_one_d_in_squared_tensor_each():
+    """Before: ``B·H``, ``B H Bᵀ`` and its symmetrized copy in the core step; ``EᵀE``, ``EᵀR`` and one
+    ``EᵀE·blockdiag(V)`` per CG step in the ``B`` step: on a wide ``down_proj`` those ``(d_in, d_in)``
+    products, not the weight, set refinement's peak memory."""
+    d_out, d_in = 16, 256
+    w, h, a, core, b, mask = _problem(7, d_out, d_in, 8)
+    hd = damped_xtx(h, 0.01)
+    for step in (lambda: refine._update_core(w, hd, a, core, mask, b, 4), lambda: refine._update_b(w, hd, a, core, b, 4)):
+        with _NewSquareTensors(d_in * d_in // 2) as rec:
+            step()
+        assert rec.count == 1

@@ -116,17 +116,41 @@ def _update_a(w_h: torch.Tensor, h: torch.Tensor, a, core, b, ridge: float) -> t
     return prox_solve(gram, cross.transpose(1, 2), a.transpose(1, 2), ridge).transpose(1, 2)
 
 
+def _row_tiles(n: int, chunks: int):
+    """``chunks`` (or fewer) consecutive slices covering ``range(n)``."""
+    step = -(-n // chunks)
+    return [slice(i, min(i + step, n)) for i in range(0, n, step)]
+
+
+def _symmetrize_(m: torch.Tensor, chunks: int = 8) -> torch.Tensor:
+    """``m ← (m + mᵀ) / 2`` in place, a pair of tiles at a time (no second ``(n, n)`` tensor)."""
+    tiles = _row_tiles(m.shape[0], chunks)
+    for k, rows in enumerate(tiles):
+        for cols in tiles[k:]:
+            avg = (m[rows, cols] + m[cols, rows].T).mul_(0.5)
+            m[rows, cols] = avg
+            m[cols, rows] = avg.T
+    return m
+
+
+def _b_h_bt(h: torch.Tensor, b: torch.Tensor, chunks: int = 8) -> torch.Tensor:
+    """``B H Bᵀ`` for block-diagonal ``B``, a few block rows at a time (no ``B·H`` temporary)."""
+    q_blocks, d_b, _ = b.shape
+    out = torch.empty_like(h)
+    for blocks in _row_tiles(q_blocks, chunks):
+        rows = slice(blocks.start * d_b, blocks.stop * d_b)
+        out[rows] = block_diag_right(block_diag_left(b[blocks], h[rows]), b.transpose(1, 2))
+    return out
+
+
 def _update_core(weight, h, a, core, mask, b, steps: int) -> torch.Tensor:
     d_b = a.shape[-1]
     maskf = mask.to(core.dtype)
     a_gram = a.transpose(1, 2) @ a  # blocks of AᵀA
-    # memory: the (d_in, d_in) products are the large tensors; each is freed as soon as it is used
-    bh = block_diag_left(b, h)
-    q = block_diag_right(bh, b.transpose(1, 2))  # B H Bᵀ
+    q = _symmetrize_(_b_h_bt(h, b))  # B H Bᵀ: the one (d_in, d_in) tensor this step adds
     residual = weight - block_diag_right(block_diag_left(a, core), b)
-    rhs = block_diag_left(a.transpose(1, 2), residual @ bh.T) * maskf  # Aᵀ R H Bᵀ ⊙ M
-    del bh, residual
-    q = q.add(q.T).mul_(0.5)
+    rhs = block_diag_left(a.transpose(1, 2), block_diag_right(residual @ h, b.transpose(1, 2))).mul_(maskf)
+    del residual  # Aᵀ R H Bᵀ ⊙ M above
     a_inv, q_inv = _sym_inv(a_gram), _sym_inv(_diag_blocks(q, d_b))
 
     def apply_h(v):
@@ -138,28 +162,31 @@ def _update_core(weight, h, a, core, mask, b, steps: int) -> torch.Tensor:
     return core + _pcg(apply_h, rhs, precondition, steps)
 
 
-def _update_b(weight, h, a, core, b, steps: int) -> torch.Tensor:
+def _update_b(weight, h, a, core, b, steps: int, chunks: int = 8) -> torch.Tensor:
     q_blocks, d_b, _ = b.shape
     e = block_diag_left(a, core)  # A·S
-    gram = e.T @ e  # EᵀE
+    gram = e.T @ e  # EᵀE, the one (d_in, d_in) tensor this step adds
     h_blocks = _diag_blocks(h, d_b)
     g_inv, h_inv = _sym_inv(_diag_blocks(gram, d_b)), _sym_inv(h_blocks)
-    d_in = h.shape[0]
-
-    def blockdiag_of_product(left: torch.Tensor) -> torch.Tensor:
-        # diagonal blocks of left @ H without forming it: block j = left[C_j, :] @ H[:, C_j]
-        rows = left.view(q_blocks, d_b, d_in)
-        cols = h.view(d_in, q_blocks, d_b).permute(1, 0, 2)
-        return rows @ cols
+    h_cols = h.view(-1, q_blocks, d_b).permute(1, 0, 2)  # block j: H[:, C_j]
 
     def apply_h(v):
-        return blockdiag_of_product(block_diag_right(gram, v))
+        # block j of EᵀE·blockdiag(V)·H is (EᵀE)[C_j, :]·blockdiag(V)·H[:, C_j]: 1/chunks of the block rows at a
+        # time, so no (d_in, d_in) temporary
+        out = []
+        for blocks in _row_tiles(q_blocks, chunks):
+            rows = block_diag_right(gram[blocks.start * d_b:blocks.stop * d_b], v)
+            out.append(rows.view(-1, d_b, rows.shape[1]) @ h_cols[blocks])
+        return torch.cat(out)
 
     def precondition(r):
         return g_inv @ r @ h_inv
 
-    residual = weight - block_diag_right(e, b)
-    rhs = blockdiag_of_product(e.T @ residual)  # blockdiag(Eᵀ R H)
+    # blockdiag(Eᵀ R H): block j is E[:, C_j]ᵀ (R H)[:, C_j], from the (d_out, d_in) product R H
+    residual_h = (weight - block_diag_right(e, b)) @ h
+    d_out = e.shape[0]
+    rhs = e.view(d_out, q_blocks, d_b).permute(1, 2, 0) @ residual_h.view(d_out, q_blocks, d_b).transpose(0, 1)
+    del residual_h
     return b + _pcg(apply_h, rhs, precondition, steps)
 
 
