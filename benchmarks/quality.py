@@ -43,10 +43,11 @@ DEFAULT = ArmorConfig()
 #: Named ARMOR rows for the ablation (``--variants``): each is ``ArmorConfig()`` with these changes.
 VARIANTS = {
     "default": {},                                                # refine + block reconstruction, block 16
-    "proxy-only": {"block_size": 16, "refine": None, "reconstruct": None},   # issue #11's default
-    "refine": {"block_size": 16, "refine": RefineConfig(), "reconstruct": None},   # + output-space refinement
-    "refine+reconstruct": {"block_size": 16, "refine": RefineConfig(), "reconstruct": ReconstructConfig(steps=8)},
-    # + end-to-end distillation of the wrappers (A, B) after the block pass; + the kept core values too
+    "proxy-only": {"block_size": 16, "refine": None, "reconstruct": None, "distill": None},   # issue #11's default
+    "refine": {"block_size": 16, "refine": RefineConfig(), "reconstruct": None, "distill": None},   # + output-space refinement
+    "refine+reconstruct": {"block_size": 16, "refine": RefineConfig(), "reconstruct": ReconstructConfig(steps=8),
+                           "distill": None},
+    # end-to-end distillation of the wrappers (A, B) after the block pass: the default since it was measured
     "default+distill": {"distill": DistillConfig()},
     "fast": dict(PRESETS["fast"]),
     "max": dict(PRESETS["max"]),
@@ -56,13 +57,18 @@ VARIANTS = {
     "max-distill128-core": {"refine": RefineConfig(core_steps=16), "reconstruct": ReconstructConfig(steps=64),
                             "distill": DistillConfig(steps=128, warmup=0.05, decay="cosine", eval_every=8,
                                                      train_core=True)},
+    # one lever off alone from the default, and each lever on alone on top of the paper's proxy (proxy-only)
     "default-no-distill": {"distill": None},
+    "default-no-reconstruct": {"reconstruct": None},
+    "default-no-refine": {"refine": None},
+    "proxy+reconstruct": {"refine": None, "distill": None},
+    "proxy+distill": {"refine": None, "reconstruct": None},
     "default+distill-core": {"distill": DistillConfig(train_core=True)},
-    "budget+refine": {"block_size": "budget", "refine": RefineConfig(), "reconstruct": None},  # one model-wide budget
-    # by hand, the opposite of what the budget's knapsack chose: attention at 8, down_proj at 32 (4.69%)
+    "budget+refine": {"block_size": "budget", "refine": RefineConfig(), "reconstruct": None, "distill": None},  # one model-wide budget
     # the default + full-H sparse-core steps after refinement (the mask moves under XᵀX)
     "default+core-steps": {"refine": RefineConfig(core_steps=16)},
-    "mlp-heavy+refine": {"block_size": 16, "refine": RefineConfig(), "reconstruct": None,
+    # by hand, the opposite of what the budget's knapsack chose: attention at 8, down_proj at 32 (4.69%)
+    "mlp-heavy+refine": {"block_size": 16, "refine": RefineConfig(), "reconstruct": None, "distill": None,
                          "block_sizes": {"*.self_attn.*": 8, "*.mlp.down_proj": 32}},
 }
 

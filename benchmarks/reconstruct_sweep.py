@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torch_armor import ArmorConfig, PruneOptions, ReconstructConfig, RefineConfig, prune_model  # noqa: E402
+from torch_armor import ArmorConfig, BcdConfig, PruneOptions, ReconstructConfig, RefineConfig, prune_model  # noqa: E402
 from torch_armor.core.presets import PRESETS  # noqa: E402
 from torch_armor.recipes.data import calibration_windows, eval_windows, load_text, tokenize_text  # noqa: E402
 from torch_armor.recipes.evaluate import perplexity  # noqa: E402
@@ -55,6 +55,11 @@ SETTINGS = {
     "no-schedule": {"reconstruct": dataclasses.replace(_R, warmup=0.0, decay="constant"), "distill": None},
     "split-stages": {"reconstruct": dataclasses.replace(_R, split_stages=True), "distill": None},
     "refine1": {"refine": RefineConfig(rounds=1), "distill": None},
+    # candidates for a default within 15 minutes: 20 bcd sweeps and a quarter of the reconstruction's windows
+    # (32 steps on 1 window, or 16 on 2), distillation as in the default
+    "bcd20-mb1": {"optimizer": BcdConfig(iters=20), "reconstruct": dataclasses.replace(_R, micro_batch=1)},
+    "bcd20-steps16-mb2": {"optimizer": BcdConfig(iters=20),
+                          "reconstruct": dataclasses.replace(_R, steps=16, micro_batch=2)},
 }
 
 

@@ -11,6 +11,7 @@ a ``/``: the in-sample loss is what the refinement fitted, the held-out one whet
 Run:  python benchmarks/refine_layer.py                       # layer 10, 16 × 512 sotu tokens, 3 rounds × 30 CG steps
       python benchmarks/refine_layer.py --layer 3 --rounds 3 --cg-steps 10 30
       python benchmarks/refine_layer.py --core-steps 16 64 --held-out 16   # + full-H sparse-core steps
+      python benchmarks/refine_layer.py --bcd-iters 10 20 30 --held-out 16  # fewer sweeps before refining
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torch_armor import ArmorConfig, factorize  # noqa: E402
+from torch_armor import ArmorConfig, BcdConfig, factorize  # noqa: E402
 from torch_armor.calibration.observer import collect_statistics  # noqa: E402
 from torch_armor.core.proxy import nowag_prune  # noqa: E402
 from torch_armor.core.refine import output_loss, refine_output  # noqa: E402
@@ -39,6 +40,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cg-steps", type=int, nargs="+", default=[30])
     parser.add_argument("--core-steps", type=int, nargs="*", default=[])
+    parser.add_argument("--bcd-iters", type=int, nargs="+", default=[ArmorConfig().optimizer.iters],
+                        help="bcd sweeps before the refinement: a row per count")
     parser.add_argument("--held-out", type=int, default=0, help="windows (seed 1) for held-out output losses")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
@@ -57,10 +60,10 @@ def main(argv=None) -> int:
           f"{args.threads} thread(s), CPU seconds")
     print()
     core_head = "".join(f" core steps {k}: rel. output loss / s / mask moved |" for k in args.core_steps)
-    print("| linear | shape | bcd: rel. output / proxy loss | bcd s | CG steps | refined: rel. output / proxy loss | "
+    print("| linear | shape | bcd sweeps | bcd: rel. output / proxy loss | bcd s | CG steps | refined: rel. output / proxy loss | "
           "refine s |" + core_head)
-    print("|---|---|---|---:|---:|---|---:|" + "---|" * len(args.core_steps))
-    for name in names:
+    print("|---|---|---:|---|---:|---:|---|---:|" + "---|" * len(args.core_steps))
+    for name, iters in ((n, k) for n in names for k in args.bcd_iters):
         w = model.get_submodule(name).weight.detach()
         h, xtx = stats[name].act_sq_norm, stats[name].xtx
         _, nowag = nowag_prune(w, h, "2:4")
@@ -72,7 +75,7 @@ def main(argv=None) -> int:
             other = held[name].xtx
             return f"{in_sample:.3f}/{float(output_loss(w, approx, other)) / float(output_loss(w, nowag, other)):.3f}"
         start = time.process_time()
-        f = factorize(w, h, ArmorConfig(refine=None))
+        f = factorize(w, h, ArmorConfig(refine=None, optimizer=BcdConfig(iters=iters)))
         bcd_s = time.process_time() - start
         before = float(output_loss(w, f.dense(), xtx)) / reference
         for steps in args.cg_steps:
@@ -86,7 +89,7 @@ def main(argv=None) -> int:
                 seconds = time.process_time() - start
                 share = float((moved.mask & ~f.mask).sum()) / float(f.mask.sum())
                 cells += f" {rel(moved.dense(), moved.relative_output_loss)} / {seconds:.1f} / {share:.1%} |"
-            print(f"| {name[len(prefix):]} | {tuple(w.shape)} | {rel(f.dense(), before)} / {f.relative_loss:.3f} | "
+            print(f"| {name[len(prefix):]} | {tuple(w.shape)} | {iters} | {rel(f.dense(), before)} / {f.relative_loss:.3f} | "
                   f"{bcd_s:.1f} | {steps} | {rel(r.dense(), r.relative_output_loss)} / {r.relative_loss:.3f} | "
                   f"{refine_s:.1f} |{cells}", flush=True)
     return 0
