@@ -67,26 +67,30 @@ def _dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _pcg(apply_h, rhs: torch.Tensor, precondition, steps: int) -> torch.Tensor:
-    """``steps`` of preconditioned CG on ``H x = rhs`` from ``x = 0`` (``H`` SPD on the subspace).
+    """``steps`` of preconditioned CG on ``H x = rhs`` from ``x = 0`` (``H`` SPD on the subspace);
+    ``rhs`` is overwritten (it becomes the residual).
 
     Stops (every later step leaves ``x`` as it is) once the curvature or ``rᵀz`` is not positive;
-    the test stays on the device, so no step waits for the host."""
+    the test stays on the device, so no step waits for the host. The vectors are updated in place:
+    besides ``x``, ``r`` and ``p`` only one of ``H p`` or ``z`` is alive at a time."""
     x = torch.zeros_like(rhs)
     r = rhs
-    z = precondition(r)
-    p = z
-    rz = _dot(r, z)
+    p = precondition(r)
+    rz = _dot(r, p)
     going = torch.ones((), dtype=torch.bool, device=rhs.device)
+    one = torch.ones((), dtype=rhs.dtype, device=rhs.device)
     for _ in range(steps):
         hp = apply_h(p)
         curv = _dot(p, hp)
         going = going & (curv > 0) & (rz > 0)
-        alpha = rz / torch.where(going, curv, torch.ones_like(curv))
-        x = torch.where(going, x + alpha * p, x)
-        r = torch.where(going, r - alpha * hp, r)
+        alpha = torch.where(going, rz / torch.where(going, curv, one), 0.0)  # 0 once stopped
+        x.addcmul_(p, alpha)
+        r.addcmul_(hp, alpha, value=-1)
+        del hp
         z = precondition(r)
         rz_new = _dot(r, z)
-        p = torch.where(going, z + (rz_new / torch.where(going, rz, torch.ones_like(rz))) * p, p)
+        p.mul_(torch.where(going, rz_new / torch.where(going, rz, one), one)).addcmul_(z, going.to(p.dtype))
+        del z
         rz = torch.where(going, rz_new, rz)
     return x
 
@@ -145,19 +149,18 @@ def _b_h_bt(h: torch.Tensor, b: torch.Tensor, chunks: int = 8) -> torch.Tensor:
 
 def _update_core(weight, h, a, core, mask, b, steps: int) -> torch.Tensor:
     d_b = a.shape[-1]
-    maskf = mask.to(core.dtype)
     a_gram = a.transpose(1, 2) @ a  # blocks of AᵀA
     q = _symmetrize_(_b_h_bt(h, b))  # B H Bᵀ: the one (d_in, d_in) tensor this step adds
     residual = weight - block_diag_right(block_diag_left(a, core), b)
-    rhs = block_diag_left(a.transpose(1, 2), block_diag_right(residual @ h, b.transpose(1, 2))).mul_(maskf)
+    rhs = block_diag_left(a.transpose(1, 2), block_diag_right(residual @ h, b.transpose(1, 2))).mul_(mask)
     del residual  # Aᵀ R H Bᵀ ⊙ M above
     a_inv, q_inv = _sym_inv(a_gram), _sym_inv(_diag_blocks(q, d_b))
 
     def apply_h(v):
-        return (block_diag_left(a_gram, v) @ q).mul_(maskf)
+        return (block_diag_left(a_gram, v) @ q).mul_(mask)
 
     def precondition(r):
-        return block_diag_right(block_diag_left(a_inv, r), q_inv).mul_(maskf)
+        return block_diag_right(block_diag_left(a_inv, r), q_inv).mul_(mask)
 
     return core + _pcg(apply_h, rhs, precondition, steps)
 
