@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import inspect
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,12 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def _status(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
+from peak_memory import peak_above_resident, run_each  # noqa: E402
 
 
 def measure(which: str, old: str, hidden: int, inter: int, batch: int, seq_len: int, steps: int) -> None:
@@ -84,10 +78,7 @@ def measure(which: str, old: str, hidden: int, inter: int, batch: int, seq_len: 
 
         call = lambda: reconstruct_block(block, factors, inputs, targets,  # noqa: E731
                                          ReconstructConfig(steps=steps, held_out=1, checks=steps))
-    Path("/proc/self/clear_refs").write_text("5")
-    base = _status("VmRSS")
-    call()
-    peak = _status("VmHWM") - base
+    peak = peak_above_resident(call)
     print(f"| {which} | {w_bytes / 2**20:.0f} MiB | {peak / 2**20:.0f} MiB | {peak / w_bytes:.2f} W |", flush=True)
 
 
@@ -111,8 +102,7 @@ def main() -> int:
     print(f"block hidden {args.hidden}, MLP {args.inter}; 2 batches of {args.batch}×{args.seq_len} tokens; "
           f"{args.steps} steps\n\n| implementation | W (block linears, fp32) | peak above resident | peak / W |\n|---|---|---|---|",
           flush=True)
-    for which in ("new", "old") if args.old else ("new",):
-        subprocess.run([sys.executable, __file__, "--which", which, *sys.argv[1:]], check=True)
+    run_each(__file__, sys.argv[1:], old=bool(args.old))
     return 0
 
 
