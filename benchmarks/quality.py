@@ -9,7 +9,7 @@ hidden states); evaluated on the first 64 non-overlapping 512-token windows of t
 (perplexity, gap closed vs NoWag-P, wrapper overhead, mean relative proxy loss, prune and eval
 wall time) and the phase timings.
 
-Run:  python benchmarks/quality.py                                  # default ArmorConfig() (d_b=16, 30 bcd sweeps, output refine)
+Run:  python benchmarks/quality.py                                  # default ArmorConfig() (d_b=16, 20 bcd sweeps, output refine, …)
       python benchmarks/quality.py --methods armor --variants default budget+refine --one-shot --threads 1
                                                                     # issue #12's ARMOR rows (VARIANTS below)
       python benchmarks/quality.py --armor-blocks 16 32 --budgets 2.5 10

@@ -62,7 +62,7 @@ def per_sweep(cfg: ArmorConfig) -> int:
 def test_config_defaults():
     cfg = ArmorConfig()
     assert (cfg.block_size, cfg.pattern, cfg.optimizer.name, cfg.optimizer.selection_rule) == (16, "2:4", "bcd", "mixed")
-    assert cfg.optimizer.iterations == 30 and per_sweep(cfg) == 8 and cfg.max_overhead == 0.05
+    assert cfg.optimizer.iterations == 20 and per_sweep(cfg) == 8 and cfg.max_overhead == 0.05
     assert per_sweep(ArmorConfig(block_size=128)) == 64
     paper = ArmorConfig(optimizer=AdamConfig())
     assert (paper.optimizer.lr, paper.optimizer.iterations, paper.optimizer.selection_rule) == (1e-4, 1000, "l1-random")

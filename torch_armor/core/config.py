@@ -63,7 +63,7 @@ class ArmorConfig(MethodConfig):
     """ARMOR's settings, for one layer (:func:`torch_armor.factorize`) or a whole model
     (:func:`torch_armor.prune_model`, the sparsifiers, ``torch-armor prune``), immutable.
 
-    The defaults are THE defaults of torch_armor: block size 16, 2:4, 30 exact sweeps per layer
+    The defaults are THE defaults of torch_armor: block size 16, 2:4, 20 exact sweeps per layer
     (:class:`BcdConfig`), output-space refinement and block reconstruction on. A fixed number of
     sweeps, not a time budget, so the result does not depend on the machine's load
     (bit-identical for the same thread count); the cost grows with ``d_out·d_in·d_b``.
@@ -255,7 +255,7 @@ class ArmorConfig(MethodConfig):
 
             >>> d = ArmorConfig(block_size=32).to_dict()
             >>> d["block_size"], d["dtype"], d["num_iters"], d["group_updates"], d["refine"]
-            (32, 'torch.float32', 30, 16, 'output')
+            (32, 'torch.float32', 20, 16, 'output')
         """
         return config_compat.flat_dict(self, plain_value)
 

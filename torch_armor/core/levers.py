@@ -82,7 +82,7 @@ class BcdConfig(_Loop):
         (8, 3)
     """
 
-    iters: int = 30
+    iters: int = 20
     cg_steps: int = 2
     group_updates: Optional[int] = None
     ridge: float = 1e-6
@@ -184,7 +184,8 @@ class ReconstructConfig:
             the steps walk epochs over the training micro-batches, each epoch in a new seeded order.
         lr: Adam's peak step relative to each factor's RMS.
         micro_batch: calibration windows per step (``None``: each calibration batch as it is);
-            a step on 1 window costs about a quarter of one on 4.
+            a step on 1 window costs about a quarter of one on 4 (the default, 1: the steps
+            within the default's time; docs/results.md).
         warmup: fraction of the steps with a linear learning-rate warm-up from ``lr / warmup_steps``.
         decay: the learning rate after the warm-up, one of :data:`DECAYS` (``"cosine"``: to near 0).
         held_out: calibration windows never trained on; their error decides the kept iterate
@@ -198,7 +199,7 @@ class ReconstructConfig:
 
     steps: int = 32
     lr: float = 5e-3
-    micro_batch: Optional[int] = None
+    micro_batch: Optional[int] = 1
     warmup: float = 0.1
     decay: str = "cosine"
     held_out: int = 4

@@ -4,13 +4,14 @@
 Each preset is ``ArmorConfig()`` with the lever settings below replaced; ``"default"`` is
 ``ArmorConfig()`` itself. Measured perplexities and costs (default 34.48, max 32.23 on SmolLM2-135M): docs/results.md.
 
-* ``"fast"``: 10 exact sweeps per layer, one refinement round, 32 reconstruction steps on single
-  windows (a quarter of the cost of a 4-window step), no distillation — for a first look at a model.
-* ``"default"``: the library's defaults.
-* ``"max"``: the default with 16 full-``XᵀX`` sparse-core steps after refinement (the mask may
-  change), 64 reconstruction steps per block (four epochs over the calibration batches) and 48
-  distillation steps — about 1.7 times the default's CPU time (128 distillation steps were no
-  better on text the calibration never saw: docs/results.md).
+* ``"fast"``: 10 exact sweeps per layer, one refinement round, no distillation — for a first look
+  at a model.
+* ``"default"``: the library's defaults (20 sweeps, 32 reconstruction steps on single windows,
+  chosen to prune SmolLM2-135M within 15 minutes on 2 cores).
+* ``"max"``: the default with 30 sweeps, 16 full-``XᵀX`` sparse-core steps after refinement (the
+  mask may change), 64 reconstruction steps per block on 4-window batches (four epochs over the
+  calibration batches) and 48 distillation steps (128 distillation steps were no better on text
+  the calibration never saw: docs/results.md).
 """
 
 from __future__ import annotations
@@ -28,13 +29,13 @@ PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
     "fast": MappingProxyType({
         "optimizer": BcdConfig(iters=10),
         "refine": RefineConfig(rounds=1),
-        "reconstruct": ReconstructConfig(steps=32, micro_batch=1),
         "distill": None,
     }),
     "default": MappingProxyType({}),
     "max": MappingProxyType({
+        "optimizer": BcdConfig(iters=30),
         "refine": RefineConfig(core_steps=16),
-        "reconstruct": ReconstructConfig(steps=64),
+        "reconstruct": ReconstructConfig(steps=64, micro_batch=None),
         "distill": DistillConfig(steps=48),
     }),
 })
