@@ -43,7 +43,8 @@ from torch_armor.recipes.quality import _materialize  # noqa: E402
 _R = ArmorConfig().reconstruct or ReconstructConfig()
 #: Named settings: ``ArmorConfig()`` with these changes (reconstruction fields replace the default's).
 #: The reconstruction settings run without end-to-end distillation (as they were first measured, before it
-#: was on by default), so that each row shows reconstruction alone.
+#: was on by default), so that each row shows reconstruction alone; on today's defaults (20 sweeps, steps of
+#: one window: the first table of docs/results.md was measured with 30 sweeps and 4-window steps).
 SETTINGS = {
     "no-reconstruct": {"reconstruct": None, "distill": None},
     "steps8": {"reconstruct": dataclasses.replace(_R, steps=8), "distill": None},

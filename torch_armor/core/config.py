@@ -102,7 +102,7 @@ class ArmorConfig(MethodConfig):
 
         >>> cfg = ArmorConfig()
         >>> cfg.block_size, cfg.optimizer.name, cfg.optimizer.iterations, cfg.optimizer.selection_rule
-        (16, 'bcd', 30, 'mixed')
+        (16, 'bcd', 20, 'mixed')
         >>> cfg.optimizer.group_updates_per_sweep(cfg.block_size)
         8
         >>> dataclasses.replace(cfg, refine=None).refine is None
