@@ -66,10 +66,14 @@ def _output(block: nn.Module, weights: Dict[str, torch.Tensor], inp: BlockInput,
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+def _error(block, weights, inp, target, device) -> torch.Tensor:
+    """``‖Y − Y_dense‖²`` of one unit."""
+    return (_output(block, weights, inp, device) - target.to(device=device, dtype=torch.float32)).square().sum()
+
+
 def _squared(block, weights, inp, target, device) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(‖Y − Y_dense‖², ‖Y_dense‖²)`` of one unit."""
-    target = target.to(device=device, dtype=torch.float32)
-    return (_output(block, weights, inp, device) - target).square().sum(), target.square().sum()
+    return _error(block, weights, inp, target, device), target.to(device=device, dtype=torch.float32).square().sum()
 
 
 def stages_of(names: Sequence[str]) -> List[List[str]]:
@@ -148,9 +152,7 @@ def _reconstruct(block, factors, inputs, targets, config, device, seed, held, tr
             den = target.to(device=device, dtype=torch.float32).square().sum().clamp_min(torch.finfo(torch.float32).tiny)
             for row in range(target.shape[0]):  # one window's graph at a time: its activations are the big tensors
                 one = take_rows(inp, target, Unit(unit.batch, (row,))) if target.shape[0] > 1 else (inp, target)
-                r_inp, r_target = one
-                out = _output(block, build_weights(groups, leaves, trainable, frozen), r_inp, device)
-                err = (out - r_target.to(device=device, dtype=torch.float32)).square().sum()
+                err = _error(block, build_weights(groups, leaves, trainable, frozen), *one, device)
                 (err / den).backward()
                 del err
             optimizer.step()
