@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torch_armor import ArmorConfig, BcdConfig, PruneOptions, ReconstructConfig, RefineConfig, prune_model  # noqa: E402
+from torch_armor import ArmorConfig, BcdConfig, DistillConfig, PruneOptions, ReconstructConfig, RefineConfig, prune_model  # noqa: E402
 from torch_armor.core.presets import PRESETS  # noqa: E402
 from torch_armor.recipes.data import calibration_windows, eval_windows, load_text, tokenize_text  # noqa: E402
 from torch_armor.recipes.evaluate import perplexity  # noqa: E402
@@ -56,6 +56,10 @@ SETTINGS = {
     "no-schedule": {"reconstruct": dataclasses.replace(_R, warmup=0.0, decay="constant"), "distill": None},
     "split-stages": {"reconstruct": dataclasses.replace(_R, split_stages=True), "distill": None},
     "refine1": {"refine": RefineConfig(rounds=1), "distill": None},
+    # today's default with one lever off (distillation stays on)
+    "no-refine": {"refine": None},
+    # the reconstruction's time (about 150 s of the default's 899 s alone) spent on distillation instead
+    "no-reconstruct-distill28": {"reconstruct": None, "distill": DistillConfig(steps=28)},
     # candidates for a default within 15 minutes: 20 bcd sweeps and a quarter of the reconstruction's windows
     # (32 steps on 1 window, or 16 on 2), distillation as in the default
     "bcd20-mb1": {"optimizer": BcdConfig(iters=20), "reconstruct": dataclasses.replace(_R, micro_batch=1)},
@@ -74,6 +78,19 @@ def heldout_windows(ids: torch.Tensor, calib_starts: torch.Tensor, seq_len: int,
     if len(rows) < count:
         raise SystemExit(f"only {len(rows)} held-out calibration windows of {seq_len} tokens exist; ask for fewer")
     return torch.stack(rows[:count])
+
+
+def protocol_data(args: argparse.Namespace):
+    """``(model, calibration, held-out calibration, Wikipedia or None)`` windows of the quality protocol
+    (``args``: ``n_calib``, ``n_heldout``, ``seq_len``, ``wiki``, ``n_eval``)."""
+    net, tokenizer = load_model("smollm2")
+    ids = tokenize_text(load_text("sotu"), tokenizer)
+    starts = torch.randint(0, ids.numel() - args.seq_len + 1, (args.n_calib,), generator=torch.Generator().manual_seed(0))
+    calib = calibration_windows(ids, None, n_windows=args.n_calib, seq_len=args.seq_len, seed=0)
+    assert torch.equal(calib, ids[starts[:, None] + torch.arange(args.seq_len)])
+    heldout = heldout_windows(ids, starts, args.seq_len, args.n_heldout)
+    wiki = eval_windows("wiki", tokenizer, n_windows=args.n_eval, seq_len=args.seq_len) if args.wiki else None
+    return net, calib, heldout, wiki
 
 
 def config_of(name: str) -> ArmorConfig:
@@ -99,13 +116,7 @@ def main(argv=None) -> int:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
 
-    net, tokenizer = load_model("smollm2")
-    ids = tokenize_text(load_text("sotu"), tokenizer)
-    starts = torch.randint(0, ids.numel() - args.seq_len + 1, (args.n_calib,), generator=torch.Generator().manual_seed(0))
-    calib = calibration_windows(ids, None, n_windows=args.n_calib, seq_len=args.seq_len, seed=0)
-    assert torch.equal(calib, ids[starts[:, None] + torch.arange(args.seq_len)])
-    heldout = heldout_windows(ids, starts, args.seq_len, args.n_heldout)
-    wiki = eval_windows("wiki", tokenizer, n_windows=args.n_eval, seq_len=args.seq_len) if args.wiki else None
+    net, calib, heldout, wiki = protocol_data(args)
     names = select_layers(net, args.layers)
     dense = {n: net.get_submodule(n).weight for n in names}
 

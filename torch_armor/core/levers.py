@@ -252,6 +252,11 @@ class DistillConfig:
         train_core: also train the kept core values (masks stay fixed).
         warmup: fraction of the steps with a linear learning-rate warm-up (0: none).
         decay: the learning rate after the warm-up, one of :data:`DECAYS` (as block reconstruction's).
+        sampled_windows: extra training windows sampled from the dense model itself (temperature 1,
+            seeded, each started from a training window's first token, as long as the calibration
+            windows), so that the wrappers are fitted to the model's own distribution and not only to
+            the calibration text; held-out windows stay calibration windows. Needs a model with
+            transformers' ``generate``. 0: none.
     """
 
     steps: int = 16
@@ -263,6 +268,7 @@ class DistillConfig:
     train_core: bool = False
     warmup: float = 0.0
     decay: str = "constant"
+    sampled_windows: int = 0
 
     def __post_init__(self) -> None:
         owner = "DistillConfig"
@@ -279,6 +285,7 @@ class DistillConfig:
         check_fraction(owner, "warmup", self.warmup)
         if self.decay not in DECAYS:
             raise ArmorInputError(f"DistillConfig.decay must be one of {DECAYS}, got {self.decay!r}")
+        _positive_int(owner, "sampled_windows", self.sampled_windows, minimum=0)
 
 
 Optimizer = Union[BcdConfig, AdamConfig]

@@ -19,6 +19,7 @@ lower bound that is exact when ``top_k`` covers the vocabulary.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import time
@@ -41,8 +42,8 @@ from torch_armor.engine.reconstruct_data import set_scheduled_lr
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import ArmorTensor, armor_linear_from_factors
 
-__all__ = ["TopK", "Window", "windows_of", "distill_skip_reason", "dense_top_k", "coarse_kl", "distill_model", "DistillResult", "Distillation",
-           "DISTILLED_NAME"]
+__all__ = ["TopK", "Window", "windows_of", "distill_skip_reason", "dense_top_k", "coarse_kl", "sample_windows",
+           "distill_model", "DistillResult", "Distillation", "DISTILLED_NAME"]
 
 logger = logging.getLogger("torch_armor")
 
@@ -116,6 +117,36 @@ def dense_top_k(model: nn.Module, windows: Sequence[Window], k: int) -> List[Top
     return out
 
 
+@torch.no_grad()
+def sample_windows(model: nn.Module, prompts: Sequence[Window], count: int, seq_len: int, *, seed: int,
+                   batch_size: int = 32) -> List[Window]:
+    """``count`` windows of ``seq_len`` tokens sampled from ``model`` (a transformers causal LM) at
+    temperature 1 from its whole next-token distribution, the end-of-text token included (sampling
+    goes on past it). Window ``i`` starts with the first token of ``prompts[i % len(prompts)]``;
+    the draws come from one CPU generator seeded with ``seed``."""
+    if not callable(getattr(model, "generate", None)):
+        raise ArmorInputError(f"DistillConfig.sampled_windows: {type(model).__name__} is not a transformers causal LM "
+                              "(no generate()), so windows cannot be sampled from it; set sampled_windows=0")
+    device = next(p.device for p in model.parameters())
+    # transformers 5 renamed the key/value cache argument from past_key_values to cache
+    cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    gen = torch.Generator().manual_seed(seed)
+    out: List[Window] = []
+    for start in range(0, count, batch_size):
+        n = min(batch_size, count - start)
+        tokens = [torch.cat([prompts[(start + i) % len(prompts)][0][:, :1] for i in range(n)]).to(device)]
+        step = model(tokens[0], use_cache=True)
+        while sum(t.shape[1] for t in tokens) < seq_len:
+            probs = torch.softmax(step.logits[:, -1].float(), dim=-1).cpu()
+            tokens.append(torch.multinomial(probs, 1, generator=gen).to(device))
+            if sum(t.shape[1] for t in tokens) < seq_len:
+                cache = step.cache if getattr(step, "cache", None) is not None else step.past_key_values
+                step = model(tokens[-1], **{cache_kwarg: cache}, use_cache=True)
+        ids = torch.cat(tokens, dim=1).cpu()
+        out.extend((ids[j:j + 1], None) for j in range(n))
+    return out
+
+
 def coarse_kl(logits: torch.Tensor, teacher: TopK) -> torch.Tensor:
     """Per position, KL(teacher ‖ softmax(logits)) over the teacher's ``k`` tokens and one bin for
     the rest (nats). ``logits``: ``(seq, vocab)``."""
@@ -146,7 +177,7 @@ def _armor_layers(model: nn.Module) -> Dict[str, nn.Module]:
 
 
 def distill_model(model: nn.Module, windows: Sequence[Window], teacher: Dict[int, TopK], config: DistillConfig, *,
-                  seed: int = 0, storage: str = "dense",
+                  seed: int = 0, storage: str = "dense", sampled: Sequence[Window] = (),
                   log: Optional[Callable[[str], None]] = None) -> DistillResult:
     """Adam on the ARMOR layers of ``model`` (pruned in place) towards ``teacher``.
 
@@ -158,6 +189,8 @@ def distill_model(model: nn.Module, windows: Sequence[Window], teacher: Dict[int
         config: steps, learning rate and its schedule, micro-batch, held-out windows, ``train_core``.
         seed: the order of the training windows.
         storage: the core storage of the weights written back (as the block pass used).
+        sampled: windows sampled from the dense model (:func:`sample_windows`), trained on besides
+            the calibration windows and indexed after them in ``teacher``; never held out.
 
     Returns:
         :class:`DistillResult`; the model's ARMOR weights hold the kept iterate (masks unchanged,
@@ -167,7 +200,8 @@ def distill_model(model: nn.Module, windows: Sequence[Window], teacher: Dict[int
     layers = _armor_layers(model)
     if not layers:
         raise ArmorInputError("distillation: the model has no ARMOR layers (nothing was pruned with ArmorConfig)")
-    held, train = held_out_split(len(windows), config)
+    held, train = held_out_split(len(windows), config, len(sampled))
+    windows = [*windows, *sampled]
     leaves: Dict[str, List[torch.Tensor]] = {}
     masks: Dict[str, torch.Tensor] = {}
     groups = []
@@ -245,12 +279,14 @@ def distill_model(model: nn.Module, windows: Sequence[Window], teacher: Dict[int
     return DistillResult(before, best, best_step, curve, time.perf_counter() - start)
 
 
-def held_out_split(n_windows: int, config: DistillConfig) -> Tuple[List[int], List[int]]:
-    """``(held-out, training)`` window indices: the last ``config.held_out`` windows are held out."""
+def held_out_split(n_windows: int, config: DistillConfig, n_sampled: int = 0) -> Tuple[List[int], List[int]]:
+    """``(held-out, training)`` window indices: the last ``config.held_out`` of the ``n_windows``
+    calibration windows are held out; the ``n_sampled`` sampled windows (indexed after them) train."""
     if config.held_out >= n_windows:
         raise ArmorInputError(f"DistillConfig.held_out={config.held_out} leaves no training window among the "
                               f"{n_windows} calibration windows: lower held_out or give more calibration windows")
-    return list(range(n_windows - config.held_out, n_windows)), list(range(n_windows - config.held_out))
+    return (list(range(n_windows - config.held_out, n_windows)),
+            [*range(n_windows - config.held_out), *range(n_windows, n_windows + n_sampled)])
 
 
 def training_order(n_train: int, config: DistillConfig, seed: int) -> List[int]:
@@ -263,9 +299,9 @@ def training_order(n_train: int, config: DistillConfig, seed: int) -> List[int]:
     return order[:need]
 
 
-def windows_needed(n_windows: int, config: DistillConfig, seed: int) -> List[int]:
+def windows_needed(n_windows: int, config: DistillConfig, seed: int, n_sampled: int = 0) -> List[int]:
     """The windows whose teacher distillation reads: the held-out ones and every training window reached."""
-    held, train = held_out_split(n_windows, config)
+    held, train = held_out_split(n_windows, config, n_sampled)
     return sorted(set(held) | {train[i] for i in training_order(len(train), config, seed)})
 
 
@@ -294,7 +330,8 @@ class Distillation:
                  log: Optional[Callable[[str], None]] = None) -> None:
         self.config, self.seed, self.storage, self.log = config, seed, storage, log or logger.info
         self.windows = windows_of(batches)
-        self.needed = windows_needed(len(self.windows), config, seed)  # checks held_out first
+        self.needed = windows_needed(len(self.windows), config, seed, config.sampled_windows)  # checks held_out first
+        self.sampled: List[Window] = []
         self.path = None if run_dir is None else Path(run_dir) / DISTILLED_NAME
         self.identity = json.dumps({"run": identity, "distill": asdict(config), "seed": seed}, sort_keys=True)
         self.teacher: Dict[int, TopK] = {}
@@ -312,7 +349,14 @@ class Distillation:
         if self._finished():
             return
         start = time.perf_counter()
-        tops = dense_top_k(model, [self.windows[j] for j in self.needed], self.config.top_k)
+        if self.config.sampled_windows:
+            _, train = held_out_split(len(self.windows), self.config)
+            self.sampled = sample_windows(model, [self.windows[j] for j in train], self.config.sampled_windows,
+                                          max(w[0].shape[1] for w in self.windows), seed=self.seed)
+            self.log(f"distillation: {len(self.sampled)} windows sampled from the dense model "
+                     f"({time.perf_counter() - start:.0f} s)")
+        every = [*self.windows, *self.sampled]
+        tops = dense_top_k(model, [every[j] for j in self.needed], self.config.top_k)
         self.teacher = dict(zip(self.needed, tops))
         self.teacher_seconds = time.perf_counter() - start
         self.log(f"distillation: dense top-{self.config.top_k} cached on {len(self.needed)} windows "
@@ -326,7 +370,7 @@ class Distillation:
         if not self.teacher:
             raise ArmorInputError("distillation: Distillation.capture(dense model) must run before the block pass")
         result = distill_model(model, self.windows, self.teacher, self.config, seed=self.seed, storage=self.storage,
-                               log=self.log)
+                               sampled=self.sampled, log=self.log)
         result.teacher_seconds = self.teacher_seconds
         summary = {"before": result.before, "after": result.after, "best_step": result.best_step,
                    "curve": [list(c) for c in result.curve], "seconds": result.seconds,

@@ -1,0 +1,128 @@
+"""End-to-end distillation settings compared from one block pass: prune once without distillation,
+then distill a copy per setting and measure held-out calibration perplexity (the column settings
+are chosen on) and, with ``--wiki``, Wikipedia perplexity.
+
+The quality protocol's model and calibration (SmolLM2-135M, 2:4, all linears, 64 random 512-token
+sotu windows, seed 0) and the held-out sotu windows of ``benchmarks/reconstruct_sweep.py``. The
+block pass is ``--base``'s preset with distillation off; every setting starts from the same pruned
+weights, so rows differ by distillation alone. Times: wall and this process's CPU per setting
+(teacher, sampling and training).
+
+Run:  python benchmarks/distill_sweep.py --settings max-48 sampled64 --wiki --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from reconstruct_sweep import protocol_data  # noqa: E402
+from torch_armor import ArmorConfig, PruneOptions, prune_model  # noqa: E402
+from torch_armor.core.levers import DistillConfig  # noqa: E402
+from torch_armor.core.presets import PRESETS  # noqa: E402
+from torch_armor.engine.distill import Distillation  # noqa: E402
+from torch_armor.recipes.evaluate import perplexity  # noqa: E402
+from torch_armor.recipes.models import select_layers  # noqa: E402
+from torch_armor.recipes.quality import _materialize  # noqa: E402
+
+_MAX = PRESETS["max"]["distill"]
+#: Named distillation settings (``none``: the block pass alone).
+SETTINGS = {
+    "none": None,
+    "default-16": DistillConfig(),
+    "max-48": _MAX,
+    "max-48-core": dataclasses.replace(_MAX, train_core=True),
+    "sampled64": dataclasses.replace(_MAX, sampled_windows=64),
+    "sampled64-96": dataclasses.replace(_MAX, steps=96, sampled_windows=64),
+    "sampled128-128": dataclasses.replace(_MAX, steps=128, sampled_windows=128, warmup=0.05, decay="cosine",
+                                          eval_every=8),
+    "default-sampled32": DistillConfig(sampled_windows=32),
+}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--settings", nargs="+", choices=tuple(SETTINGS), default=["max-48", "sampled64"])
+    parser.add_argument("--base", choices=tuple(PRESETS), default="default",
+                        help="the preset of the block pass (distillation off)")
+    parser.add_argument("--n-calib", type=int, default=64)
+    parser.add_argument("--n-heldout", type=int, default=16)
+    parser.add_argument("--wiki", action="store_true", help="also Wikipedia perplexity (the reported number)")
+    parser.add_argument("--n-eval", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    command = "python benchmarks/distill_sweep.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    print(command)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
+
+    dense, calib, heldout, wiki = protocol_data(args)
+    names = select_layers(dense, None)
+    base_cfg = dataclasses.replace(ArmorConfig.preset(args.base), distill=None)
+
+    def measure(model):
+        return (perplexity(model, heldout, batch_size=8, progress=False),
+                perplexity(model, wiki, batch_size=8, progress=False) if wiki is not None else None)
+
+    pruned = copy.deepcopy(dense)
+    wall = time.perf_counter()
+    prune_model(pruned, calib, base_cfg, layers=names, options=PruneOptions(batch_size=4, progress=False))
+    print(f"block pass ({args.base}, no distillation): {(time.perf_counter() - wall) / 60:.1f} min wall", flush=True)
+
+    rows = []
+    for name in args.settings:
+        cfg = SETTINGS[name]
+        model = copy.deepcopy(pruned)
+        wall, cpu = time.perf_counter(), time.process_time()
+        summary = {}
+        if cfg is not None:
+            distillation = Distillation(cfg, [calib], seed=base_cfg.seed)
+            distillation.capture(dense)
+            summary = distillation.run(model)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        _materialize(model, names)
+        held, wik = measure(model)
+        row = {"setting": name, "config": str(cfg), "heldout_ppl": held, "wiki_ppl": wik, "wall_s": wall,
+               "cpu_s": cpu, "held_out_kl": [summary.get("before"), summary.get("after")],
+               "best_step": summary.get("best_step"), "curve": summary.get("curve")}
+        rows.append(row)
+        print(f"{name}: held-out calibration ppl {held:.3f}" + (f", wiki ppl {wik:.3f}" if wik is not None else "")
+              + f", held-out KL {row['held_out_kl']}, {wall / 60:.1f} min wall, {cpu / 60:.1f} min CPU", flush=True)
+        del model
+
+    print()
+    print(f"SmolLM2-135M, 2:4, {len(names)} linears, block pass `{args.base}` without distillation, calibration sotu "
+          f"{args.n_calib}×{args.seq_len} (seed 0), held-out sotu {args.n_heldout}×{args.seq_len}"
+          + (f", wiki {args.n_eval}×{args.seq_len}" if args.wiki else ""))
+    print()
+    print("| distillation | held-out KL before → kept | held-out calib ppl | Wikipedia ppl | wall (min) | CPU (min) |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        kl = "–" if r["held_out_kl"][0] is None else f"{r['held_out_kl'][0]:.3f} → {r['held_out_kl'][1]:.3f}"
+        wiki_s = f"{r['wiki_ppl']:.2f}" if r["wiki_ppl"] is not None else "–"
+        print(f"| {r['setting']} | {kl} | {r['heldout_ppl']:.2f} | {wiki_s} | {r['wall_s'] / 60:.1f} | "
+              f"{r['cpu_s'] / 60:.1f} |")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"command": command, "rows": rows}, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

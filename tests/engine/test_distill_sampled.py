@@ -1,0 +1,104 @@
+"""Distillation on windows sampled from the dense model: the sampler against a no-cache reference
+drawing from the model's softmax, the held-out windows staying calibration windows, the teacher."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import make_tiny_llama
+from torch_armor import ArmorConfig, BcdConfig, PruneOptions, RefineConfig, prune_model
+from torch_armor.core.levers import DistillConfig
+from torch_armor.engine.distill import Distillation, dense_top_k, held_out_split, sample_windows, windows_of
+from torch_armor.errors import ArmorInputError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+VOCAB = 128
+CALIB = torch.randint(0, VOCAB, (12, 24), generator=torch.Generator().manual_seed(5))
+
+
+def _sample_by_hand(model, first_tokens: torch.Tensor, seq_len: int, gen: torch.Generator) -> torch.Tensor:
+    """Whole-prefix forward passes (no cache), one multinomial draw per position from the softmax."""
+    ids = first_tokens[:, None]
+    with torch.no_grad():
+        while ids.shape[1] < seq_len:
+            probs = torch.softmax(model(ids).logits[:, -1].double(), dim=-1).float()
+            ids = torch.cat([ids, torch.multinomial(probs, 1, generator=gen)], dim=1)
+    return ids
+
+
+@pytest.mark.parametrize("count,batch_size", [(5, 2), (3, 8)])
+def test_sampled_windows_are_the_models_own_draws_started_from_each_prompt(count, batch_size):
+    model = make_tiny_llama()
+    prompts = windows_of([CALIB[:4]])
+    got = sample_windows(model, prompts, count, 20, seed=7, batch_size=batch_size)
+    gen = torch.Generator().manual_seed(7)
+    want = torch.cat([_sample_by_hand(model, CALIB[[(s + i) % 4 for i in range(min(batch_size, count - s))], 0], 20, gen)
+                      for s in range(0, count, batch_size)])
+    assert [w[1] for w in got] == [None] * count
+    assert torch.equal(torch.cat([w[0] for w in got]), want)
+    assert torch.equal(want[:, 0], CALIB[[i % 4 for i in range(count)], 0])
+
+
+def test_sampling_is_seeded():
+    model = make_tiny_llama()
+    prompts = windows_of([CALIB[:2]])
+    a, b, c = (sample_windows(model, prompts, 2, 16, seed=s) for s in (1, 1, 2))
+    assert all(torch.equal(x[0], y[0]) for x, y in zip(a, b))
+    assert not all(torch.equal(x[0], y[0]) for x, y in zip(a, c))
+
+
+def test_sampled_windows_train_and_are_never_held_out():
+    cfg = DistillConfig(held_out=3)
+    held, train = held_out_split(12, cfg, n_sampled=5)
+    assert held == [9, 10, 11]
+    assert train == [*range(9), *range(12, 17)]
+    assert held_out_split(12, cfg) == (held, list(range(9)))
+
+
+def test_the_teacher_covers_the_sampled_windows_as_the_dense_models_top_k():
+    dense = make_tiny_llama()
+    cfg = DistillConfig(steps=20, held_out=3, top_k=8, sampled_windows=4)
+    distillation = Distillation(cfg, [CALIB], seed=3)
+    distillation.capture(dense)
+    train_prompts = windows_of([CALIB[:9]])
+    want = sample_windows(dense, train_prompts, 4, CALIB.shape[1], seed=3)
+    assert all(torch.equal(x[0], y[0]) for x, y in zip(distillation.sampled, want))
+    reached = [j for j in distillation.teacher if j >= 12]
+    assert reached  # 20 steps of 2 windows over 13 training windows reach every sampled one
+    for j in reached:
+        top = dense_top_k(dense, [want[j - 12]], 8)[0]
+        assert torch.equal(distillation.teacher[j].indices, top.indices)
+        assert torch.allclose(distillation.teacher[j].log_probs, top.log_probs)
+
+
+def test_prune_model_with_sampled_windows_measures_the_same_held_out_kl_before():
+    base = ArmorConfig(block_size=8, optimizer=BcdConfig(iters=2), refine=RefineConfig(rounds=1), reconstruct=None)
+    dense = make_tiny_llama()
+    reports = []
+    for sampled in (0, 4):
+        cfg = dataclasses.replace(base, distill=DistillConfig(steps=4, held_out=3, top_k=16, eval_every=2,
+                                                              sampled_windows=sampled))
+        reports.append(prune_model(copy.deepcopy(dense), CALIB, cfg, options=PruneOptions(progress=False)).distill)
+    assert reports[0]["before"] == reports[1]["before"]  # the held-out windows are the calibration ones
+    assert reports[0]["curve"] != reports[1]["curve"]  # and training saw other windows
+
+
+def test_a_model_without_generate_is_refused_in_one_line():
+    class Plain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+    with pytest.raises(ArmorInputError, match=r"^DistillConfig.sampled_windows: Plain .*sampled_windows=0$"):
+        sample_windows(Plain(), windows_of([CALIB[:1]]), 1, 8, seed=0)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True])
+def test_sampled_windows_validation_names_the_field(value):
+    with pytest.raises(ArmorInputError, match="DistillConfig.sampled_windows"):
+        DistillConfig(sampled_windows=value)
