@@ -17,18 +17,15 @@ import argparse
 import copy
 import dataclasses
 import json
-import os
-import shlex
 import sys
 import time
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from reconstruct_sweep import protocol_data  # noqa: E402
+from reconstruct_sweep import add_protocol_arguments, protocol_data, start  # noqa: E402
 from torch_armor import ArmorConfig, PruneOptions, prune_model  # noqa: E402
 from torch_armor.core.levers import DistillConfig  # noqa: E402
 from torch_armor.core.presets import PRESETS  # noqa: E402
@@ -57,20 +54,9 @@ def main(argv=None) -> int:
     parser.add_argument("--settings", nargs="+", choices=tuple(SETTINGS), default=["max-48", "sampled64"])
     parser.add_argument("--base", choices=tuple(PRESETS), default="default",
                         help="the preset of the block pass (distillation off)")
-    parser.add_argument("--n-calib", type=int, default=64)
-    parser.add_argument("--n-heldout", type=int, default=16)
-    parser.add_argument("--wiki", action="store_true", help="also Wikipedia perplexity (the reported number)")
-    parser.add_argument("--n-eval", type=int, default=64)
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--json", default=None)
+    add_protocol_arguments(parser)
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    command = "python benchmarks/distill_sweep.py " + shlex.join(sys.argv[1:] if argv is None else argv)
-    print(command)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    command = start("distill_sweep.py", args, argv)
 
     dense, calib, heldout, wiki = protocol_data(args)
     names = select_layers(dense, None)

@@ -80,6 +80,28 @@ def heldout_windows(ids: torch.Tensor, calib_starts: torch.Tensor, seq_len: int,
     return torch.stack(rows[:count])
 
 
+def add_protocol_arguments(parser: argparse.ArgumentParser) -> None:
+    """The protocol's data, threads and output options (read by :func:`protocol_data` and :func:`start`)."""
+    parser.add_argument("--n-calib", type=int, default=64)
+    parser.add_argument("--n-heldout", type=int, default=16, help="held-out calibration windows")
+    parser.add_argument("--wiki", action="store_true", help="also Wikipedia perplexity (the reported number)")
+    parser.add_argument("--n-eval", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", default=None)
+
+
+def start(script: str, args: argparse.Namespace, argv) -> str:
+    """Set the thread count, print the command line and the machine; returns the command line."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    command = f"python benchmarks/{script} " + shlex.join(sys.argv[1:] if argv is None else argv)
+    print(command)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    return command
+
+
 def protocol_data(args: argparse.Namespace):
     """``(model, calibration, held-out calibration, Wikipedia or None)`` windows of the quality protocol
     (``args``: ``n_calib``, ``n_heldout``, ``seq_len``, ``wiki``, ``n_eval``)."""
@@ -100,21 +122,10 @@ def config_of(name: str) -> ArmorConfig:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--settings", nargs="+", choices=(*PRESETS, *SETTINGS), default=["default"])
-    parser.add_argument("--n-calib", type=int, default=64)
-    parser.add_argument("--n-heldout", type=int, default=16, help="held-out calibration windows")
-    parser.add_argument("--wiki", action="store_true", help="also Wikipedia perplexity (the reported number)")
-    parser.add_argument("--n-eval", type=int, default=64)
-    parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--layers", default=None, help="restrict pruning to some decoder layers (quick looks only)")
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--json", default=None)
+    add_protocol_arguments(parser)
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    command = "python benchmarks/reconstruct_sweep.py " + shlex.join(sys.argv[1:] if argv is None else argv)
-    print(command)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    command = start("reconstruct_sweep.py", args, argv)
 
     net, calib, heldout, wiki = protocol_data(args)
     names = select_layers(net, args.layers)

@@ -136,10 +136,10 @@ def sample_windows(model: nn.Module, prompts: Sequence[Window], count: int, seq_
         n = min(batch_size, count - start)
         tokens = [torch.cat([prompts[(start + i) % len(prompts)][0][:, :1] for i in range(n)]).to(device)]
         step = model(tokens[0], use_cache=True)
-        while sum(t.shape[1] for t in tokens) < seq_len:
+        for position in range(1, seq_len):
             probs = torch.softmax(step.logits[:, -1].float(), dim=-1).cpu()
             tokens.append(torch.multinomial(probs, 1, generator=gen).to(device))
-            if sum(t.shape[1] for t in tokens) < seq_len:
+            if position < seq_len - 1:
                 cache = step.cache if getattr(step, "cache", None) is not None else step.past_key_values
                 step = model(tokens[-1], **{cache_kwarg: cache}, use_cache=True)
         ids = torch.cat(tokens, dim=1).cpu()

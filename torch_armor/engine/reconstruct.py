@@ -25,7 +25,7 @@ when the held-out error improves.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -73,7 +73,8 @@ def _error(block, weights, inp, target, device) -> torch.Tensor:
 
 def _squared(block, weights, inp, target, device) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(‖Y − Y_dense‖², ‖Y_dense‖²)`` of one unit."""
-    return _error(block, weights, inp, target, device), target.to(device=device, dtype=torch.float32).square().sum()
+    target = target.to(device=device, dtype=torch.float32)  # once: _error's conversion is then a no-op
+    return _error(block, weights, inp, target, device), target.square().sum()
 
 
 def stages_of(names: Sequence[str]) -> List[List[str]]:
