@@ -9,6 +9,9 @@ weights, so rows differ by distillation alone. Times: wall and this process's CP
 (teacher, sampling and training).
 
 Run:  python benchmarks/distill_sweep.py --settings max-48 sampled64 --wiki --threads 1
+
+``--base-cache FILE`` saves the block pass to FILE (or loads it when FILE exists and was made with the
+same ``--base`` and calibration), so that several processes can compare settings from one block pass.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -35,17 +39,30 @@ from torch_armor.recipes.models import select_layers  # noqa: E402
 from torch_armor.recipes.quality import _materialize  # noqa: E402
 
 _MAX = PRESETS["max"]["distill"]
+#: the default's distillation before bfloat16 steps: 16 float32 steps, checks every 4
+_PREVIOUS = DistillConfig(steps=16, eval_every=4, bf16_steps=False)
 #: Named distillation settings (``none``: the block pass alone).
 SETTINGS = {
     "none": None,
-    "default-16": DistillConfig(),
+    "default-16": _PREVIOUS,
     "max-48": _MAX,
     "max-48-core": dataclasses.replace(_MAX, train_core=True),
     "sampled64": dataclasses.replace(_MAX, sampled_windows=64),
     "sampled64-96": dataclasses.replace(_MAX, steps=96, sampled_windows=64),
     "sampled128-128": dataclasses.replace(_MAX, steps=128, sampled_windows=128, warmup=0.05, decay="cosine",
                                           eval_every=8),
-    "default-sampled32": DistillConfig(sampled_windows=32),
+    "default-sampled32": dataclasses.replace(_PREVIOUS, sampled_windows=32),
+    # the default's cost (32 window passes), other step sizes and schedules
+    "default-core": dataclasses.replace(_PREVIOUS, train_core=True),
+    "default-lr1e-3": dataclasses.replace(_PREVIOUS, lr=1e-3),
+    "default-lr4e-3": dataclasses.replace(_PREVIOUS, lr=4e-3),
+    "w1-32": dataclasses.replace(_PREVIOUS, steps=32, windows_per_step=1, eval_every=8),
+    "w1-32-cosine-lr4e-3": dataclasses.replace(_PREVIOUS, steps=32, windows_per_step=1, eval_every=8, lr=4e-3,
+                                               warmup=0.1, decay="cosine"),
+    # bfloat16 training steps: more steps in the default's time (bf16-24 is today's DistillConfig())
+    "bf16-24": DistillConfig(steps=24, eval_every=6, bf16_steps=True),
+    "bf16-24-lr1e-3": DistillConfig(steps=24, eval_every=6, lr=1e-3, bf16_steps=True),
+    "bf16-20": DistillConfig(steps=20, eval_every=10, bf16_steps=True),
 }
 
 
@@ -54,6 +71,9 @@ def main(argv=None) -> int:
     parser.add_argument("--settings", nargs="+", choices=tuple(SETTINGS), default=["max-48", "sampled64"])
     parser.add_argument("--base", choices=tuple(PRESETS), default="default",
                         help="the preset of the block pass (distillation off)")
+    parser.add_argument("--base-cache", default=None, help="file to save the block pass to, or load it from")
+    parser.add_argument("--distill-threads", type=int, default=None,
+                        help="threads for the settings after the block pass (default: --threads)")
     add_protocol_arguments(parser)
     args = parser.parse_args(argv)
     command = start("distill_sweep.py", args, argv)
@@ -66,11 +86,28 @@ def main(argv=None) -> int:
         return (perplexity(model, heldout, batch_size=8, progress=False),
                 perplexity(model, wiki, batch_size=8, progress=False) if wiki is not None else None)
 
-    pruned = copy.deepcopy(dense)
-    wall = time.perf_counter()
-    prune_model(pruned, calib, base_cfg, layers=names, options=PruneOptions(batch_size=4, progress=False))
-    print(f"block pass ({args.base}, no distillation): {(time.perf_counter() - wall) / 60:.1f} min wall", flush=True)
+    made_with = {"base": args.base, "n_calib": args.n_calib, "seq_len": args.seq_len}
+    cache = Path(args.base_cache) if args.base_cache else None
+    if cache is not None and cache.exists():
+        saved = torch.load(cache, weights_only=False)
+        if saved["made_with"] != made_with:
+            raise SystemExit(f"{cache} holds a block pass made with {saved['made_with']}, not {made_with}: "
+                             "remove it or pass another --base-cache")
+        pruned = saved["model"]
+        print(f"block pass ({args.base}, no distillation) loaded from {cache}", flush=True)
+    else:
+        pruned = copy.deepcopy(dense)
+        wall = time.perf_counter()
+        prune_model(pruned, calib, base_cfg, layers=names, options=PruneOptions(batch_size=4, progress=False))
+        print(f"block pass ({args.base}, no distillation): {(time.perf_counter() - wall) / 60:.1f} min wall",
+              flush=True)
+        if cache is not None:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"made_with": made_with, "model": pruned}, cache.with_suffix(".tmp"))
+            cache.with_suffix(".tmp").replace(cache)
 
+    if args.distill_threads:
+        torch.set_num_threads(args.distill_threads)
     rows = []
     for name in args.settings:
         cfg = SETTINGS[name]

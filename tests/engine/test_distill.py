@@ -15,7 +15,7 @@ from conftest import make_tiny_llama
 from _helpers import check_mask
 from torch_armor import ArmorConfig, BcdConfig, prune_model, PruneOptions, RefineConfig
 from torch_armor.core.levers import DistillConfig
-from torch_armor.engine.distill import DISTILLED_NAME, TopK, coarse_kl, windows_of
+from torch_armor.engine.distill import DISTILLED_NAME, TopK, coarse_kl, fast_bf16, training_autocast, windows_of
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import ArmorTensor
 
@@ -113,6 +113,35 @@ def test_distillation_keeps_the_best_held_out_iterate_measured_independently():
         assert d["after"] == pytest.approx(_held_out_kl_by_hand(dense, undistilled, held), rel=1e-4)
 
 
+@pytest.mark.skipif(not fast_bf16(torch.device("cpu")), reason="this CPU has no fast bfloat16 matrix products")
+def test_bf16_steps_train_in_bfloat16_but_choose_the_kept_iterate_in_float32():
+    dense = make_tiny_llama()
+    runs = {}
+    for bf16 in (False, True):
+        cfg = dataclasses.replace(BASE, distill=dataclasses.replace(DISTILL, bf16_steps=bf16))
+        runs[bf16] = _prune(cfg, model=copy.deepcopy(dense))
+    held = windows_of([CALIB])[-DISTILL.held_out:]
+    (_, fp32), (model, bf16) = runs[False], runs[True]
+    assert bf16.distill["before"] == fp32.distill["before"]  # the same block pass, measured in float32
+    assert bf16.distill["curve"][1:] != fp32.distill["curve"][1:]  # the steps themselves differ
+    assert bf16.distill["after"] <= bf16.distill["before"]
+    assert bf16.distill["after"] == pytest.approx(_held_out_kl_by_hand(dense, model, held), rel=1e-4)
+
+
+def test_training_autocast_is_bfloat16_only_when_asked_for_and_fast():
+    x = torch.randn(4, 8)
+    lines = []
+    with training_autocast(torch.device("cpu"), DistillConfig(bf16_steps=False), lines.append)():
+        assert (x @ x.T).dtype == torch.float32
+    with training_autocast(torch.device("meta"), DistillConfig(bf16_steps=True), lines.append)():
+        assert (x @ x.T).dtype == torch.float32
+    assert len(lines) == 1 and "bf16_steps" in lines[0] and "float32" in lines[0]
+    if fast_bf16(torch.device("cpu")):
+        with training_autocast(torch.device("cpu"), DistillConfig(bf16_steps=True), lines.append)():
+            assert (x @ x.T).dtype == torch.bfloat16
+        assert len(lines) == 1
+
+
 def test_the_held_out_kl_before_is_the_undistilled_model():
     dense = make_tiny_llama()
     undistilled, _ = _prune(BASE)
@@ -206,7 +235,7 @@ def test_too_many_held_out_windows_skip_distillation_naming_the_field():
 @pytest.mark.parametrize("field,value", [("steps", 0), ("steps", 1.5), ("lr", 0.0), ("lr", float("nan")),
                                          ("windows_per_step", 0), ("held_out", 0), ("top_k", True),
                                          ("eval_every", -1), ("train_core", 1), ("warmup", 1.0),
-                                         ("warmup", -0.1), ("decay", "exponential")])
+                                         ("warmup", -0.1), ("decay", "exponential"), ("bf16_steps", 1)])
 def test_config_validation_names_the_field(field, value):
     with pytest.raises(ArmorInputError, match=f"DistillConfig.{field}"):
         DistillConfig(**{field: value})

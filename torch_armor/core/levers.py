@@ -65,7 +65,7 @@ class BcdConfig(_Loop):
     preconditioned CG on the kept core values, then exact sparse-core group updates.
 
     Args:
-        iters: sweeps per layer (default 30).
+        iters: sweeps per layer (default 20).
         cg_steps: CG steps on the core per sweep.
         group_updates: sparse-core group updates per tile per sweep (``None``: ``max(1, d_b // 2)``,
             see :meth:`group_updates_per_sweep`).
@@ -257,18 +257,22 @@ class DistillConfig:
             windows), so that the wrappers are fitted to the model's own distribution and not only to
             the calibration text; held-out windows stay calibration windows. Needs a model with
             transformers' ``generate``. 0: none.
+        bf16_steps: run the training steps' forward and backward under bfloat16 autocast (the
+            weights, Adam and the held-out checks that choose the kept iterate stay float32); on a
+            device without fast bfloat16 matrix products the steps run in float32 (logged once).
     """
 
-    steps: int = 16
+    steps: int = 20
     lr: float = 2e-3
     windows_per_step: int = 2
     held_out: int = 4
     top_k: int = 64
-    eval_every: int = 4
+    eval_every: int = 10
     train_core: bool = False
     warmup: float = 0.0
     decay: str = "constant"
     sampled_windows: int = 0
+    bf16_steps: bool = True
 
     def __post_init__(self) -> None:
         owner = "DistillConfig"
@@ -282,6 +286,8 @@ class DistillConfig:
         _positive_int(owner, "eval_every", self.eval_every)
         if not isinstance(self.train_core, bool):
             raise ArmorInputError(f"DistillConfig.train_core must be True or False, got {self.train_core!r}")
+        if not isinstance(self.bf16_steps, bool):
+            raise ArmorInputError(f"DistillConfig.bf16_steps must be True or False, got {self.bf16_steps!r}")
         check_fraction(owner, "warmup", self.warmup)
         if self.decay not in DECAYS:
             raise ArmorInputError(f"DistillConfig.decay must be one of {DECAYS}, got {self.decay!r}")

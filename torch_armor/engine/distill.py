@@ -19,6 +19,7 @@ lower bound that is exact when ``top_k`` covers the vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import logging
@@ -172,6 +173,31 @@ def _mean_kl(logits: torch.Tensor, teacher: TopK, window: Window) -> Tuple[torch
     return kl[keep].sum(), int(keep.sum())
 
 
+def fast_bf16(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bfloat16 matrices natively (CUDA with bf16 support; a CPU
+    with oneDNN's bf16 kernels, e.g. AVX512-BF16 or AMX): where bfloat16 autocast saves time."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        try:
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):
+            return False
+    return False
+
+
+def training_autocast(device: torch.device, config: DistillConfig, log: Callable[[str], None]):
+    """The context of a training step's forward: bfloat16 autocast when ``config.bf16_steps`` and
+    the device has fast bfloat16, else none (with one log line when asked for but unavailable)."""
+    if not config.bf16_steps:
+        return contextlib.nullcontext
+    if not fast_bf16(device):
+        log(f"distillation: bf16_steps asked for, but {device.type} has no fast bfloat16 matrix products: "
+            "the steps run in float32")
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+
+
 def _armor_layers(model: nn.Module) -> Dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if isinstance(m._parameters.get("weight"), ArmorTensor)}
 
@@ -246,6 +272,7 @@ def distill_model(model: nn.Module, windows: Sequence[Window], teacher: Dict[int
         curve = [(0, before)]
         (log or logger.info)(f"distillation: held-out KL {before:.5f} nats/token before ({len(held)} windows)")
         order = training_order(len(train), config, seed)
+        step_context = training_autocast(next(p.device for p in model.parameters()), config, log or logger.info)
         for step in range(1, config.steps + 1):
             optimizer.zero_grad(set_to_none=True)
             set_scheduled_lr(optimizer, peaks, step, config.steps, warmup_steps, config.decay)
@@ -254,7 +281,9 @@ def distill_model(model: nn.Module, windows: Sequence[Window], teacher: Dict[int
                         for j in chosen)
             loss = 0.0
             for j in chosen:  # one window's graph at a time (its full-vocabulary logits are the big tensors)
-                part, _ = _mean_kl(_logits(model, windows[j], weights()), teacher[j], windows[j])
+                with step_context():
+                    logits = _logits(model, windows[j], weights())
+                part, _ = _mean_kl(logits, teacher[j], windows[j])
                 part = part / max(count, 1)
                 part.backward()
                 loss += float(part.detach())
