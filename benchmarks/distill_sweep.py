@@ -39,8 +39,8 @@ from torch_armor.recipes.models import select_layers  # noqa: E402
 from torch_armor.recipes.quality import _materialize  # noqa: E402
 
 _MAX = PRESETS["max"]["distill"]
-#: the default's distillation before bfloat16 steps: 16 float32 steps, checks every 4
-_PREVIOUS = DistillConfig(steps=16, eval_every=4, bf16_steps=False)
+#: the previous default's distillation: 16 float32 steps at 2e-3, checks every 4
+_PREVIOUS = DistillConfig(steps=16, lr=2e-3, eval_every=4, bf16_steps=False)
 #: Named distillation settings (``none``: the block pass alone).
 SETTINGS = {
     "none": None,
@@ -54,15 +54,16 @@ SETTINGS = {
     "default-sampled32": dataclasses.replace(_PREVIOUS, sampled_windows=32),
     # the default's cost (32 window passes), other step sizes and schedules
     "default-core": dataclasses.replace(_PREVIOUS, train_core=True),
-    "default-lr1e-3": dataclasses.replace(_PREVIOUS, lr=1e-3),
+    "default-lr1e-3": dataclasses.replace(_PREVIOUS, lr=1e-3),  # today's DistillConfig()
     "default-lr4e-3": dataclasses.replace(_PREVIOUS, lr=4e-3),
     "w1-32": dataclasses.replace(_PREVIOUS, steps=32, windows_per_step=1, eval_every=8),
     "w1-32-cosine-lr4e-3": dataclasses.replace(_PREVIOUS, steps=32, windows_per_step=1, eval_every=8, lr=4e-3,
                                                warmup=0.1, decay="cosine"),
-    # bfloat16 training steps: more steps in the default's time (bf16-24 is today's DistillConfig())
-    "bf16-24": DistillConfig(steps=24, eval_every=6, bf16_steps=True),
+    # bfloat16 training steps: more steps in about the default's time
+    "bf16-24": DistillConfig(steps=24, lr=2e-3, eval_every=6, bf16_steps=True),
     "bf16-24-lr1e-3": DistillConfig(steps=24, eval_every=6, lr=1e-3, bf16_steps=True),
-    "bf16-20": DistillConfig(steps=20, eval_every=10, bf16_steps=True),
+    "bf16-20": DistillConfig(steps=20, lr=2e-3, eval_every=10, bf16_steps=True),
+    "bf16-20-lr1e-3": DistillConfig(steps=20, eval_every=10, lr=1e-3, bf16_steps=True),
 }
 
 

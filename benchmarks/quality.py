@@ -48,23 +48,22 @@ VARIANTS = {
     "refine+reconstruct": {"block_size": 16, "refine": RefineConfig(), "reconstruct": ReconstructConfig(steps=8),
                            "distill": None},
     # end-to-end distillation of the wrappers (A, B) after the block pass: the default since it was measured
-    "default+distill": {"distill": DistillConfig(steps=16, eval_every=4, bf16_steps=False)},
+    "default+distill": {"distill": DistillConfig(steps=16, lr=2e-3)},
     "fast": dict(PRESETS["fast"]),
     "max": dict(PRESETS["max"]),
     # the max preset's candidates: 128 distillation steps with warm-up and cosine decay, wrappers only or + cores
     "max-distill128": {"refine": RefineConfig(core_steps=16), "reconstruct": ReconstructConfig(steps=64),
-                       "distill": DistillConfig(steps=128, warmup=0.05, decay="cosine", eval_every=8,
-                                                bf16_steps=False)},
+                       "distill": DistillConfig(steps=128, lr=2e-3, warmup=0.05, decay="cosine", eval_every=8)},
     "max-distill128-core": {"refine": RefineConfig(core_steps=16), "reconstruct": ReconstructConfig(steps=64),
-                            "distill": DistillConfig(steps=128, warmup=0.05, decay="cosine", eval_every=8,
-                                                     train_core=True, bf16_steps=False)},
+                            "distill": DistillConfig(steps=128, lr=2e-3, warmup=0.05, decay="cosine", eval_every=8,
+                                                     train_core=True)},
     # one lever off alone from the default, and each lever on alone on top of the paper's proxy (proxy-only)
     "default-no-distill": {"distill": None},
     "default-no-reconstruct": {"reconstruct": None},
     "default-no-refine": {"refine": None},
     "proxy+reconstruct": {"refine": None, "distill": None},
     "proxy+distill": {"refine": None, "reconstruct": None},
-    "default+distill-core": {"distill": DistillConfig(train_core=True, steps=16, eval_every=4, bf16_steps=False)},
+    "default+distill-core": {"distill": DistillConfig(train_core=True, lr=2e-3)},
     "budget+refine": {"block_size": "budget", "refine": RefineConfig(), "reconstruct": None, "distill": None},  # one model-wide budget
     # the default + full-H sparse-core steps after refinement (the mask moves under XᵀX)
     "default+core-steps": {"refine": RefineConfig(core_steps=16)},

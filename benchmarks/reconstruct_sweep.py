@@ -60,12 +60,14 @@ SETTINGS = {
     "no-refine": {"refine": None},
     # the reconstruction's time (about 150 s of the default's 899 s alone) spent on distillation instead
     "no-reconstruct-distill28": {"reconstruct": None,
-                                 "distill": DistillConfig(steps=28, eval_every=4, bf16_steps=False)},
+                                 "distill": DistillConfig(steps=28, lr=2e-3)},
     # candidates for a default within 15 minutes: 20 bcd sweeps and a quarter of the reconstruction's windows
     # (32 steps on 1 window, or 16 on 2), distillation as in the default
-    "bcd20-mb1": {"optimizer": BcdConfig(iters=20), "reconstruct": dataclasses.replace(_R, micro_batch=1)},
+    "bcd20-mb1": {"optimizer": BcdConfig(iters=20), "reconstruct": dataclasses.replace(_R, micro_batch=1),
+                  "distill": DistillConfig(lr=2e-3)},
     "bcd20-steps16-mb2": {"optimizer": BcdConfig(iters=20),
-                          "reconstruct": dataclasses.replace(_R, steps=16, micro_batch=2)},
+                          "reconstruct": dataclasses.replace(_R, steps=16, micro_batch=2),
+                          "distill": DistillConfig(lr=2e-3)},
 }
 
 

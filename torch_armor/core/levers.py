@@ -262,17 +262,17 @@ class DistillConfig:
             device without fast bfloat16 matrix products the steps run in float32 (logged once).
     """
 
-    steps: int = 20
-    lr: float = 2e-3
+    steps: int = 16
+    lr: float = 1e-3
     windows_per_step: int = 2
     held_out: int = 4
     top_k: int = 64
-    eval_every: int = 10
+    eval_every: int = 4
     train_core: bool = False
     warmup: float = 0.0
     decay: str = "constant"
     sampled_windows: int = 0
-    bf16_steps: bool = True
+    bf16_steps: bool = False
 
     def __post_init__(self) -> None:
         owner = "DistillConfig"
