@@ -16,6 +16,9 @@ and the named changes of :data:`SETTINGS` (``steps32`` … : ``ArmorConfig()`` w
 Run:  python benchmarks/reconstruct_sweep.py --settings default steps32 --threads 1
       python benchmarks/reconstruct_sweep.py --settings default --wiki --threads 1     # the chosen setting
       python benchmarks/reconstruct_sweep.py --settings steps8 steps32 --layers 0-5 --n-heldout 8  # quick look
+      python benchmarks/reconstruct_sweep.py --settings steps8 steps128 --wiki --device cuda  # on a GPU
+
+``--json FILE`` is rewritten after every setting, so an interrupted sweep keeps its finished rows.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torch_armor import ArmorConfig, BcdConfig, DistillConfig, PruneOptions, ReconstructConfig, RefineConfig, prune_model  # noqa: E402
 from torch_armor.core.presets import PRESETS  # noqa: E402
+from torch_armor.engine.options import check_device  # noqa: E402
 from torch_armor.recipes.data import calibration_windows, eval_windows, load_text, tokenize_text  # noqa: E402
 from torch_armor.recipes.evaluate import perplexity  # noqa: E402
 from torch_armor.recipes.models import load_model, select_layers  # noqa: E402
@@ -55,6 +59,17 @@ SETTINGS = {
     "steps128-mb1": {"reconstruct": dataclasses.replace(_R, steps=128, micro_batch=1), "distill": None},
     "no-schedule": {"reconstruct": dataclasses.replace(_R, warmup=0.0, decay="constant"), "distill": None},
     "split-stages": {"reconstruct": dataclasses.replace(_R, split_stages=True), "distill": None},
+    # the default's 32 single-window steps at other peak learning rates (5e-3 overshoots after a short warm-up)
+    "steps32-lr2e-3": {"reconstruct": dataclasses.replace(_R, lr=2e-3), "distill": None},
+    "steps32-lr1e-2": {"reconstruct": dataclasses.replace(_R, lr=1e-2), "distill": None},
+    "steps32-lr2e-3-warmup25": {"reconstruct": dataclasses.replace(_R, lr=2e-3, warmup=0.25), "distill": None},
+    # the factorization's time moved into reconstruction steps (about the default's cost)
+    "refine1-steps64": {"refine": RefineConfig(rounds=1), "reconstruct": dataclasses.replace(_R, steps=64),
+                        "distill": None},
+    "bcd10-steps48": {"optimizer": BcdConfig(iters=10), "reconstruct": dataclasses.replace(_R, steps=48),
+                      "distill": None},
+    # the better of the two above with the default's distillation: a candidate default
+    "default-refine1-steps64": {"refine": RefineConfig(rounds=1), "reconstruct": dataclasses.replace(_R, steps=64)},
     "refine1": {"refine": RefineConfig(rounds=1), "distill": None},
     # today's default with one lever off (distillation stays on)
     "no-refine": {"refine": None},
@@ -68,6 +83,10 @@ SETTINGS = {
     "bcd20-steps16-mb2": {"optimizer": BcdConfig(iters=20),
                           "reconstruct": dataclasses.replace(_R, steps=16, micro_batch=2),
                           "distill": DistillConfig(lr=2e-3)},
+    # candidates for the max preset: its reconstruction run four times longer (16 epochs of 4-window steps)
+    "max-rec256": {**PRESETS["max"], "reconstruct": ReconstructConfig(steps=256, micro_batch=None)},
+    "max-rec256-distill96": {**PRESETS["max"], "reconstruct": ReconstructConfig(steps=256, micro_batch=None),
+                             "distill": DistillConfig(steps=96, lr=1e-3, warmup=0.05, decay="cosine", eval_every=8)},
 }
 
 
@@ -91,6 +110,7 @@ def add_protocol_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-eval", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="cpu", help="where the model is pruned and evaluated (cpu, cuda)")
     parser.add_argument("--json", default=None)
 
 
@@ -100,8 +120,11 @@ def start(script: str, args: argparse.Namespace, argv) -> str:
         torch.set_num_threads(args.threads)
     command = f"python benchmarks/{script} " + shlex.join(sys.argv[1:] if argv is None else argv)
     print(command)
+    check_device(args.device, "--device")
+    gpu = (f", {torch.cuda.get_device_name(args.device)}, CUDA {torch.version.cuda}"
+           if torch.device(args.device).type == "cuda" else "")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.1f}", flush=True)
+          f"load average {os.getloadavg()[0]:.1f}{gpu}", flush=True)
     return command
 
 
@@ -115,7 +138,7 @@ def protocol_data(args: argparse.Namespace):
     assert torch.equal(calib, ids[starts[:, None] + torch.arange(args.seq_len)])
     heldout = heldout_windows(ids, starts, args.seq_len, args.n_heldout)
     wiki = eval_windows("wiki", tokenizer, n_windows=args.n_eval, seq_len=args.seq_len) if args.wiki else None
-    return net, calib, heldout, wiki
+    return net.to(args.device), calib, heldout, wiki
 
 
 def config_of(name: str) -> ArmorConfig:
@@ -146,6 +169,8 @@ def main(argv=None) -> int:
         cfg = config_of(name)
         wall, cpu = time.perf_counter(), time.process_time()
         report = prune_model(net, calib, cfg, layers=names, options=PruneOptions(batch_size=4, progress=False))
+        if torch.device(args.device).type == "cuda":
+            torch.cuda.synchronize(args.device)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         _materialize(net, names)  # W_hat written into each linear, as benchmarks/quality.py evaluates ARMOR
         row = {"setting": name, "config": str(cfg),
@@ -158,6 +183,7 @@ def main(argv=None) -> int:
         print(f"{name}: held-out calibration ppl {row['heldout_ppl']:.3f}"
               + (f", wiki ppl {row['wiki_ppl']:.3f}" if wiki is not None else "")
               + f", prune {wall / 60:.1f} min wall, {cpu / 60:.1f} min CPU; {row['reconstruction']}", flush=True)
+        save_rows(args, command, rows)
     for n, w in dense.items():
         net.get_submodule(n).weight = w
 
@@ -170,10 +196,15 @@ def main(argv=None) -> int:
     for r in rows:
         wiki_s = f"{r['wiki_ppl']:.2f}" if r["wiki_ppl"] is not None else "–"
         print(f"| {r['setting']} | {r['heldout_ppl']:.2f} | {wiki_s} | {r['prune_s'] / 60:.1f} | {r['prune_cpu_s'] / 60:.1f} |")
+    save_rows(args, command, rows)
+    return 0
+
+
+def save_rows(args: argparse.Namespace, command: str, rows) -> None:
+    """Write ``rows`` to ``--json`` (if given), replacing the file's previous rows."""
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"command": command, "rows": rows}, indent=2, default=str))
-    return 0
 
 
 if __name__ == "__main__":

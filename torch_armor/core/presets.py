@@ -2,7 +2,7 @@
 <torch_armor.core.config.ArmorConfig.preset>` and ``torch-armor prune --preset NAME``.
 
 Each preset is ``ArmorConfig()`` with the lever settings below replaced; ``"default"`` is
-``ArmorConfig()`` itself. Measured perplexities and costs (default 35.57, max 32.23 on SmolLM2-135M): docs/results.md.
+``ArmorConfig()`` itself. Measured perplexities and costs (default 35.57, max 32.63 on SmolLM2-135M): docs/results.md.
 
 * ``"fast"``: 10 exact sweeps per layer, one refinement round, no distillation — for a first look
   at a model.
