@@ -44,7 +44,7 @@ from torch_armor.recipes.evaluate import perplexity  # noqa: E402
 from torch_armor.recipes.models import load_model, select_layers  # noqa: E402
 from torch_armor.recipes.quality import _materialize  # noqa: E402
 
-_R = ArmorConfig().reconstruct or ReconstructConfig()
+_R = ReconstructConfig()  # 32 steps of one window: the default's block pass before it moved to 64
 #: Named settings: ``ArmorConfig()`` with these changes (reconstruction fields replace the default's).
 #: The reconstruction settings run without end-to-end distillation (as they were first measured, before it
 #: was on by default), so that each row shows reconstruction alone; on today's defaults (20 sweeps, steps of

@@ -67,7 +67,8 @@ def test_config_defaults():
     paper = ArmorConfig(optimizer=AdamConfig())
     assert (paper.optimizer.lr, paper.optimizer.iterations, paper.optimizer.selection_rule) == (1e-4, 1000, "l1-random")
     assert ArmorConfig(optimizer=AdamConfig(selection="mixed")).optimizer.selection_rule == "mixed"
-    assert cfg.refine == RefineConfig() and cfg.reconstruct == ReconstructConfig(steps=32)
+    assert cfg.refine == RefineConfig(rounds=1) and cfg.reconstruct == ReconstructConfig(steps=64)
+    assert (RefineConfig().rounds, ReconstructConfig().steps) == (3, 32)  # the lever configs alone
 
 
 def test_config_is_frozen_and_keeps_what_was_given():

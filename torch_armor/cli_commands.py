@@ -22,7 +22,7 @@ import torch_armor.hf  # noqa: F401  (registers quant_method "armor" with transf
 from torch_armor._io import RUN_DIR_NAME
 from torch_armor.cli_names import DENSE, FULL_PROTOCOL, HARNESS_JSON, QUICK_PROTOCOL, REPORT_JSON, REPORT_PNG
 from torch_armor.core.config import ArmorConfig
-from torch_armor.core.levers import OPTIMIZERS, ReconstructConfig, RefineConfig
+from torch_armor.core.levers import DEFAULT_RECONSTRUCT, DEFAULT_REFINE, OPTIMIZERS
 from torch_armor.engine.distributed import launched_rank
 from torch_armor.engine.methods import method_named
 from torch_armor.engine.options import PruneOptions
@@ -68,9 +68,9 @@ def armor_config(args: argparse.Namespace) -> ArmorConfig:
         given = {"iters": args.iters, "time_budget_s": args.time_budget}
         changes["optimizer"] = dataclasses.replace(optimizer, **{k: v for k, v in given.items() if v is not None})
     if args.refine is not None:
-        changes["refine"] = (base.refine or RefineConfig()) if args.refine == "output" else None
+        changes["refine"] = (base.refine or DEFAULT_REFINE) if args.refine == "output" else None
     if args.reconstruct_steps is not None:
-        changes["reconstruct"] = (dataclasses.replace(base.reconstruct or ReconstructConfig(),
+        changes["reconstruct"] = (dataclasses.replace(base.reconstruct or DEFAULT_RECONSTRUCT,
                                                       steps=args.reconstruct_steps)
                                   if args.reconstruct_steps else None)
     return dataclasses.replace(base, **changes)

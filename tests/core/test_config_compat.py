@@ -13,6 +13,7 @@ import torch
 
 from torch_armor import AdamConfig, ArmorConfig, BcdConfig, ReconstructConfig, RefineConfig
 from torch_armor.core.config_compat import LEGACY_KEYWORDS
+from torch_armor.core.levers import DEFAULT_RECONSTRUCT, DEFAULT_REFINE
 from torch_armor.errors import ArmorDeprecationWarning
 
 #: (flat keywords of the old ArmorConfig, the nested config they mean); the golden file holds
@@ -59,8 +60,10 @@ def test_serialized_form_is_the_old_one(index):
     flat, nested = CASES[index]
     assert len(GOLDEN) == len(CASES)
     want = dict(GOLDEN[index])
-    if "reconstruct_steps" not in flat:  # defaults changed since 059405f: reconstruction 8 -> 32 steps
-        want["reconstruct_steps"] = ReconstructConfig().steps
+    if "reconstruct_steps" not in flat:  # defaults changed since 059405f: reconstruction 8 -> 64 steps
+        want["reconstruct_steps"] = DEFAULT_RECONSTRUCT.steps
+    if "refine_rounds" not in flat:  # and refinement 3 -> 1 round
+        want["refine_rounds"] = DEFAULT_REFINE.rounds
     if flat.get("optimizer") != "adam" and "num_iters" not in flat:  # and bcd's sweeps 30 -> 20
         want["num_iters"] = BcdConfig().iters
     for cfg in (_flat(flat), nested):
@@ -89,7 +92,7 @@ def test_replace_with_flat_keywords_keeps_the_other_settings():
 def test_flat_attributes_read_with_a_warning():
     cfg = ArmorConfig(block_size=32, optimizer=AdamConfig(iters=7), refine=None)
     expected = {"num_iters": 7, "iterations": 7, "lr": 1e-4, "selection_rule": "l1-random", "group_updates_per_sweep": 16,
-                "refine_rounds": 3, "reconstruct_steps": ReconstructConfig().steps}
+                "refine_rounds": 1, "reconstruct_steps": 64}  # a lever that is off reads ArmorConfig()'s
     for name, value in expected.items():
         with pytest.warns(ArmorDeprecationWarning, match=f"ArmorConfig.{name} is deprecated"):
             assert getattr(cfg, name) == value, name
@@ -112,6 +115,6 @@ def test_a_new_lever_field_at_its_default_leaves_the_serialized_form_alone():
     class Extended(ReconstructConfig):
         epochs: int = 1
 
-    base = ArmorConfig().to_dict()
+    base = ArmorConfig(reconstruct=ReconstructConfig()).to_dict()
     assert ArmorConfig(reconstruct=Extended()).to_dict() == base
     assert ArmorConfig(reconstruct=Extended(epochs=3)).to_dict() == {**base, "reconstruct_epochs": 3}

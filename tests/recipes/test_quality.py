@@ -82,9 +82,9 @@ def test_run_quality_on_tiny_llama(tiny_llama):
     # every pruned row is calibrated sequentially by default, and says so
     assert [r.settings for r in result.rows] == ["", "sequential", "sequential", "block 128, damp 0.01, sequential",
                                                  "sequential",
-                                                 "d_b=16, bcd, ≤1 it, output refine ×3, block reconstruction 32 steps, "
+                                                 "d_b=16, bcd, ≤1 it, output refine ×1, block reconstruction 64 steps, "
                                                  "sequential",
-                                                 "d_b=32, bcd, ≤2 it, output refine ×3, block reconstruction 32 steps, "
+                                                 "d_b=32, bcd, ≤2 it, output refine ×1, block reconstruction 64 steps, "
                                                  "sequential"]
     assert result.settings["sequential"] == {m: [True] for m in DEMO_METHODS if m != "dense"}
     assert all(math.isfinite(r.ppl) for r in result.rows)
@@ -118,7 +118,7 @@ def test_run_quality_sequential_and_one_shot_rows(tiny_llama_factory):
                          n_eval=3, seq_len=32, progress=False)
     assert [r.name for r in result.rows] == ["dense", "NoWag-P sequential", "NoWag-P one-shot", "ARMOR"]
     assert [r.settings for r in result.rows] == ["", "sequential", "one-shot",
-                                                 "d_b=16, bcd, ≤1 it, output refine ×3, block reconstruction 32 steps, "
+                                                 "d_b=16, bcd, ≤1 it, output refine ×1, block reconstruction 64 steps, "
                                                  "sequential"]
     assert set(result.reports) == {"NoWag-P sequential", "NoWag-P one-shot", "ARMOR"}
     assert result.reports["NoWag-P one-shot"].settings["sequential"] is False

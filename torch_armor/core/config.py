@@ -27,8 +27,8 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 import torch
 
 from torch_armor.core import config_compat
-from torch_armor.core.levers import (SELECTIONS, AdamConfig, BcdConfig, DistillConfig, Optimizer, ReconstructConfig,
-                                     RefineConfig)
+from torch_armor.core.levers import (DEFAULT_RECONSTRUCT, DEFAULT_REFINE, SELECTIONS, AdamConfig, BcdConfig,
+                                     DistillConfig, Optimizer, ReconstructConfig, RefineConfig)
 from torch_armor.core.method_config import MethodConfig, normalized_pattern, plain_value
 from torch_armor.core.pattern import auto_block_size, candidate_block_sizes, check_layer_shape
 from torch_armor.core.presets import preset_changes
@@ -120,8 +120,8 @@ class ArmorConfig(MethodConfig):
     dtype: torch.dtype = torch.float32
     device: Optional[Union[str, torch.device]] = None
     optimizer: Optimizer = BcdConfig()
-    refine: Optional[RefineConfig] = RefineConfig()
-    reconstruct: Optional[ReconstructConfig] = ReconstructConfig()
+    refine: Optional[RefineConfig] = DEFAULT_REFINE
+    reconstruct: Optional[ReconstructConfig] = DEFAULT_RECONSTRUCT
     distill: Optional[DistillConfig] = DistillConfig()
 
     def __post_init__(self) -> None:

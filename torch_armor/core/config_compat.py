@@ -18,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Dict, Tuple
 
-from torch_armor.core.levers import OPTIMIZERS, AdamConfig, BcdConfig, ReconstructConfig, RefineConfig
+from torch_armor.core.levers import (DEFAULT_RECONSTRUCT, DEFAULT_REFINE, OPTIMIZERS, AdamConfig, BcdConfig,
+                                     ReconstructConfig, RefineConfig)
 from torch_armor.errors import ArmorInputError, deprecated
 
 __all__ = ["LEGACY_KEYWORDS", "translate", "accept_flat_keywords", "flat_dict", "legacy_attribute", "short_repr"]
@@ -44,7 +45,7 @@ _LEVER_FIELDS: Dict[str, Tuple[str, str]] = {
 LEGACY_KEYWORDS = frozenset(_LEVER_FIELDS)
 #: attributes of the flat config that were derived values
 _DERIVED = {"iterations": "num_iters", "group_updates_per_sweep": "group_updates", "selection_rule": "selection"}
-_LEVER_DEFAULTS = {"optimizer": BcdConfig(), "refine": RefineConfig(), "reconstruct": ReconstructConfig()}
+_LEVER_DEFAULTS = {"optimizer": BcdConfig(), "refine": DEFAULT_REFINE, "reconstruct": DEFAULT_RECONSTRUCT}
 
 
 def short_repr(obj: Any) -> str:
@@ -97,7 +98,7 @@ def translate(kwargs: Dict[str, Any]) -> Tuple[Dict[str, Any], str]:
     if isinstance(refine, str):
         if refine != "output":
             raise ArmorInputError(f"refine must be one of ('output', None) or a RefineConfig(...), got {refine!r}")
-        refine, legacy["refine"] = RefineConfig(), refine
+        refine, legacy["refine"] = DEFAULT_REFINE, refine
     reconstruct = kwargs.get("reconstruct", _LEVER_DEFAULTS["reconstruct"])
     per_lever: Dict[str, Dict[str, Any]] = {"optimizer": {}, "refine": {}, "reconstruct": {}}
     for key, value in flat.items():

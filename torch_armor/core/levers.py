@@ -20,7 +20,7 @@ from torch_armor.core.method_config import check_count, check_fraction
 from torch_armor.errors import ArmorInputError
 
 __all__ = ["BcdConfig", "AdamConfig", "RefineConfig", "ReconstructConfig", "DistillConfig", "DECAYS", "Optimizer",
-           "OPTIMIZERS", "SELECTIONS"]
+           "OPTIMIZERS", "SELECTIONS", "DEFAULT_REFINE", "DEFAULT_RECONSTRUCT"]
 
 #: How a tile picks the groups its sparse-core steps update
 #: (:func:`~torch_armor.core.sparse_core.select_groups`).
@@ -297,3 +297,8 @@ class DistillConfig:
 Optimizer = Union[BcdConfig, AdamConfig]
 #: The optimizers by name (``"bcd"``, ``"adam"``: the command line's ``--optimizer``).
 OPTIMIZERS = {kind.name: kind for kind in (BcdConfig, AdamConfig)}
+#: The refinement and reconstruction of ``ArmorConfig()``: one refinement round and 64 reconstruction
+#: steps (its time moved from the factorization into reconstruction, chosen on held-out calibration
+#: text: docs/results.md); ``RefineConfig()`` / ``ReconstructConfig()`` alone keep 3 rounds / 32 steps.
+DEFAULT_REFINE = RefineConfig(rounds=1)
+DEFAULT_RECONSTRUCT = ReconstructConfig(steps=64)

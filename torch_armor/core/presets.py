@@ -2,13 +2,14 @@
 <torch_armor.core.config.ArmorConfig.preset>` and ``torch-armor prune --preset NAME``.
 
 Each preset is ``ArmorConfig()`` with the lever settings below replaced; ``"default"`` is
-``ArmorConfig()`` itself. Measured perplexities and costs (default 35.57, max 32.63 on SmolLM2-135M): docs/results.md.
+``ArmorConfig()`` itself. Measured perplexities and costs (default 34.84, max 32.63 on SmolLM2-135M): docs/results.md.
 
-* ``"fast"``: 10 exact sweeps per layer, one refinement round, no distillation — for a first look
-  at a model.
-* ``"default"``: the library's defaults (20 sweeps, 32 reconstruction steps on single windows, 16
-  distillation steps at learning rate 1e-3; chosen to prune SmolLM2-135M within 15 minutes on 2 cores).
-* ``"max"``: the default with 30 sweeps, 16 full-``XᵀX`` sparse-core steps after refinement (the
+* ``"fast"``: 10 exact sweeps per layer, one refinement round, 32 reconstruction steps, no
+  distillation — for a first look at a model.
+* ``"default"``: the library's defaults (20 sweeps, one refinement round, 64 reconstruction steps on
+  single windows, 16 distillation steps at learning rate 1e-3; chosen on held-out calibration text
+  for about 15 minutes on SmolLM2-135M on 2 cores).
+* ``"max"``: 30 sweeps, 3 refinement rounds and 16 full-``XᵀX`` sparse-core steps after them (the
   mask may change), 64 reconstruction steps per block on 4-window batches (four epochs over the
   calibration batches) and 48 distillation steps at learning rate 2e-3, as measured (128
   distillation steps were no better on text the calibration never saw: docs/results.md).
@@ -29,12 +30,13 @@ PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
     "fast": MappingProxyType({
         "optimizer": BcdConfig(iters=10),
         "refine": RefineConfig(rounds=1),
+        "reconstruct": ReconstructConfig(),
         "distill": None,
     }),
     "default": MappingProxyType({}),
     "max": MappingProxyType({
         "optimizer": BcdConfig(iters=30),
-        "refine": RefineConfig(core_steps=16),
+        "refine": RefineConfig(rounds=3, core_steps=16),
         "reconstruct": ReconstructConfig(steps=64, micro_batch=None),
         "distill": DistillConfig(steps=48, lr=2e-3),
     }),
