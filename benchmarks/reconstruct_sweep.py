@@ -11,7 +11,8 @@ wall time and this process's CPU time during the prune (others share the machine
 load overstates the cost alone).
 
 Settings (``--settings``): the presets (``fast``, ``default``, ``max``: :mod:`torch_armor.core.presets`)
-and the named changes of :data:`SETTINGS` (``steps32`` … : ``ArmorConfig()`` with those changes).
+and the named changes of :data:`SETTINGS` (``steps32`` … : changes of :data:`SETTINGS_BASE`, the
+block pass they were measured on).
 
 Run:  python benchmarks/reconstruct_sweep.py --settings default steps32 --threads 1
       python benchmarks/reconstruct_sweep.py --settings default --wiki --threads 1     # the chosen setting
@@ -45,12 +46,17 @@ from torch_armor.recipes.models import load_model, select_layers  # noqa: E402
 from torch_armor.recipes.quality import _materialize  # noqa: E402
 
 _R = ReconstructConfig()  # 32 steps of one window: the default's block pass before it moved to 64
-#: Named settings: ``ArmorConfig()`` with these changes (reconstruction fields replace the default's).
+#: What :data:`SETTINGS` change: ``ArmorConfig()`` with the refinement they were measured with (3 rounds,
+#: the default's until it moved to one), so that each named setting keeps meaning what its rows measured.
+SETTINGS_BASE = dataclasses.replace(ArmorConfig(), refine=RefineConfig())
+#: Named settings: :data:`SETTINGS_BASE` with these changes (reconstruction fields replace the default's).
 #: The reconstruction settings run without end-to-end distillation (as they were first measured, before it
 #: was on by default), so that each row shows reconstruction alone; on today's defaults (20 sweeps, steps of
 #: one window: the first table of docs/results.md was measured with 30 sweeps and 4-window steps).
 SETTINGS = {
     "no-reconstruct": {"reconstruct": None, "distill": None},
+    # the default before one refinement round and 64 steps (its rows ran as --settings default then)
+    "previous-default": {"reconstruct": _R},
     "steps8": {"reconstruct": dataclasses.replace(_R, steps=8), "distill": None},
     "steps32": {"reconstruct": dataclasses.replace(_R, steps=32), "distill": None},
     "steps128": {"reconstruct": dataclasses.replace(_R, steps=128), "distill": None},
@@ -142,7 +148,7 @@ def protocol_data(args: argparse.Namespace):
 
 
 def config_of(name: str) -> ArmorConfig:
-    return ArmorConfig.preset(name) if name in PRESETS else dataclasses.replace(ArmorConfig(), **SETTINGS[name])
+    return ArmorConfig.preset(name) if name in PRESETS else dataclasses.replace(SETTINGS_BASE, **SETTINGS[name])
 
 
 def main(argv=None) -> int:

@@ -31,7 +31,9 @@ def _sums(net: torch.nn.Module) -> tuple:
 
 
 def save(path: str) -> None:
-    args = argparse.Namespace(n_calib=64, n_heldout=16, seq_len=512, wiki=True, n_eval=64, device="cpu")
+    parser = argparse.ArgumentParser()
+    reconstruct_sweep.add_protocol_arguments(parser)
+    args = parser.parse_args(["--wiki"])  # the protocol's defaults
     net, calib, heldout, wiki = reconstruct_sweep.protocol_data(args)
     torch.save({"calib": calib, "heldout": heldout, "wiki": wiki, "param_sums": _sums(net)}, path)
     print(f"saved {path}: calibration {tuple(calib.shape)}, held-out {tuple(heldout.shape)}, wiki {tuple(wiki.shape)}")
