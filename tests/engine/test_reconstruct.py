@@ -6,6 +6,8 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from conftest import make_tiny_llama
@@ -13,7 +15,8 @@ from torch_armor import ArmorConfig, BcdConfig, prune_model, PruneOptions, Recon
 from torch_armor.calibration.blocks import BlockInput, block_statistics, capture_block_inputs, run_block
 from torch_armor.engine.reconstruct import reconstruct_block
 from torch_armor.core.factorize import factorize
-from torch_armor.engine.reconstruct_weights import FactoredLinears, FactorLeaves, build_weights, weight_names
+from torch_armor.engine.reconstruct_weights import (FactoredLinears, FactorLeaves, build_weights, kept_index,
+                                                   scatter_core, weight_names)
 from torch_armor.engine.runner import solve_layer
 from torch_armor.errors import ArmorInputError
 
@@ -186,7 +189,7 @@ def test_building_w_hat_keeps_no_weight_sized_tensor_in_the_graph():
 
 @pytest.mark.parametrize("train", [True, False])
 def test_a_factored_linear_keeps_no_weight_sized_tensor_and_gets_autograds_gradients(train):
-    """Inside :class:`FactoredLinears` a linear's ``Ŵ`` and matmul are one checkpointed function:
+    """Inside :class:`FactoredLinears` a linear's ``Ŵ`` and matmul are one autograd function:
     the graph keeps the input and the leaves, never a ``d_out × d_in`` tensor; the gradients of
     the input and (when trained) of the leaves are those of autograd through the explicit product
     in float64; a frozen linear passes the input's gradient and gives its leaves none."""
@@ -226,6 +229,63 @@ def test_a_factored_linear_keeps_no_weight_sized_tensor_and_gets_autograds_gradi
     for name, module in layers.items():  # restored: the plain forward on the dense weight again
         assert "forward" not in module.__dict__
         assert torch.equal(module(xs[name]), torch.nn.functional.linear(xs[name], module.weight, module.bias))
+
+
+def test_a_factored_linears_backward_does_not_rerun_its_matmul():
+    """The backward pass rebuilds ``Ŵ`` but takes the input's and ``Ŵ``'s gradients from it directly:
+    one token-by-feature product (the input's gradient), where a checkpoint would also rerun
+    ``F.linear`` (a second one)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    tokens = 21  # 3 × 7, no size of the toy block
+
+    class TokenProducts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm) \
+                    and out.shape[-2] == tokens:
+                self.count += 1
+            return out
+
+    block, layers, _, _, factors = _block_problem()
+    leaves = {n: FactorLeaves(f, torch.device("cpu")) for n, f in factors.items()}
+    with FactoredLinears(block, weight_names(block, factors), leaves) as linears:
+        linears.trainable = set(layers)
+        for name, module in layers.items():
+            assert torch.equal(leaves[name].mask, factors[name].mask.bool()), name
+            x = torch.randn(3, 7, module.in_features, requires_grad=True)
+            y = module(x)
+            with TokenProducts() as seen:
+                y.backward(torch.randn_like(y))
+            assert seen.count == 1, name
+            assert x.grad is not None and all(t.grad is not None for t in leaves[name].tensors)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 6), groups=st.integers(1, 5), m=st.sampled_from([2, 4, 8]), exact=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_scatter_core_is_masked_scatter_and_its_gradient_masked_select(rows, groups, m, exact, seed):
+    """The core built from :func:`kept_index` has the bits of ``masked_scatter`` and the values'
+    gradient those of ``masked_select``, for ``n:m`` masks and any other."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(rows, groups, m, generator=gen)
+    if exact:
+        n = int(torch.randint(1, m + 1, (1,), generator=gen))
+        mask = torch.zeros_like(scores, dtype=torch.bool).scatter(2, scores.topk(n, dim=2).indices, True)
+    else:
+        mask = scores < 0.5
+    mask = mask.reshape(rows, groups * m)
+    index = kept_index(mask)
+    values = torch.randn(int(mask.sum()), generator=gen, requires_grad=True)
+    core = scatter_core(values, index, mask.shape)
+    assert torch.equal(core, torch.zeros(mask.shape).masked_scatter(mask, values.detach()))
+    grad = torch.randn(mask.shape, generator=gen)
+    core.backward(grad)
+    assert torch.equal(values.grad, grad.masked_select(mask))
 
 
 class _Experts(nn.Module):
