@@ -270,7 +270,7 @@ def test_a_factored_linears_backward_does_not_rerun_its_matmul():
        seed=st.integers(0, 2**16))
 def test_scatter_core_is_masked_scatter_and_its_gradient_masked_select(rows, groups, m, exact, seed):
     """The core built from :func:`kept_index` has the bits of ``masked_scatter`` and the values'
-    gradient those of ``masked_select``, for ``n:m`` masks and any other."""
+    gradient those of ``masked_select``, for ``n:m`` masks (a byte per kept entry) and any other."""
     gen = torch.Generator().manual_seed(seed)
     scores = torch.rand(rows, groups, m, generator=gen)
     if exact:
@@ -280,6 +280,7 @@ def test_scatter_core_is_masked_scatter_and_its_gradient_masked_select(rows, gro
         mask = scores < 0.5
     mask = mask.reshape(rows, groups * m)
     index = kept_index(mask)
+    assert index.dtype == (torch.uint8 if exact else index.dtype)
     values = torch.randn(int(mask.sum()), generator=gen, requires_grad=True)
     core = scatter_core(values, index, mask.shape)
     assert torch.equal(core, torch.zeros(mask.shape).masked_scatter(mask, values.detach()))

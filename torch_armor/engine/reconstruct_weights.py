@@ -32,8 +32,16 @@ __all__ = ["FactorLeaves", "FactoredLinears", "weight_names", "build_weights", "
 
 
 def kept_index(mask: torch.Tensor) -> torch.Tensor:
-    """The flat indices of a core's kept entries in row-major order (the order of ``masked_select``),
-    int32 where they fit."""
+    """Where a core's kept entries are, in row-major order (the order of ``masked_select``):
+    ``uint8 (rows, groups, n)`` positions within each group of ``m`` columns when every group keeps
+    ``n`` (an ``n:m`` mask: a byte per kept entry), else their flat indices (int32 where they fit)."""
+    rows, cols = mask.shape
+    for m in (4, 2, 8, 16, 32):
+        if cols % m == 0:
+            counts = mask.reshape(rows, cols // m, m).sum(-1)
+            n = int(counts.reshape(-1)[0]) if counts.numel() else 0
+            if n and bool((counts == n).all()):
+                return mask.reshape(rows, cols // m, m).nonzero()[:, 2].to(torch.uint8).reshape(rows, cols // m, n)
     flat = mask.reshape(-1).nonzero().squeeze(1)
     return flat.to(torch.int32) if mask.numel() <= torch.iinfo(torch.int32).max else flat
 
@@ -41,6 +49,10 @@ def kept_index(mask: torch.Tensor) -> torch.Tensor:
 def scatter_core(values: torch.Tensor, index: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """The core of ``shape`` with ``values`` at :func:`kept_index`'s places and zeros elsewhere: the
     bits of ``masked_scatter`` (and of ``masked_select`` for the gradient), several times faster on a CPU."""
+    if index.dtype == torch.uint8:
+        rows, groups, n = index.shape
+        grouped = values.new_zeros(rows, groups, shape[-1] // groups)
+        return grouped.scatter(2, index.long(), values.reshape(rows, groups, n)).reshape(shape)
     return values.new_zeros(shape.numel()).scatter(0, index.long(), values).reshape(shape)
 
 
@@ -85,7 +97,7 @@ def _linear(x: torch.Tensor, a: torch.Tensor, values: torch.Tensor, b: torch.Ten
 
 class FactorLeaves:
     """One linear's trainable tensors (fp32, contiguous, on ``device``) and its fixed mask, kept as
-    :func:`kept_index`."""
+    :func:`kept_index` (for 2:4, a byte per kept entry)."""
 
     def __init__(self, factors: ArmorFactors, device: torch.device) -> None:
         mask = factors.mask.to(device=device, dtype=torch.bool)
