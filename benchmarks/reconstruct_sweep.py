@@ -46,6 +46,9 @@ from torch_armor.recipes.models import load_model, select_layers  # noqa: E402
 from torch_armor.recipes.quality import _materialize  # noqa: E402
 
 _R = ReconstructConfig()  # 32 steps of one window: the default's block pass before it moved to 64
+#: The ``max`` preset the ``max-…`` settings change (measured as it was before it moved to single-window steps).
+_MAX_BEFORE = {"optimizer": BcdConfig(iters=30), "refine": RefineConfig(rounds=3, core_steps=16),
+               "reconstruct": ReconstructConfig(steps=64, micro_batch=None), "distill": DistillConfig(steps=48, lr=2e-3)}
 #: What :data:`SETTINGS` change: ``ArmorConfig()`` with the refinement they were measured with (3 rounds,
 #: the default's until it moved to one), so that each named setting keeps meaning what its rows measured.
 SETTINGS_BASE = dataclasses.replace(ArmorConfig(), refine=RefineConfig())
@@ -77,6 +80,12 @@ SETTINGS = {
     # the better of the two above with the default's distillation: a candidate default
     "default-refine1-steps64": {"refine": RefineConfig(rounds=1), "reconstruct": dataclasses.replace(_R, steps=64)},
     "refine1": {"refine": RefineConfig(rounds=1), "distill": None},
+    # today's default with fewer sweeps, and with fewer sweeps for more reconstruction steps: candidates
+    # for a cheaper default (neither better on held-out text: docs/results.md)
+    "default-bcd16": {"optimizer": BcdConfig(iters=16), "refine": RefineConfig(rounds=1),
+                      "reconstruct": ReconstructConfig(steps=64)},
+    "default-bcd12-steps80": {"optimizer": BcdConfig(iters=12), "refine": RefineConfig(rounds=1),
+                              "reconstruct": ReconstructConfig(steps=80)},
     # today's default with one lever off (distillation stays on)
     "no-refine": {"refine": None},
     # the reconstruction's time (about 150 s of the default's 899 s alone) spent on distillation instead
@@ -90,9 +99,17 @@ SETTINGS = {
                           "reconstruct": dataclasses.replace(_R, steps=16, micro_batch=2),
                           "distill": DistillConfig(lr=2e-3)},
     # candidates for the max preset: its reconstruction run four times longer (16 epochs of 4-window steps)
-    "max-rec256": {**PRESETS["max"], "reconstruct": ReconstructConfig(steps=256, micro_batch=None)},
-    "max-rec256-distill96": {**PRESETS["max"], "reconstruct": ReconstructConfig(steps=256, micro_batch=None),
+    "max-rec256": {**_MAX_BEFORE, "reconstruct": ReconstructConfig(steps=256, micro_batch=None)},
+    "max-rec256-distill96": {**_MAX_BEFORE, "reconstruct": ReconstructConfig(steps=256, micro_batch=None),
                              "distill": DistillConfig(steps=96, lr=1e-3, warmup=0.05, decay="cosine", eval_every=8)},
+    # max's reconstruction on single windows: the same windows-worth of work in 256 steps, or twice it in 512
+    "max-mb1-256": {**_MAX_BEFORE, "reconstruct": ReconstructConfig(steps=256)},
+    "max-mb1-512": {**_MAX_BEFORE, "reconstruct": ReconstructConfig(steps=512)},
+    # and the factorization's time moved into reconstruction steps, as for the default
+    "max-bcd20-refine1-mb1-512": {**_MAX_BEFORE, "optimizer": BcdConfig(iters=20),
+                                  "refine": RefineConfig(rounds=1, core_steps=16),
+                                  "reconstruct": ReconstructConfig(steps=512)},
+    "previous-max": _MAX_BEFORE,
 }
 
 

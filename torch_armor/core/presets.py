@@ -2,17 +2,17 @@
 <torch_armor.core.config.ArmorConfig.preset>` and ``torch-armor prune --preset NAME``.
 
 Each preset is ``ArmorConfig()`` with the lever settings below replaced; ``"default"`` is
-``ArmorConfig()`` itself. Measured perplexities and costs (default 34.84, max 32.63 on SmolLM2-135M): docs/results.md.
+``ArmorConfig()`` itself. Measured perplexities and costs (default 34.84, max 32.20 on SmolLM2-135M): docs/results.md.
 
 * ``"fast"``: 10 exact sweeps per layer, one refinement round, 32 reconstruction steps, no
   distillation — for a first look at a model.
 * ``"default"``: the library's defaults (20 sweeps, one refinement round, 64 reconstruction steps on
   single windows, 16 distillation steps at learning rate 1e-3; chosen on held-out calibration text
   for about 15 minutes on SmolLM2-135M on 2 cores).
-* ``"max"``: 30 sweeps, 3 refinement rounds and 16 full-``XᵀX`` sparse-core steps after them (the
-  mask may change), 64 reconstruction steps per block on 4-window batches (four epochs over the
-  calibration batches) and 48 distillation steps at learning rate 2e-3, as measured (128
-  distillation steps were no better on text the calibration never saw: docs/results.md).
+* ``"max"``: 20 sweeps, one refinement round and 16 full-``XᵀX`` sparse-core steps after it (the
+  mask may change), 512 reconstruction steps per block on single windows (about eight epochs over
+  the calibration windows) and 48 distillation steps at learning rate 2e-3 (chosen on held-out
+  calibration text against 30 sweeps, 3 rounds and 64 steps of 4 windows: docs/results.md).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
     }),
     "default": MappingProxyType({}),
     "max": MappingProxyType({
-        "optimizer": BcdConfig(iters=30),
-        "refine": RefineConfig(rounds=3, core_steps=16),
-        "reconstruct": ReconstructConfig(steps=64, micro_batch=None),
+        "optimizer": BcdConfig(iters=20),
+        "refine": RefineConfig(rounds=1, core_steps=16),
+        "reconstruct": ReconstructConfig(steps=512),
         "distill": DistillConfig(steps=48, lr=2e-3),
     }),
 })
