@@ -233,8 +233,7 @@ def test_a_factored_linear_keeps_no_weight_sized_tensor_and_gets_autograds_gradi
 
 def test_a_factored_linears_backward_does_not_rerun_its_matmul():
     """The backward pass rebuilds ``Ŵ`` but takes the input's and ``Ŵ``'s gradients from it directly:
-    one token-by-feature product (the input's gradient), where a checkpoint would also rerun
-    ``F.linear`` (a second one)."""
+    one token-by-feature product (the input's gradient), no rerun of ``F.linear`` (a second one)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     tokens = 21  # 3 × 7, no size of the toy block

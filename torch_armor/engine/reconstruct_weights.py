@@ -4,7 +4,7 @@ Each linear's factors become three leaves: ``A``'s blocks, the *kept* core value
 half the core for 2:4 — the dropped values never get a gradient, an Adam state or a copy) and
 ``B``'s blocks. An ``nn.Linear`` with factors runs ``F.linear(x, Ŵ, bias)``, ``Ŵ = A · scatter(mask,
 values) · B``, as one autograd function (:class:`FactoredLinears`): the graph keeps the input and
-the leaves, and ``Ŵ`` is rebuilt in the backward pass (the matmul is not rerun), so no weight-sized
+the leaves, and ``Ŵ`` is rebuilt in the backward pass (not the matmul), so no weight-sized
 tensor of any linear waits there. Other weights (fused experts) are built as tensors for ``functional_call``
 (:func:`build_weights`), checkpointed so the graph keeps ``Ŵ`` and not the products that build it.
 
@@ -63,8 +63,8 @@ def _product(a: torch.Tensor, values: torch.Tensor, b: torch.Tensor, index: torc
 
 class _FactoredLinear(torch.autograd.Function):
     """``F.linear(x, Ŵ, bias)`` that saves ``x`` and the leaves, never ``Ŵ``: the backward pass
-    rebuilds ``Ŵ`` and takes the matmul's gradients from it directly (a checkpoint would also
-    recompute the forward matmul, a quarter of a linear's work in a training step)."""
+    rebuilds ``Ŵ`` and takes the matmul's gradients from it directly (the same work as a
+    non-reentrant checkpoint, which stops recomputing before the matmul)."""
 
     @staticmethod
     def forward(ctx, x, a, values, b, index, shape, bias):
@@ -124,7 +124,7 @@ class FactorLeaves:
 
     def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor], train: bool) -> torch.Tensor:
         """``F.linear(x, Ŵ, bias)``; where autograd records, one function whose graph keeps ``x``
-        and the leaves (``Ŵ`` is rebuilt in the backward pass, the matmul is not rerun). ``train``:
+        and the leaves (``Ŵ`` is rebuilt in the backward pass, not the matmul). ``train``:
         whether the leaves get gradients (the input always does)."""
         a, values, b = self.tensors if train else [t.detach() for t in self.tensors]
         if not torch.is_grad_enabled():
