@@ -38,6 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torch_armor import ArmorConfig, BcdConfig, DistillConfig, PruneOptions, ReconstructConfig, RefineConfig, prune_model  # noqa: E402
+from torch_armor.core.levers import DEFAULT_RECONSTRUCT, DEFAULT_REFINE  # noqa: E402
 from torch_armor.core.presets import PRESETS  # noqa: E402
 from torch_armor.engine.options import check_device  # noqa: E402
 from torch_armor.recipes.data import calibration_windows, eval_windows, load_text, tokenize_text  # noqa: E402
@@ -49,9 +50,12 @@ _R = ReconstructConfig()  # 32 steps of one window: the default's block pass bef
 #: The ``max`` preset the ``max-…`` settings change (measured as it was before it moved to single-window steps).
 _MAX_BEFORE = {"optimizer": BcdConfig(iters=30), "refine": RefineConfig(rounds=3, core_steps=16),
                "reconstruct": ReconstructConfig(steps=64, micro_batch=None), "distill": DistillConfig(steps=48, lr=2e-3)}
-#: What :data:`SETTINGS` change: ``ArmorConfig()`` with the refinement they were measured with (3 rounds,
-#: the default's until it moved to one), so that each named setting keeps meaning what its rows measured.
-SETTINGS_BASE = dataclasses.replace(ArmorConfig(), refine=RefineConfig())
+#: What :data:`SETTINGS` change: ``ArmorConfig()`` with the block pass they were measured with (3 refinement
+#: rounds and 32 reconstruction steps, the default's until it moved to one round and 64 steps), so that each
+#: named setting keeps meaning what its rows measured.
+SETTINGS_BASE = dataclasses.replace(ArmorConfig(), refine=RefineConfig(), reconstruct=_R)
+#: Today's default's levers, for the settings that switch one of them on or off.
+_ON = {"refine": DEFAULT_REFINE, "reconstruct": DEFAULT_RECONSTRUCT, "distill": ArmorConfig().distill}
 #: Named settings: :data:`SETTINGS_BASE` with these changes (reconstruction fields replace the default's).
 #: The reconstruction settings run without end-to-end distillation (as they were first measured, before it
 #: was on by default), so that each row shows reconstruction alone; on today's defaults (20 sweeps, steps of
@@ -59,7 +63,7 @@ SETTINGS_BASE = dataclasses.replace(ArmorConfig(), refine=RefineConfig())
 SETTINGS = {
     "no-reconstruct": {"reconstruct": None, "distill": None},
     # the default before one refinement round and 64 steps (its rows ran as --settings default then)
-    "previous-default": {"reconstruct": _R},
+    "previous-default": {},
     "steps8": {"reconstruct": dataclasses.replace(_R, steps=8), "distill": None},
     "steps32": {"reconstruct": dataclasses.replace(_R, steps=32), "distill": None},
     "steps128": {"reconstruct": dataclasses.replace(_R, steps=128), "distill": None},
@@ -86,7 +90,7 @@ SETTINGS = {
                       "reconstruct": ReconstructConfig(steps=64)},
     "default-bcd12-steps80": {"optimizer": BcdConfig(iters=12), "refine": RefineConfig(rounds=1),
                               "reconstruct": ReconstructConfig(steps=80)},
-    # today's default with one lever off (distillation stays on)
+    # the default of that time (3 rounds, 32 steps) with refinement off (distillation stays on)
     "no-refine": {"refine": None},
     # the reconstruction's time (about 150 s of the default's 899 s alone) spent on distillation instead
     "no-reconstruct-distill28": {"reconstruct": None,
@@ -110,6 +114,14 @@ SETTINGS = {
                                   "refine": RefineConfig(rounds=1, core_steps=16),
                                   "reconstruct": ReconstructConfig(steps=512)},
     "previous-max": _MAX_BEFORE,
+    # the ablation of today's default: each lever off alone, and on alone from the paper's proxy (20 sweeps)
+    "default-no-refine": {**_ON, "refine": None},
+    "default-no-reconstruct": {**_ON, "reconstruct": None},
+    "default-no-distill": {**_ON, "distill": None},
+    "proxy-only": {"refine": None, "reconstruct": None, "distill": None},
+    "proxy+refine": {"refine": _ON["refine"], "reconstruct": None, "distill": None},
+    "proxy+reconstruct": {"refine": None, "reconstruct": _ON["reconstruct"], "distill": None},
+    "proxy+distill": {"refine": None, "reconstruct": None, "distill": _ON["distill"]},
 }
 
 
