@@ -189,7 +189,7 @@ def test_building_w_hat_keeps_no_weight_sized_tensor_in_the_graph():
 
 @pytest.mark.parametrize("train", [True, False])
 def test_a_factored_linear_keeps_no_weight_sized_tensor_and_gets_autograds_gradients(train):
-    """Inside :class:`FactoredLinears` a linear's ``Ŵ`` and matmul are one autograd function:
+    """Inside :class:`FactoredLinears` a linear's ``Ŵ`` and matmul are one checkpointed function:
     the graph keeps the input and the leaves, never a ``d_out × d_in`` tensor; the gradients of
     the input and (when trained) of the leaves are those of autograd through the explicit product
     in float64; a frozen linear passes the input's gradient and gives its leaves none."""
@@ -232,8 +232,8 @@ def test_a_factored_linear_keeps_no_weight_sized_tensor_and_gets_autograds_gradi
 
 
 def test_a_factored_linears_backward_does_not_rerun_its_matmul():
-    """The backward pass rebuilds ``Ŵ`` but takes the input's and ``Ŵ``'s gradients from it directly:
-    one token-by-feature product (the input's gradient), no rerun of ``F.linear`` (a second one)."""
+    """The backward pass rebuilds ``Ŵ`` but not the matmul: one token-by-feature product (the
+    input's gradient), no rerun of ``F.linear`` (a second one, as a reentrant checkpoint would do)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     tokens = 21  # 3 × 7, no size of the toy block

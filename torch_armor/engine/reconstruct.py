@@ -17,7 +17,7 @@ separate stages (attention, then MLP).
 Memory: the trainable tensors are the kept core values only (half the core at 2:4), Adam runs
 per tensor (no multi-tensor temporaries), a step's gradient is accumulated one window at a time
 (one window's activations alive, not the micro-batch's), each linear's ``Ŵ`` and its matmul are one
-autograd function (the graph keeps the linear's input, not ``Ŵ``, which the backward pass rebuilds:
+checkpointed function (the graph keeps the linear's input, not ``Ŵ``, which the backward pass rebuilds:
 :class:`~torch_armor.engine.reconstruct_weights.FactoredLinears`), and a snapshot is taken only
 when the held-out error improves.
 """

@@ -3,9 +3,9 @@
 Each linear's factors become three leaves: ``A``'s blocks, the *kept* core values (a 1-D tensor,
 half the core for 2:4 — the dropped values never get a gradient, an Adam state or a copy) and
 ``B``'s blocks. An ``nn.Linear`` with factors runs ``F.linear(x, Ŵ, bias)``, ``Ŵ = A · scatter(mask,
-values) · B``, as one autograd function (:class:`FactoredLinears`): the graph keeps the input and
-the leaves, and ``Ŵ`` is rebuilt in the backward pass (not the matmul), so no weight-sized
-tensor of any linear waits there. Other weights (fused experts) are built as tensors for ``functional_call``
+values) · B``, as one checkpointed function (:class:`FactoredLinears`): the graph keeps the input
+and the leaves, and ``Ŵ`` is rebuilt in the backward pass (torch's non-reentrant checkpoint stops
+recomputing once ``Ŵ`` exists, before the matmul), so no weight-sized tensor of any linear waits there. Other weights (fused experts) are built as tensors for ``functional_call``
 (:func:`build_weights`), checkpointed so the graph keeps ``Ŵ`` and not the products that build it.
 
 Names: a factor named ``f"{P}.{e}"`` where ``P`` is a 3-D parameter of the block (fused experts,
@@ -61,35 +61,6 @@ def _product(a: torch.Tensor, values: torch.Tensor, b: torch.Tensor, index: torc
     return block_diag_right(block_diag_left(a, scatter_core(values, index, shape)), b)
 
 
-class _FactoredLinear(torch.autograd.Function):
-    """``F.linear(x, Ŵ, bias)`` that saves ``x`` and the leaves, never ``Ŵ``: the backward pass
-    rebuilds ``Ŵ`` and takes the matmul's gradients from it directly (the same work as a
-    non-reentrant checkpoint, which stops recomputing before the matmul)."""
-
-    @staticmethod
-    def forward(ctx, x, a, values, b, index, shape, bias):
-        ctx.save_for_backward(x, a, values, b, index)
-        ctx.shape, ctx.has_bias = shape, bias is not None
-        return F.linear(x, _product(a, values, b, index, shape), bias)
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        x, a, values, b, index = ctx.saved_tensors
-        need_x, need_a, need_values, need_b, _, _, need_bias = ctx.needs_input_grad
-        leaves = [t.detach().requires_grad_(need) for t, need in ((a, need_a), (values, need_values), (b, need_b))]
-        with torch.enable_grad():
-            w = _product(*leaves, index, ctx.shape)
-        grad_x = grad_y.matmul(w.detach()) if need_x else None
-        grads = [None, None, None]
-        wanted = [i for i, t in enumerate(leaves) if t.requires_grad]
-        if wanted:
-            grad_w = grad_y.reshape(-1, grad_y.shape[-1]).T.mm(x.reshape(-1, x.shape[-1]))
-            for i, g in zip(wanted, torch.autograd.grad(w, [leaves[i] for i in wanted], grad_w)):
-                grads[i] = g
-        grad_bias = grad_y.reshape(-1, grad_y.shape[-1]).sum(0) if ctx.has_bias and need_bias else None
-        return grad_x, *grads, None, None, grad_bias
-
-
 def _linear(x: torch.Tensor, a: torch.Tensor, values: torch.Tensor, b: torch.Tensor, index: torch.Tensor,
             shape: torch.Size, bias: Optional[torch.Tensor]) -> torch.Tensor:
     return F.linear(x, _product(a, values, b, index, shape), bias)
@@ -123,13 +94,13 @@ class FactorLeaves:
         return checkpoint(_product, a, values, b, self.index, self.shape, use_reentrant=False)
 
     def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor], train: bool) -> torch.Tensor:
-        """``F.linear(x, Ŵ, bias)``; where autograd records, one function whose graph keeps ``x``
-        and the leaves (``Ŵ`` is rebuilt in the backward pass, not the matmul). ``train``:
-        whether the leaves get gradients (the input always does)."""
+        """``F.linear(x, Ŵ, bias)``; where autograd records, one checkpointed function whose graph
+        keeps ``x`` and the leaves (``Ŵ`` is rebuilt in the backward pass). ``train``: whether the
+        leaves get gradients (the input always does)."""
         a, values, b = self.tensors if train else [t.detach() for t in self.tensors]
         if not torch.is_grad_enabled():
             return _linear(x, a, values, b, self.index, self.shape, bias)
-        return _FactoredLinear.apply(x, a, values, b, self.index, self.shape, bias)
+        return checkpoint(_linear, x, a, values, b, self.index, self.shape, bias, use_reentrant=False)
 
     @property
     def mask(self) -> torch.Tensor:
