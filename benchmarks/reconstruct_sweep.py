@@ -122,6 +122,8 @@ SETTINGS = {
     "proxy+refine": {"refine": _ON["refine"], "reconstruct": None, "distill": None},
     "proxy+reconstruct": {"refine": None, "reconstruct": _ON["reconstruct"], "distill": None},
     "proxy+distill": {"refine": None, "reconstruct": None, "distill": _ON["distill"]},
+    # today's default with the kept core values trained by distillation too (DistillConfig(train_core=True))
+    "default-distill-core": {**_ON, "distill": dataclasses.replace(_ON["distill"], train_core=True)},
 }
 
 
