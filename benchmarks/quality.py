@@ -65,7 +65,7 @@ VARIANTS = {
     "default-no-distill": {"distill": None},
     "default-no-reconstruct": {"reconstruct": None},
     "default-no-refine": {"refine": None},
-    "proxy+reconstruct": {"refine": None, "reconstruct": ReconstructConfig(), "distill": None},
+    "proxy+reconstruct": {"refine": None, "distill": None},     # the default's reconstruction alone
     "proxy+distill": {"refine": None, "reconstruct": None},
     "default+distill-core": {"distill": DistillConfig(train_core=True, lr=2e-3)},
     "budget+refine": {"block_size": "budget", "refine": RefineConfig(), "reconstruct": None, "distill": None},  # one model-wide budget
