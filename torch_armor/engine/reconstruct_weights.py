@@ -5,7 +5,8 @@ half the core for 2:4 — the dropped values never get a gradient, an Adam state
 ``B``'s blocks. An ``nn.Linear`` with factors runs ``F.linear(x, Ŵ, bias)``, ``Ŵ = A · scatter(mask,
 values) · B``, as one checkpointed function (:class:`FactoredLinears`): the graph keeps the input
 and the leaves, and ``Ŵ`` is rebuilt in the backward pass (torch's non-reentrant checkpoint stops
-recomputing once ``Ŵ`` exists, before the matmul), so no weight-sized tensor of any linear waits there. Other weights (fused experts) are built as tensors for ``functional_call``
+recomputing once ``Ŵ`` exists, before the matmul), so no weight-sized tensor of any linear waits
+there. Other weights (fused experts) are built as tensors for ``functional_call``
 (:func:`build_weights`), checkpointed so the graph keeps ``Ŵ`` and not the products that build it.
 
 Names: a factor named ``f"{P}.{e}"`` where ``P`` is a 3-D parameter of the block (fused experts,
@@ -27,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from torch_armor.core.blockdiag import block_diag_left, block_diag_right
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.errors import ArmorInputError
+from torch_armor.tensor.packing import scatter_groups
 
 __all__ = ["FactorLeaves", "FactoredLinears", "weight_names", "build_weights", "kept_index", "scatter_core"]
 
@@ -50,9 +52,7 @@ def scatter_core(values: torch.Tensor, index: torch.Tensor, shape: torch.Size) -
     """The core of ``shape`` with ``values`` at :func:`kept_index`'s places and zeros elsewhere: the
     bits of ``masked_scatter`` (and of ``masked_select`` for the gradient), several times faster on a CPU."""
     if index.dtype == torch.uint8:
-        rows, groups, n = index.shape
-        grouped = values.new_zeros(rows, groups, shape[-1] // groups)
-        return grouped.scatter(2, index.long(), values.reshape(rows, groups, n)).reshape(shape)
+        return scatter_groups(values, index.long(), shape[-1] // index.shape[1])
     return values.new_zeros(shape.numel()).scatter(0, index.long(), values).reshape(shape)
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "index_bits",
     "pack_nm",
     "unpack_nm",
+    "scatter_groups",
     "check_nm_mask",
     "packed_nbytes",
     "cutlass_pack",
@@ -225,10 +226,15 @@ def unpack_nm(values: torch.Tensor, indices: torch.Tensor, n: int, m: int, d_in:
             f"indices must be uint8 of shape ({d_out}, {nbytes}) for {n}:{m} and d_in={d_in}, "
             f"got {indices.dtype} {tuple(indices.shape)}"
         )
-    pos = _unpack_bits(indices, bits, k).reshape(d_out, groups, n)
-    out = values.new_zeros(d_out, groups, m)
-    out.scatter_(-1, pos, values.reshape(d_out, groups, n))
-    return out.reshape(d_out, d_in)
+    return scatter_groups(values, _unpack_bits(indices, bits, k).reshape(d_out, groups, n), m)
+
+
+def scatter_groups(values: torch.Tensor, positions: torch.Tensor, m: int) -> torch.Tensor:
+    """The dense ``(d_out, groups·m)`` core with ``values (d_out, groups·n)`` at their in-group
+    ``positions`` (int64 ``(d_out, groups, n)``) and zeros elsewhere; its gradient is a gather."""
+    d_out, groups, n = positions.shape
+    out = values.new_zeros(d_out, groups, m).scatter(-1, positions, values.reshape(d_out, groups, n))
+    return out.reshape(d_out, groups * m)
 
 
 # ----------------------------------------------------------------------------- CUTLASS 2:4
