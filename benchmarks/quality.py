@@ -33,11 +33,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from torch_armor import ArmorConfig, BcdConfig, DistillConfig, ReconstructConfig, RefineConfig  # noqa: E402
+from torch_armor import ArmorConfig, DistillConfig, ReconstructConfig, RefineConfig  # noqa: E402
 from torch_armor.core.levers import OPTIMIZERS  # noqa: E402
 from torch_armor.core.presets import PRESETS  # noqa: E402
 from torch_armor.recipes.quality import DEMO_METHODS, run_quality  # noqa: E402
+from reconstruct_sweep import PREVIOUS_MAX  # noqa: E402
 
 DEFAULT = ArmorConfig()
 #: Named ARMOR rows for the ablation (``--variants``): each is ``ArmorConfig()`` with these changes.
@@ -52,9 +54,7 @@ VARIANTS = {
     "fast": dict(PRESETS["fast"]),
     "max": dict(PRESETS["max"]),
     # the max preset before its reconstruction moved to 512 single-window steps (its rows in docs/results.md)
-    "max-previous": {"optimizer": BcdConfig(iters=30), "refine": RefineConfig(rounds=3, core_steps=16),
-                     "reconstruct": ReconstructConfig(steps=64, micro_batch=None),
-                     "distill": DistillConfig(steps=48, lr=2e-3)},
+    "max-previous": dict(PREVIOUS_MAX),
     # the max preset's candidates: 128 distillation steps with warm-up and cosine decay, wrappers only or + cores
     "max-distill128": {"refine": RefineConfig(core_steps=16), "reconstruct": ReconstructConfig(steps=64),
                        "distill": DistillConfig(steps=128, lr=2e-3, warmup=0.05, decay="cosine", eval_every=8)},

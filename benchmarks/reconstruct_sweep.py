@@ -48,7 +48,7 @@ from torch_armor.recipes.quality import _materialize  # noqa: E402
 
 _R = ReconstructConfig()  # 32 steps of one window: the default's block pass before it moved to 64
 #: The ``max`` preset the ``max-…`` settings change (measured as it was before it moved to single-window steps).
-_MAX_BEFORE = {"optimizer": BcdConfig(iters=30), "refine": RefineConfig(rounds=3, core_steps=16),
+PREVIOUS_MAX = {"optimizer": BcdConfig(iters=30), "refine": RefineConfig(rounds=3, core_steps=16),
                "reconstruct": ReconstructConfig(steps=64, micro_batch=None), "distill": DistillConfig(steps=48, lr=2e-3)}
 #: What :data:`SETTINGS` change: ``ArmorConfig()`` with the block pass they were measured with (3 refinement
 #: rounds and 32 reconstruction steps, the default's until it moved to one round and 64 steps), so that each
@@ -103,17 +103,17 @@ SETTINGS = {
                           "reconstruct": dataclasses.replace(_R, steps=16, micro_batch=2),
                           "distill": DistillConfig(lr=2e-3)},
     # candidates for the max preset: its reconstruction run four times longer (16 epochs of 4-window steps)
-    "max-rec256": {**_MAX_BEFORE, "reconstruct": ReconstructConfig(steps=256, micro_batch=None)},
-    "max-rec256-distill96": {**_MAX_BEFORE, "reconstruct": ReconstructConfig(steps=256, micro_batch=None),
+    "max-rec256": {**PREVIOUS_MAX, "reconstruct": ReconstructConfig(steps=256, micro_batch=None)},
+    "max-rec256-distill96": {**PREVIOUS_MAX, "reconstruct": ReconstructConfig(steps=256, micro_batch=None),
                              "distill": DistillConfig(steps=96, lr=1e-3, warmup=0.05, decay="cosine", eval_every=8)},
     # max's reconstruction on single windows: the same windows-worth of work in 256 steps, or twice it in 512
-    "max-mb1-256": {**_MAX_BEFORE, "reconstruct": ReconstructConfig(steps=256)},
-    "max-mb1-512": {**_MAX_BEFORE, "reconstruct": ReconstructConfig(steps=512)},
+    "max-mb1-256": {**PREVIOUS_MAX, "reconstruct": ReconstructConfig(steps=256)},
+    "max-mb1-512": {**PREVIOUS_MAX, "reconstruct": ReconstructConfig(steps=512)},
     # and the factorization's time moved into reconstruction steps, as for the default
-    "max-bcd20-refine1-mb1-512": {**_MAX_BEFORE, "optimizer": BcdConfig(iters=20),
+    "max-bcd20-refine1-mb1-512": {**PREVIOUS_MAX, "optimizer": BcdConfig(iters=20),
                                   "refine": RefineConfig(rounds=1, core_steps=16),
                                   "reconstruct": ReconstructConfig(steps=512)},
-    "previous-max": _MAX_BEFORE,
+    "previous-max": PREVIOUS_MAX,
     # the ablation of today's default: each lever off alone, and on alone from the paper's proxy (20 sweeps)
     "default-no-refine": {**_ON, "refine": None},
     "default-no-reconstruct": {**_ON, "reconstruct": None},
