@@ -124,6 +124,12 @@ SETTINGS = {
     "proxy+distill": {"refine": None, "reconstruct": None, "distill": _ON["distill"]},
     # today's default with the kept core values trained by distillation too (DistillConfig(train_core=True))
     "default-distill-core": {**_ON, "distill": dataclasses.replace(_ON["distill"], train_core=True)},
+    # each block fitted to the dense model's hidden states (ReconstructConfig(target="model"))
+    "default-target-model": {**_ON, "reconstruct": dataclasses.replace(_ON["reconstruct"], target="model")},
+    "default-no-distill-target-model": {**_ON, "reconstruct": dataclasses.replace(_ON["reconstruct"], target="model"),
+                                        "distill": None},
+    "max-target-model": {**PRESETS["max"],
+                         "reconstruct": dataclasses.replace(PRESETS["max"]["reconstruct"], target="model")},
 }
 
 

@@ -116,7 +116,7 @@ def test_layers_outside_blocks_are_refused():
 
 
 _SCRIPT = textwrap.dedent("""
-    import os, signal, sys
+    import dataclasses, os, signal, sys
     import torch
     sys.path.insert(0, {tests!r})
     from conftest import make_tiny_llama
@@ -149,14 +149,15 @@ _SCRIPT = textwrap.dedent("""
 
     runstore.RunStore.save, blocks.BlockPipeline._save_hidden, engine_runner.factorize = save, hidden, fact
     calib = torch.randint(0, 128, (6, 24), generator=torch.Generator().manual_seed(1))
-    prune_model(make_tiny_llama(), calib, ArmorConfig(block_size=16, optimizer=BcdConfig(iters=3)),
-                options=PruneOptions(run_dir=sys.argv[1], out=sys.argv[2], progress=False))
+    cfg = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=3))
+    cfg = dataclasses.replace(cfg, reconstruct=dataclasses.replace(cfg.reconstruct, target=os.environ["TARGET"]))
+    prune_model(make_tiny_llama(), calib, cfg, options=PruneOptions(run_dir=sys.argv[1], out=sys.argv[2], progress=False))
     print("factorized", calls["factorize"])
 """)
 
 
-def _run(script: Path, run_dir: Path, out: Path, kill_at: str = "") -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", KILL_AT=kill_at, PYTHONPATH=str(ROOT))
+def _run(script: Path, run_dir: Path, out: Path, kill_at: str = "", target: str = "block") -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", KILL_AT=kill_at, TARGET=target, PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, str(script), str(run_dir), str(out)], capture_output=True, text=True,
                           env=env, timeout=300)
 
@@ -169,16 +170,18 @@ def _same_files(a: Path, b: Path) -> None:
     assert [k for k in ta if not torch.equal(ta[k], tb[k])] == []
 
 
-@pytest.mark.parametrize("kill_at, finished", [("layer:3", 3), ("hidden:1", 7)])
-def test_sigkill_then_resume_is_bit_identical(tmp_path, kill_at, finished):
+@pytest.mark.parametrize("kill_at, finished, target", [("layer:3", 3, "block"), ("hidden:1", 7, "block"),
+                                                        ("hidden:1", 7, "model")])
+def test_sigkill_then_resume_is_bit_identical(tmp_path, kill_at, finished, target):
+    """``target="model"``: the dense stream the next block is fitted to is resumed from disk too."""
     script = tmp_path / "run.py"
     script.write_text(_SCRIPT.format(tests=str(ROOT / "tests")))
-    reference = _run(script, tmp_path / "ref_run", tmp_path / "ref")
+    reference = _run(script, tmp_path / "ref_run", tmp_path / "ref", target=target)
     assert reference.returncode == 0, reference.stderr[-2000:]
     assert "factorized 14" in reference.stdout
-    killed = _run(script, tmp_path / "run", tmp_path / "out", kill_at)
+    killed = _run(script, tmp_path / "run", tmp_path / "out", kill_at, target)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    resumed = _run(script, tmp_path / "run", tmp_path / "out")
+    resumed = _run(script, tmp_path / "run", tmp_path / "out", target=target)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"factorized {14 - finished}" in resumed.stdout  # finished layers are not recomputed
     _same_files(tmp_path / "out", tmp_path / "ref")

@@ -323,3 +323,70 @@ def test_fused_expert_factors_build_the_stacked_parameter():
     missing = {n: f for n, f in factors.items() if n != "experts.weight.1"}
     with pytest.raises(ArmorInputError, match=r"experts \[1\]"):
         weight_names(block, missing)
+
+
+@pytest.mark.parametrize("target", ["block", "model"])
+def test_each_block_is_fitted_on_the_pruned_stream_to_the_chosen_target(monkeypatch, target):
+    """Block 1 is reconstructed on what the pruned block 0 hands it. ``target="block"`` fits it to
+    the dense block 1 run on those inputs; ``"model"`` to the dense model's own hidden states after
+    block 1 — both recomputed here from an untouched copy of the model with forward hooks."""
+    import torch_armor.engine.blocks as engine_blocks
+
+    seen = []
+    real = engine_blocks.reconstruct_block
+
+    def spy(block, factors, inputs, targets, *args, **kwargs):
+        seen.append(([inp.hidden.clone() for inp in inputs], [t.clone() for t in targets]))
+        return real(block, factors, inputs, targets, *args, **kwargs)
+
+    monkeypatch.setattr(engine_blocks, "reconstruct_block", spy)
+    cfg = dataclasses.replace(CFG, reconstruct=ReconstructConfig(steps=2, target=target), distill=None)
+    pruned = make_tiny_llama()
+    prune_model(pruned, CALIB[:8], cfg, options=PruneOptions(progress=False, batch_size=4))
+    assert len(seen) == 2
+
+    def block_io(model, index):
+        """Each calibration batch's (input, output) of decoder block ``index``, by forward hooks."""
+        io = []
+        hook = model.model.layers[index].register_forward_hook(
+            lambda _m, args, out: io.append((args[0].detach(), (out[0] if isinstance(out, tuple) else out).detach())))
+        with torch.no_grad():
+            for batch in CALIB[:8].split(4):
+                model(batch)
+        hook.remove()
+        return io
+
+    inputs, targets = seen[1]
+    pruned_io = block_io(pruned, 0)
+    dense = make_tiny_llama()
+    dense_io = block_io(dense, 1)
+    fed = iter(inputs)  # the dense model again, its block 1 fed the pruned stream instead
+    swap = dense.model.layers[1].register_forward_pre_hook(lambda _m, args: (next(fed), *args[1:]))
+    dense_on_pruned = block_io(dense, 1)
+    swap.remove()
+    for j, (pruned_in, dense_out) in enumerate(zip(inputs, dense_io)):
+        assert torch.allclose(pruned_in, pruned_io[j][1], atol=1e-5)  # the pruned block 0's output
+        assert not torch.allclose(pruned_in, dense_out[0], atol=1e-3)  # the two streams differ
+        want = dense_out[1] if target == "model" else dense_on_pruned[j][1]
+        assert torch.allclose(targets[j], want, atol=1e-5)
+        assert not torch.allclose(dense_out[1], dense_on_pruned[j][1], atol=1e-3)  # the two targets differ
+
+
+@pytest.mark.parametrize("bad", ["dense", "", None])
+def test_reconstruct_target_must_be_named(bad):
+    with pytest.raises(ArmorInputError, match=r"ReconstructConfig.target must be one of \('block', 'model'\)"):
+        ReconstructConfig(target=bad)
+
+
+def test_the_dense_stream_on_disk_gives_the_same_bits(tmp_path):
+    """``hidden_dir``: the dense stream of ``target="model"`` waits on disk beside the pruned one."""
+    cfg = dataclasses.replace(CFG, reconstruct=ReconstructConfig(steps=2, target="model"), distill=None)
+    in_memory, on_disk = make_tiny_llama(), make_tiny_llama()
+    prune_model(in_memory, CALIB[:8], cfg, options=PruneOptions(progress=False, batch_size=4))
+    prune_model(on_disk, CALIB[:8], cfg, options=PruneOptions(progress=False, batch_size=4, hidden_dir=tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{kind}-{j:06d}.safetensors" for kind in ("batch", "dense")
+                                                          for j in range(2)]
+    for (n, p), (_, q) in zip(in_memory.named_parameters(), on_disk.named_parameters()):
+        a = p.dense_weight() if hasattr(p, "dense_weight") else p
+        b = q.dense_weight() if hasattr(q, "dense_weight") else q
+        assert torch.equal(a.detach(), b.detach()), n

@@ -19,7 +19,8 @@ from typing import ClassVar, Optional, Union
 from torch_armor.core.method_config import check_count, check_fraction
 from torch_armor.errors import ArmorInputError
 
-__all__ = ["BcdConfig", "AdamConfig", "RefineConfig", "ReconstructConfig", "DistillConfig", "DECAYS", "Optimizer",
+__all__ = ["BcdConfig", "AdamConfig", "RefineConfig", "ReconstructConfig", "DistillConfig", "DECAYS", "RECONSTRUCT_TARGETS",
+           "Optimizer",
            "OPTIMIZERS", "SELECTIONS", "DEFAULT_REFINE", "DEFAULT_RECONSTRUCT"]
 
 #: How a tile picks the groups its sparse-core steps update
@@ -170,6 +171,10 @@ class RefineConfig:
 
 #: How block reconstruction's learning rate decays after the warm-up (:func:`~torch_armor.engine.reconstruct.lr_factor`).
 DECAYS = ("cosine", "linear", "constant")
+#: :attr:`ReconstructConfig.target` values: ``"block"``, the dense block's output on the inputs
+#: that reach it (the pruned stream); ``"model"``, the dense model's own hidden states after the
+#: block (the dense stream), so that each block also makes up for the error it inherits.
+RECONSTRUCT_TARGETS = ("block", "model")
 
 
 @dataclass(frozen=True)
@@ -195,6 +200,10 @@ class ReconstructConfig:
             (``None``: run every step).
         split_stages: one stage per top-level submodule (attention, then MLP), each with half of
             the steps and its own optimizer, instead of one joint stage.
+        target: what the block's output is fitted to, one of :data:`RECONSTRUCT_TARGETS`:
+            ``"block"``, the dense block's output on the pruned model's hidden states; ``"model"``,
+            the dense model's hidden states after the block (the same thing in a one-shot prune,
+            whose blocks see the dense model's inputs).
     """
 
     steps: int = 32
@@ -206,6 +215,7 @@ class ReconstructConfig:
     checks: int = 4
     patience: Optional[int] = None
     split_stages: bool = False
+    target: str = "block"
 
     def __post_init__(self) -> None:
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
@@ -225,6 +235,8 @@ class ReconstructConfig:
             check_count("ReconstructConfig", "patience", self.patience, minimum=1)
         if not isinstance(self.split_stages, bool):
             raise ArmorInputError(f"ReconstructConfig.split_stages must be True or False, got {self.split_stages!r}")
+        if self.target not in RECONSTRUCT_TARGETS:
+            raise ArmorInputError(f"ReconstructConfig.target must be one of {RECONSTRUCT_TARGETS}, got {self.target!r}")
 
 
 def _positive_int(owner: str, name: str, value: object, minimum: int = 1, hint: str = "") -> None:

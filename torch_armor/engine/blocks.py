@@ -100,25 +100,42 @@ class BlockPipeline:
     def _hidden_path(self) -> Optional[Path]:
         return None if self.store is None else self.store.directory / HIDDEN_NAME
 
-    def _save_hidden(self, index: int, inputs: Sequence[BlockInput]) -> None:
+    def _save_hidden(self, index: int, inputs: Sequence[BlockInput], dense: Sequence[BlockInput] = ()) -> None:
         path = self._hidden_path()
         if path is None or self.rank != 0:
             return
         tensors = {f"batch.{j:06d}": inp.hidden.contiguous() for j, inp in enumerate(inputs)}
+        tensors.update({f"dense.{j:06d}": inp.hidden.contiguous() for j, inp in enumerate(dense)})
         atomic_write(path, save(tensors, metadata={"block": str(index), "identity": self.identity}))
 
-    def _load_hidden(self, inputs: List[BlockInput]) -> int:
-        """Replace the captured inputs by the saved ones; returns the block they feed (0: none)."""
+    def _load_hidden(self, inputs: List[BlockInput], dense: Sequence[BlockInput] = ()) -> int:
+        """Replace the captured inputs (and the dense stream's) by the saved ones; returns the
+        block they feed (0: none)."""
         path = self._hidden_path()
         if path is None or not path.exists():
             return 0
         with safe_open(str(path), framework="pt") as fh:
             meta = fh.metadata() or {}
-            if meta.get("identity") != self.identity or len(list(fh.keys())) != len(inputs):
+            if meta.get("identity") != self.identity or len(list(fh.keys())) != len(inputs) + len(dense):
                 return 0
             for j, inp in enumerate(inputs):
                 inp.hidden = fh.get_tensor(f"batch.{j:06d}")
+            for j, inp in enumerate(dense):
+                inp.hidden = fh.get_tensor(f"dense.{j:06d}")
         return int(meta.get("block", 0))
+
+    def _dense_stream(self, inputs: Sequence[BlockInput]) -> List[BlockInput]:
+        """The dense model's hidden states, carried beside the pruned stream when block
+        reconstruction fits each block to them (``ReconstructConfig(target="model")`` in a
+        sequential prune; empty otherwise: a one-shot prune's inputs already are the dense stream)."""
+        if not (self.sequential and self.method.reconstructs(self.config)
+                and self.config.reconstruct.target == "model"):
+            return []
+        dense = [BlockInput(inp.hidden, inp.kwargs, inp.token_mask) for inp in inputs]
+        if self.hidden_dir is not None:
+            for j, inp in enumerate(dense):
+                inp.offload(Path(self.hidden_dir) / f"dense-{j:06d}.safetensors")
+        return dense
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self, calibration: Sequence[torch.Tensor]) -> PruneReport:
@@ -135,7 +152,8 @@ class BlockPipeline:
         if self.hidden_dir is not None:
             for j, inp in enumerate(inputs):
                 inp.offload(Path(self.hidden_dir) / f"batch-{j:06d}.safetensors")
-        start_block = self._resume_point(inputs, by_block)
+        dense = self._dense_stream(inputs)
+        start_block = self._resume_point(inputs, by_block, dense)
         bar = tqdm(total=len(self.blocks), initial=start_block, desc=f"prune {method.label}", unit="block",
                    disable=not self.progress, mininterval=1.0)
         try:
@@ -147,23 +165,29 @@ class BlockPipeline:
                 block = self.source.load_block(prefix)
                 block.to(self.device).eval()
                 names = by_block[index]
+                dense_out = [run_block(block, inp, self.device) for inp in dense]  # the block is still dense
                 if names:
                     layers = {n: layer_module(self.source.model, n) for n in names}
                     recon = self._reconstruction_data(inputs)
                     stats = block_statistics(block, layers, inputs, device=self.device,
                                              track_xtx=method.needs_xtx(self.config), propagate=not self.sequential,
-                                             outputs=recon[1] if recon is not None else None,
+                                             outputs=recon[1] if recon is not None and not dense else None,
                                              expert_calibration=self.expert_calibration,
                                              min_expert_tokens=self.min_expert_tokens,
                                              expert_tokens=report.expert_tokens)
+                    if dense:
+                        recon = (recon[0], dense_out)
                     self._solve_block(names, layers, stats, report, bar, index=index, block=block, recon=recon)
                 if self.sequential or not names:  # the (pruned) block's outputs feed the next block
                     for inp in inputs:
                         inp.hidden = run_block(block, inp, self.device)
+                for inp, out in zip(dense, dense_out):
+                    inp.hidden = out
+                del dense_out
                 if self.sink is not None and self.rank == 0:
                     self.sink.write(index, prefix, block)
                 self.source.release_block(prefix)
-                self._save_hidden(index + 1, inputs)
+                self._save_hidden(index + 1, inputs, dense)
                 bar.update(1)
         finally:
             bar.close()
@@ -219,11 +243,12 @@ class BlockPipeline:
             by_block[int(head)].append(name)
         return by_block
 
-    def _resume_point(self, inputs: List[BlockInput], by_block: List[List[str]]) -> int:
+    def _resume_point(self, inputs: List[BlockInput], by_block: List[List[str]],
+                      dense: Sequence[BlockInput] = ()) -> int:
         """The first block to compute: blocks before it are finished and their outputs saved."""
         if self.store is None:
             return 0
-        saved = self._load_hidden(inputs)
+        saved = self._load_hidden(inputs, dense)
         for index in range(saved):
             if not all(self.store.done(n) for n in by_block[index]):
                 raise ArmorInputError(f"run directory {self.store.directory}: saved hidden states follow block "
