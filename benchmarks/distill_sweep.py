@@ -47,6 +47,8 @@ SETTINGS = {
     "default-16": _PREVIOUS,
     "max-48": _MAX,
     "max-48-core": dataclasses.replace(_MAX, train_core=True),
+    "max-48-lr5e-4": dataclasses.replace(_MAX, lr=5e-4),
+    "max-48-lr1e-3": dataclasses.replace(_MAX, lr=1e-3),
     "sampled64": dataclasses.replace(_MAX, sampled_windows=64),
     "sampled64-96": dataclasses.replace(_MAX, steps=96, sampled_windows=64),
     "sampled128-128": dataclasses.replace(_MAX, steps=128, sampled_windows=128, warmup=0.05, decay="cosine",

@@ -128,6 +128,8 @@ SETTINGS = {
     "default-target-model": {**_ON, "reconstruct": dataclasses.replace(_ON["reconstruct"], target="model")},
     "default-no-distill-target-model": {**_ON, "reconstruct": dataclasses.replace(_ON["reconstruct"], target="model"),
                                         "distill": None},
+    "fast-target-model": {**PRESETS["fast"],
+                          "reconstruct": dataclasses.replace(PRESETS["fast"]["reconstruct"], target="model")},
     "max-target-model": {**PRESETS["max"],
                          "reconstruct": dataclasses.replace(PRESETS["max"]["reconstruct"], target="model")},
 }

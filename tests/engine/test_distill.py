@@ -13,7 +13,7 @@ import torch
 
 from conftest import make_tiny_llama
 from _helpers import check_mask
-from torch_armor import ArmorConfig, BcdConfig, prune_model, PruneOptions, RefineConfig
+from torch_armor import ArmorConfig, BcdConfig, prune_model, PruneOptions, ReconstructConfig, RefineConfig
 from torch_armor.core.levers import DistillConfig
 from torch_armor.engine.distill import DISTILLED_NAME, TopK, coarse_kl, fast_bf16, training_autocast, windows_of
 from torch_armor.errors import ArmorInputError
@@ -215,13 +215,17 @@ def test_resume_applies_a_finished_distillation_without_redoing_it(tmp_path):
         assert torch.equal(w.dense_weight(), module.weight.dense_weight())
 
 
-def test_streamed_checkpoints_skip_distillation_with_one_warning_naming_the_way_out(tmp_path):
+@pytest.mark.parametrize("reconstruct", [None, ReconstructConfig(steps=2), ReconstructConfig(steps=2, target="model")])
+def test_streamed_checkpoints_skip_distillation_with_one_warning_naming_the_way_out(tmp_path, reconstruct):
     model = make_tiny_llama()
     model.save_pretrained(tmp_path / "ckpt")
-    cfg = ArmorConfig(block_size=8, optimizer=BcdConfig(iters=2), reconstruct=None, distill=DistillConfig())
+    cfg = ArmorConfig(block_size=8, optimizer=BcdConfig(iters=2), reconstruct=reconstruct, distill=DistillConfig())
     with pytest.warns(UserWarning, match="distillation skipped: .*needs it in memory.*distill=None") as caught:
         report = prune_model(tmp_path / "ckpt", CALIB, cfg, options=PruneOptions(out=tmp_path / "out", progress=False))
-    assert sum("distillation skipped" in str(w.message) for w in caught) == 1
+    messages = [str(w.message) for w in caught if "distillation skipped" in str(w.message)]
+    assert len(messages) == 1 and "\n" not in messages[0]
+    # reconstruction fitted to the dense block is pointed at the dense model's hidden states
+    assert ('target="model"' in messages[0]) == (reconstruct is not None and reconstruct.target == "block")
     assert not report.distill
 
 

@@ -161,8 +161,11 @@ def prune_model(
     if distill is not None:
         why_not = distill_skip_reason(distill, n_windows=len(windows_of(batches)), streamed=streamed, world_size=world)
         if why_not:
-            warnings.warn(f"end-to-end distillation skipped: {why_not}; ArmorConfig(distill=None) prunes without it",
-                          stacklevel=2)
+            recon = getattr(config, "reconstruct", None)
+            hint = ('; ReconstructConfig(target="model") makes up for part of it by fitting each block to the dense '
+                    "model's hidden states" if recon is not None and recon.target == "block" else "")
+            warnings.warn(f"end-to-end distillation skipped: {why_not}; ArmorConfig(distill=None) prunes without it"
+                          + hint, stacklevel=2)
             distill = None
     dev = torch.device(options.device) if options.device is not None else torch.device("cpu")
     if not streamed and options.device is None:
