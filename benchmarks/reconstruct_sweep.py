@@ -128,6 +128,9 @@ SETTINGS = {
     "default-target-model": {**_ON, "reconstruct": dataclasses.replace(_ON["reconstruct"], target="model")},
     "default-no-distill-target-model": {**_ON, "reconstruct": dataclasses.replace(_ON["reconstruct"], target="model"),
                                         "distill": None},
+    # the fast preset as it was before its reconstruction moved to target="model" (its rows ran as --settings fast)
+    "fast-target-block": {**PRESETS["fast"],
+                          "reconstruct": dataclasses.replace(PRESETS["fast"]["reconstruct"], target="block")},
     "fast-target-model": {**PRESETS["fast"],
                           "reconstruct": dataclasses.replace(PRESETS["fast"]["reconstruct"], target="model")},
     "max-target-model": {**PRESETS["max"],
