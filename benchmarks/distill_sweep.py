@@ -19,10 +19,12 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import json
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -33,6 +35,7 @@ from reconstruct_sweep import add_protocol_arguments, protocol_data, start  # no
 from torch_armor import ArmorConfig, PruneOptions, prune_model  # noqa: E402
 from torch_armor.core.levers import DistillConfig  # noqa: E402
 from torch_armor.core.presets import PRESETS  # noqa: E402
+import torch_armor.engine.distill as distill_module  # noqa: E402
 from torch_armor.engine.distill import Distillation  # noqa: E402
 from torch_armor.recipes.evaluate import perplexity  # noqa: E402
 from torch_armor.recipes.models import select_layers  # noqa: E402
@@ -53,6 +56,8 @@ SETTINGS = {
     "sampled64-96": dataclasses.replace(_MAX, steps=96, sampled_windows=64),
     "sampled128-128": dataclasses.replace(_MAX, steps=128, sampled_windows=128, warmup=0.05, decay="cosine",
                                           eval_every=8),
+    "sampled64-96-prompt64": dataclasses.replace(_MAX, steps=96, sampled_windows=64),
+    "sampled64-96-prompt128": dataclasses.replace(_MAX, steps=96, sampled_windows=64),
     "default-sampled32": dataclasses.replace(_PREVIOUS, sampled_windows=32),
     # the default's cost (32 window passes), other step sizes and schedules
     "default-core": dataclasses.replace(_PREVIOUS, train_core=True),
@@ -67,6 +72,9 @@ SETTINGS = {
     "bf16-20": DistillConfig(steps=20, lr=2e-3, eval_every=10, bf16_steps=True),
     "bf16-20-lr1e-3": DistillConfig(steps=20, eval_every=10, lr=1e-3, bf16_steps=True),
 }
+#: settings whose sampled windows start from this many of a training window's first tokens (not 1):
+#: continuations of the calibration text in the dense model's own words
+PROMPT_TOKENS = {"sampled64-96-prompt64": 64, "sampled64-96-prompt128": 128}
 
 
 def main(argv=None) -> int:
@@ -119,7 +127,9 @@ def main(argv=None) -> int:
         summary = {}
         if cfg is not None:
             distillation = Distillation(cfg, [calib], seed=base_cfg.seed)
-            distillation.capture(dense)
+            sampler = functools.partial(distill_module.sample_windows, prompt_tokens=PROMPT_TOKENS.get(name, 1))
+            with mock.patch.object(distill_module, "sample_windows", sampler):
+                distillation.capture(dense)
             summary = distillation.run(model)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         _materialize(model, names)

@@ -21,9 +21,9 @@ VOCAB = 128
 CALIB = torch.randint(0, VOCAB, (12, 24), generator=torch.Generator().manual_seed(5))
 
 
-def _sample_by_hand(model, first_tokens: torch.Tensor, seq_len: int, gen: torch.Generator) -> torch.Tensor:
+def _sample_by_hand(model, prompt: torch.Tensor, seq_len: int, gen: torch.Generator) -> torch.Tensor:
     """Whole-prefix forward passes (no cache), one multinomial draw per position from the softmax."""
-    ids = first_tokens[:, None]
+    ids = prompt
     with torch.no_grad():
         while ids.shape[1] < seq_len:
             probs = torch.softmax(model(ids).logits[:, -1].double(), dim=-1).float()
@@ -31,17 +31,18 @@ def _sample_by_hand(model, first_tokens: torch.Tensor, seq_len: int, gen: torch.
     return ids
 
 
-@pytest.mark.parametrize("count,batch_size", [(5, 2), (3, 8)])
-def test_sampled_windows_are_the_models_own_draws_started_from_each_prompt(count, batch_size):
+@pytest.mark.parametrize("count,batch_size,prompt_tokens", [(5, 2, 1), (3, 8, 1), (5, 2, 6)])
+def test_sampled_windows_are_the_models_own_draws_started_from_each_prompt(count, batch_size, prompt_tokens):
     model = make_tiny_llama()
     prompts = windows_of([CALIB[:4]])
-    got = sample_windows(model, prompts, count, 20, seed=7, batch_size=batch_size)
+    got = sample_windows(model, prompts, count, 20, seed=7, batch_size=batch_size, prompt_tokens=prompt_tokens)
     gen = torch.Generator().manual_seed(7)
-    want = torch.cat([_sample_by_hand(model, CALIB[[(s + i) % 4 for i in range(min(batch_size, count - s))], 0], 20, gen)
+    want = torch.cat([_sample_by_hand(model, CALIB[[(s + i) % 4 for i in range(min(batch_size, count - s))],
+                                                   :prompt_tokens], 20, gen)
                       for s in range(0, count, batch_size)])
     assert [w[1] for w in got] == [None] * count
     assert torch.equal(torch.cat([w[0] for w in got]), want)
-    assert torch.equal(want[:, 0], CALIB[[i % 4 for i in range(count)], 0])
+    assert torch.equal(want[:, :prompt_tokens], CALIB[[i % 4 for i in range(count)], :prompt_tokens])
 
 
 def test_sampling_is_seeded():

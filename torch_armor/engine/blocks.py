@@ -168,15 +168,13 @@ class BlockPipeline:
                 dense_out = [run_block(block, inp, self.device) for inp in dense]  # the block is still dense
                 if names:
                     layers = {n: layer_module(self.source.model, n) for n in names}
-                    recon = self._reconstruction_data(inputs)
+                    recon = self._reconstruction_data(inputs, dense_out if dense else None)
                     stats = block_statistics(block, layers, inputs, device=self.device,
                                              track_xtx=method.needs_xtx(self.config), propagate=not self.sequential,
                                              outputs=recon[1] if recon is not None and not dense else None,
                                              expert_calibration=self.expert_calibration,
                                              min_expert_tokens=self.min_expert_tokens,
                                              expert_tokens=report.expert_tokens)
-                    if dense:
-                        recon = (recon[0], dense_out)
                     self._solve_block(names, layers, stats, report, bar, index=index, block=block, recon=recon)
                 if self.sequential or not names:  # the (pruned) block's outputs feed the next block
                     for inp in inputs:
@@ -273,13 +271,14 @@ class BlockPipeline:
         if self.sink is None:
             self._apply(solutions, {n: layer_module(self.source.model, n) for n in names})
 
-    def _reconstruction_data(self, inputs: Sequence[BlockInput]):
-        """Block reconstruction's data: the inputs that reach the block, taken before a one-shot
-        run replaces them, and a list that the statistics pass fills with the dense block's
-        outputs (``None`` when reconstruction is off)."""
+    def _reconstruction_data(self, inputs: Sequence[BlockInput], model_targets: Optional[List[Any]]):
+        """Block reconstruction's data (``None`` when reconstruction is off): the inputs that reach
+        the block, taken before a one-shot run replaces them, and the targets — ``model_targets``
+        (the dense model's hidden states after the block, ``target="model"``) or, when that is
+        ``None``, a list that the statistics pass fills with the dense block's outputs on these inputs."""
         if not self.method.reconstructs(self.config):
             return None
-        return [BlockInput(inp.hidden, inp.kwargs) for inp in inputs], []
+        return [BlockInput(inp.hidden, inp.kwargs) for inp in inputs], ([] if model_targets is None else model_targets)
 
     def _marker(self, index: int) -> Optional[Path]:
         return None if self.store is None else self.store.directory / RECONSTRUCTED_DIR / f"block-{index:05d}.json"

@@ -120,11 +120,11 @@ def dense_top_k(model: nn.Module, windows: Sequence[Window], k: int) -> List[Top
 
 @torch.no_grad()
 def sample_windows(model: nn.Module, prompts: Sequence[Window], count: int, seq_len: int, *, seed: int,
-                   batch_size: int = 32) -> List[Window]:
+                   batch_size: int = 32, prompt_tokens: int = 1) -> List[Window]:
     """``count`` windows of ``seq_len`` tokens sampled from ``model`` (a transformers causal LM) at
     temperature 1 from its whole next-token distribution, the end-of-text token included (sampling
-    goes on past it). Window ``i`` starts with the first token of ``prompts[i % len(prompts)]``;
-    the draws come from one CPU generator seeded with ``seed``."""
+    goes on past it). Window ``i`` starts with the first ``prompt_tokens`` tokens of
+    ``prompts[i % len(prompts)]``; the draws come from one CPU generator seeded with ``seed``."""
     if not callable(getattr(model, "generate", None)):
         raise ArmorInputError(f"DistillConfig.sampled_windows: {type(model).__name__} is not a transformers causal LM "
                               "(no generate()), so windows cannot be sampled from it; set sampled_windows=0")
@@ -135,9 +135,9 @@ def sample_windows(model: nn.Module, prompts: Sequence[Window], count: int, seq_
     out: List[Window] = []
     for start in range(0, count, batch_size):
         n = min(batch_size, count - start)
-        tokens = [torch.cat([prompts[(start + i) % len(prompts)][0][:, :1] for i in range(n)]).to(device)]
+        tokens = [torch.cat([prompts[(start + i) % len(prompts)][0][:, :prompt_tokens] for i in range(n)]).to(device)]
         step = model(tokens[0], use_cache=True)
-        for position in range(1, seq_len):
+        for position in range(tokens[0].shape[1], seq_len):
             probs = torch.softmax(step.logits[:, -1].float(), dim=-1).cpu()
             tokens.append(torch.multinomial(probs, 1, generator=gen).to(device))
             if position < seq_len - 1:
