@@ -37,6 +37,7 @@ from torch_armor.core.levers import DistillConfig  # noqa: E402
 from torch_armor.core.presets import PRESETS  # noqa: E402
 import torch_armor.engine.distill as distill_module  # noqa: E402
 from torch_armor.engine.distill import Distillation  # noqa: E402
+from torch_armor.engine.reconstruct_data import split_windows  # noqa: E402
 from torch_armor.recipes.evaluate import perplexity  # noqa: E402
 from torch_armor.recipes.models import select_layers  # noqa: E402
 from torch_armor.recipes.quality import _materialize  # noqa: E402
@@ -52,6 +53,7 @@ SETTINGS = {
     "max-48-core": dataclasses.replace(_MAX, train_core=True),
     "max-48-lr5e-4": dataclasses.replace(_MAX, lr=5e-4),
     "max-48-lr1e-3": dataclasses.replace(_MAX, lr=1e-3),
+    "max-48-recon-held": _MAX,
     "sampled64": dataclasses.replace(_MAX, sampled_windows=64),
     "sampled64-96": dataclasses.replace(_MAX, steps=96, sampled_windows=64),
     "sampled128-128": dataclasses.replace(_MAX, steps=128, sampled_windows=128, warmup=0.05, decay="cosine",
@@ -75,6 +77,17 @@ SETTINGS = {
 #: settings whose sampled windows start from this many of a training window's first tokens (not 1):
 #: continuations of the calibration text in the dense model's own words
 PROMPT_TOKENS = {"sampled64-96-prompt64": 64, "sampled64-96-prompt128": 128}
+#: settings that hold out block reconstruction's held-out windows (not the last calibration windows,
+#: which reconstruction trained on): the calibration windows reordered so that they come last
+RECONSTRUCTION_HELD_OUT = {"max-48-recon-held"}
+BATCH_SIZE = 4  # the block pass's PruneOptions(batch_size=...)
+
+
+def reconstruction_held_out(n_windows: int, config: ArmorConfig) -> list:
+    """Indices of the calibration windows block reconstruction held out in the block pass."""
+    sizes = [min(BATCH_SIZE, n_windows - i) for i in range(0, n_windows, BATCH_SIZE)]
+    held, _ = split_windows(sizes, config.reconstruct.held_out, config.reconstruct.micro_batch, config.seed)
+    return [unit.batch * BATCH_SIZE + r for unit in held for r in unit.rows]
 
 
 def main(argv=None) -> int:
@@ -109,7 +122,7 @@ def main(argv=None) -> int:
     else:
         pruned = copy.deepcopy(dense)
         wall = time.perf_counter()
-        prune_model(pruned, calib, base_cfg, layers=names, options=PruneOptions(batch_size=4, progress=False))
+        prune_model(pruned, calib, base_cfg, layers=names, options=PruneOptions(batch_size=BATCH_SIZE, progress=False))
         print(f"block pass ({args.base}, no distillation): {(time.perf_counter() - wall) / 60:.1f} min wall",
               flush=True)
         if cache is not None:
@@ -126,7 +139,12 @@ def main(argv=None) -> int:
         wall, cpu = time.perf_counter(), time.process_time()
         summary = {}
         if cfg is not None:
-            distillation = Distillation(cfg, [calib], seed=base_cfg.seed)
+            windows = calib
+            if name in RECONSTRUCTION_HELD_OUT:
+                held = reconstruction_held_out(calib.shape[0], base_cfg)
+                windows = calib[[j for j in range(calib.shape[0]) if j not in held] + held[-cfg.held_out:]]
+                print(f"{name}: held out calibration windows {held[-cfg.held_out:]} (block reconstruction's)", flush=True)
+            distillation = Distillation(cfg, [windows], seed=base_cfg.seed)
             sampler = functools.partial(distill_module.sample_windows, prompt_tokens=PROMPT_TOKENS.get(name, 1))
             with mock.patch.object(distill_module, "sample_windows", sampler):
                 distillation.capture(dense)
