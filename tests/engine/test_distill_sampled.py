@@ -45,6 +45,12 @@ def test_sampled_windows_are_the_models_own_draws_started_from_each_prompt(count
     assert torch.equal(want[:, :prompt_tokens], CALIB[[i % 4 for i in range(count)], :prompt_tokens])
 
 
+@pytest.mark.parametrize("prompt_tokens", [0, 20, 25])
+def test_a_prompt_that_is_empty_fills_the_window_or_outruns_a_prompt_is_named(prompt_tokens):
+    with pytest.raises(ArmorInputError, match=f"prompt_tokens={prompt_tokens} must be"):
+        sample_windows(make_tiny_llama(), windows_of([CALIB[:2]]), 2, 20, seed=0, prompt_tokens=prompt_tokens)
+
+
 def test_sampling_is_seeded():
     model = make_tiny_llama()
     prompts = windows_of([CALIB[:2]])
