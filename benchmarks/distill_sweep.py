@@ -4,8 +4,9 @@ are chosen on) and, with ``--wiki``, Wikipedia perplexity.
 
 The quality protocol's model and calibration (SmolLM2-135M, 2:4, all linears, 64 random 512-token
 sotu windows, seed 0) and the held-out sotu windows of ``benchmarks/reconstruct_sweep.py``. The
-block pass is ``--base``'s preset with distillation off; every setting starts from the same pruned
-weights, so rows differ by distillation alone. Times: wall and this process's CPU per setting
+block pass is ``--base``'s preset with distillation off (with ``--reconstruct-steps N``, N block
+reconstruction steps); every setting starts from the same pruned weights, so rows differ by
+distillation alone. Times: wall and this process's CPU per setting
 (teacher, sampling and training).
 
 Run:  python benchmarks/distill_sweep.py --settings max-48 sampled64 --wiki --threads 1
@@ -19,12 +20,10 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import functools
 import json
 import sys
 import time
 from pathlib import Path
-from unittest import mock
 
 import torch
 
@@ -35,7 +34,6 @@ from reconstruct_sweep import add_protocol_arguments, protocol_data, start  # no
 from torch_armor import ArmorConfig, PruneOptions, prune_model  # noqa: E402
 from torch_armor.core.levers import DistillConfig  # noqa: E402
 from torch_armor.core.presets import PRESETS  # noqa: E402
-import torch_armor.engine.distill as distill_module  # noqa: E402
 from torch_armor.engine.distill import Distillation  # noqa: E402
 from torch_armor.engine.reconstruct_data import split_windows  # noqa: E402
 from torch_armor.recipes.evaluate import perplexity  # noqa: E402
@@ -58,8 +56,11 @@ SETTINGS = {
     "sampled64-96": dataclasses.replace(_MAX, steps=96, sampled_windows=64),
     "sampled128-128": dataclasses.replace(_MAX, steps=128, sampled_windows=128, warmup=0.05, decay="cosine",
                                           eval_every=8),
-    "sampled64-96-prompt64": dataclasses.replace(_MAX, steps=96, sampled_windows=64),
-    "sampled64-96-prompt128": dataclasses.replace(_MAX, steps=96, sampled_windows=64),
+    # sampled windows that continue a training window's first 64 / 128 tokens
+    "sampled64-96-prompt64": dataclasses.replace(_MAX, steps=96, sampled_windows=64, sample_prompt_tokens=64),
+    "sampled64-96-prompt128": dataclasses.replace(_MAX, steps=96, sampled_windows=64, sample_prompt_tokens=128),
+    "sampled128-128-prompt64": dataclasses.replace(_MAX, steps=128, sampled_windows=128, sample_prompt_tokens=64,
+                                                   warmup=0.05, decay="cosine", eval_every=8),
     "default-sampled32": dataclasses.replace(_PREVIOUS, sampled_windows=32),
     # the default's cost (32 window passes), other step sizes and schedules
     "default-core": dataclasses.replace(_PREVIOUS, train_core=True),
@@ -74,9 +75,6 @@ SETTINGS = {
     "bf16-20": DistillConfig(steps=20, lr=2e-3, eval_every=10, bf16_steps=True),
     "bf16-20-lr1e-3": DistillConfig(steps=20, eval_every=10, lr=1e-3, bf16_steps=True),
 }
-#: settings whose sampled windows start from this many of a training window's first tokens (not 1):
-#: continuations of the calibration text in the dense model's own words
-PROMPT_TOKENS = {"sampled64-96-prompt64": 64, "sampled64-96-prompt128": 128}
 #: settings that hold out block reconstruction's held-out windows (not the last calibration windows,
 #: which reconstruction trained on): the calibration windows reordered so that they come last
 RECONSTRUCTION_HELD_OUT = {"max-48-recon-held"}
@@ -95,6 +93,8 @@ def main(argv=None) -> int:
     parser.add_argument("--settings", nargs="+", choices=tuple(SETTINGS), default=["max-48", "sampled64"])
     parser.add_argument("--base", choices=tuple(PRESETS), default="default",
                         help="the preset of the block pass (distillation off)")
+    parser.add_argument("--reconstruct-steps", type=int, default=None,
+                        help="the block pass's reconstruction steps (default: --base's)")
     parser.add_argument("--base-cache", default=None, help="file to save the block pass to, or load it from")
     parser.add_argument("--distill-threads", type=int, default=None,
                         help="threads for the settings after the block pass (default: --threads)")
@@ -105,12 +105,17 @@ def main(argv=None) -> int:
     dense, calib, heldout, wiki = protocol_data(args)
     names = select_layers(dense, None)
     base_cfg = dataclasses.replace(ArmorConfig.preset(args.base), distill=None)
+    if args.reconstruct_steps:
+        base_cfg = dataclasses.replace(base_cfg, reconstruct=dataclasses.replace(base_cfg.reconstruct,
+                                                                               steps=args.reconstruct_steps))
 
     def measure(model):
         return (perplexity(model, heldout, batch_size=8, progress=False),
                 perplexity(model, wiki, batch_size=8, progress=False) if wiki is not None else None)
 
     made_with = {"base": args.base, "n_calib": args.n_calib, "seq_len": args.seq_len}
+    if args.reconstruct_steps:
+        made_with["reconstruct_steps"] = args.reconstruct_steps
     cache = Path(args.base_cache) if args.base_cache else None
     if cache is not None and cache.exists():
         saved = torch.load(cache, weights_only=False)
@@ -145,9 +150,7 @@ def main(argv=None) -> int:
                 windows = calib[[j for j in range(calib.shape[0]) if j not in held] + held[-cfg.held_out:]]
                 print(f"{name}: held out calibration windows {held[-cfg.held_out:]} (block reconstruction's)", flush=True)
             distillation = Distillation(cfg, [windows], seed=base_cfg.seed)
-            sampler = functools.partial(distill_module.sample_windows, prompt_tokens=PROMPT_TOKENS.get(name, 1))
-            with mock.patch.object(distill_module, "sample_windows", sampler):
-                distillation.capture(dense)
+            distillation.capture(dense)
             summary = distillation.run(model)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         _materialize(model, names)

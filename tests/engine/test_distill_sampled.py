@@ -67,14 +67,16 @@ def test_sampled_windows_train_and_are_never_held_out():
     assert held_out_split(12, cfg) == (held, list(range(9)))
 
 
-def test_the_teacher_covers_the_sampled_windows_as_the_dense_models_top_k():
+@pytest.mark.parametrize("prompt_tokens", [1, 5])
+def test_the_teacher_covers_the_sampled_windows_as_the_dense_models_top_k(prompt_tokens):
     dense = make_tiny_llama()
-    cfg = DistillConfig(steps=20, held_out=3, top_k=8, sampled_windows=4)
+    cfg = DistillConfig(steps=20, held_out=3, top_k=8, sampled_windows=4, sample_prompt_tokens=prompt_tokens)
     distillation = Distillation(cfg, [CALIB], seed=3)
     distillation.capture(dense)
     train_prompts = windows_of([CALIB[:9]])
-    want = sample_windows(dense, train_prompts, 4, CALIB.shape[1], seed=3)
+    want = sample_windows(dense, train_prompts, 4, CALIB.shape[1], seed=3, prompt_tokens=prompt_tokens)
     assert all(torch.equal(x[0], y[0]) for x, y in zip(distillation.sampled, want))
+    assert all(torch.equal(x[0][0, :prompt_tokens], CALIB[i, :prompt_tokens]) for i, x in enumerate(distillation.sampled))
     reached = [j for j in distillation.teacher if j >= 12]
     assert reached  # 20 steps of 2 windows over 13 training windows reach every sampled one
     for j in reached:
@@ -106,6 +108,12 @@ def test_a_model_without_generate_is_refused_in_one_line():
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, True])
-def test_sampled_windows_validation_names_the_field(value):
-    with pytest.raises(ArmorInputError, match="DistillConfig.sampled_windows"):
-        DistillConfig(sampled_windows=value)
+@pytest.mark.parametrize("field", ["sampled_windows", "sample_prompt_tokens"])
+def test_sampled_windows_validation_names_the_field(field, value):
+    with pytest.raises(ArmorInputError, match=f"DistillConfig.{field}"):
+        DistillConfig(**{field: value})
+
+
+def test_sample_prompt_tokens_of_zero_is_refused():
+    with pytest.raises(ArmorInputError, match="DistillConfig.sample_prompt_tokens"):
+        DistillConfig(sample_prompt_tokens=0)

@@ -265,10 +265,12 @@ class DistillConfig:
         warmup: fraction of the steps with a linear learning-rate warm-up (0: none).
         decay: the learning rate after the warm-up, one of :data:`DECAYS` (as block reconstruction's).
         sampled_windows: extra training windows sampled from the dense model itself (temperature 1,
-            seeded, each started from a training window's first token, as long as the calibration
-            windows), so that the wrappers are fitted to the model's own distribution and not only to
-            the calibration text; held-out windows stay calibration windows. Needs a model with
-            transformers' ``generate``. 0: none.
+            seeded, as long as the calibration windows), so that the wrappers are fitted to the
+            model's own distribution and not only to the calibration text; held-out windows stay
+            calibration windows. Needs a model with transformers' ``generate``. 0: none.
+        sample_prompt_tokens: each sampled window starts with this many of a training window's first
+            tokens and the dense model continues it (1: from its first token alone; more keeps the
+            samples on the calibration text's subjects). Below the window length.
         bf16_steps: run the training steps' forward and backward under bfloat16 autocast (the
             weights, Adam and the held-out checks that choose the kept iterate stay float32); on a
             device without fast bfloat16 matrix products the steps run in float32 (logged once).
@@ -284,6 +286,7 @@ class DistillConfig:
     warmup: float = 0.0
     decay: str = "constant"
     sampled_windows: int = 0
+    sample_prompt_tokens: int = 1
     bf16_steps: bool = False
 
     def __post_init__(self) -> None:
@@ -304,6 +307,7 @@ class DistillConfig:
         if self.decay not in DECAYS:
             raise ArmorInputError(f"DistillConfig.decay must be one of {DECAYS}, got {self.decay!r}")
         _positive_int(owner, "sampled_windows", self.sampled_windows, minimum=0)
+        _positive_int(owner, "sample_prompt_tokens", self.sample_prompt_tokens)
 
 
 Optimizer = Union[BcdConfig, AdamConfig]

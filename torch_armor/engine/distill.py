@@ -130,8 +130,8 @@ def sample_windows(model: nn.Module, prompts: Sequence[Window], count: int, seq_
                               "(no generate()), so windows cannot be sampled from it; set sampled_windows=0")
     shortest = min(int(w[0].shape[1]) for w in prompts)
     if not 1 <= prompt_tokens < seq_len or prompt_tokens > shortest:
-        raise ArmorInputError(f"sample_windows: prompt_tokens={prompt_tokens} must be at least 1, below the window "
-                              f"length {seq_len} and within the shortest prompt ({shortest} tokens)")
+        raise ArmorInputError(f"DistillConfig.sample_prompt_tokens={prompt_tokens} must be at least 1, below the window "
+                              f"length {seq_len} and within the shortest calibration window ({shortest} tokens)")
     device = next(p.device for p in model.parameters())
     # transformers 5 renamed the key/value cache argument from past_key_values to cache
     cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -385,7 +385,8 @@ class Distillation:
         if self.config.sampled_windows:
             _, train = held_out_split(len(self.windows), self.config)
             self.sampled = sample_windows(model, [self.windows[j] for j in train], self.config.sampled_windows,
-                                          max(w[0].shape[1] for w in self.windows), seed=self.seed)
+                                          max(w[0].shape[1] for w in self.windows), seed=self.seed,
+                                          prompt_tokens=self.config.sample_prompt_tokens)
             self.log(f"distillation: {len(self.sampled)} windows sampled from the dense model "
                      f"({time.perf_counter() - start:.0f} s)")
         every = [*self.windows, *self.sampled]
