@@ -40,7 +40,8 @@ from torch_armor.recipes.evaluate import perplexity  # noqa: E402
 from torch_armor.recipes.models import select_layers  # noqa: E402
 from torch_armor.recipes.quality import _materialize  # noqa: E402
 
-_MAX = PRESETS["max"]["distill"]
+#: max's distillation before it took sampled windows: 48 steps at 2e-3 (``max-48``)
+_MAX = DistillConfig(steps=48, lr=2e-3)
 #: the previous default's distillation: 16 float32 steps at 2e-3, checks every 4
 _PREVIOUS = DistillConfig(steps=16, lr=2e-3, eval_every=4, bf16_steps=False)
 #: Named distillation settings (``none``: the block pass alone).
@@ -57,7 +58,7 @@ SETTINGS = {
     "sampled128-128": dataclasses.replace(_MAX, steps=128, sampled_windows=128, warmup=0.05, decay="cosine",
                                           eval_every=8),
     # sampled windows that continue a training window's first 64 / 128 tokens
-    "sampled64-96-prompt64": dataclasses.replace(_MAX, steps=96, sampled_windows=64, sample_prompt_tokens=64),
+    "sampled64-96-prompt64": dataclasses.replace(_MAX, steps=96, sampled_windows=64, sample_prompt_tokens=64),  # max's
     "sampled64-96-prompt128": dataclasses.replace(_MAX, steps=96, sampled_windows=64, sample_prompt_tokens=128),
     "sampled128-128-prompt64": dataclasses.replace(_MAX, steps=128, sampled_windows=128, sample_prompt_tokens=64,
                                                    warmup=0.05, decay="cosine", eval_every=8),

@@ -133,7 +133,8 @@ SETTINGS = {
                           "reconstruct": dataclasses.replace(PRESETS["fast"]["reconstruct"], target="block")},
     "fast-target-model": {**PRESETS["fast"],
                           "reconstruct": dataclasses.replace(PRESETS["fast"]["reconstruct"], target="model")},
-    "max-target-model": {**PRESETS["max"],
+    # max before its distillation took sampled windows (48 plain steps), fitted to the dense model's hidden states
+    "max-target-model": {**PRESETS["max"], "distill": DistillConfig(steps=48, lr=2e-3),
                          "reconstruct": dataclasses.replace(PRESETS["max"]["reconstruct"], target="model")},
 }
 
