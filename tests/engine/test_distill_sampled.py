@@ -76,7 +76,8 @@ def test_the_teacher_covers_the_sampled_windows_as_the_dense_models_top_k(prompt
     train_prompts = windows_of([CALIB[:9]])
     want = sample_windows(dense, train_prompts, 4, CALIB.shape[1], seed=3, prompt_tokens=prompt_tokens)
     assert all(torch.equal(x[0], y[0]) for x, y in zip(distillation.sampled, want))
-    assert all(torch.equal(x[0][0, :prompt_tokens], CALIB[i, :prompt_tokens]) for i, x in enumerate(distillation.sampled))
+    assert all(torch.equal(x[0][0, :prompt_tokens], CALIB[i, :prompt_tokens])
+               for i, x in enumerate(distillation.sampled))
     reached = [j for j in distillation.teacher if j >= 12]
     assert reached  # 20 steps of 2 windows over 13 training windows reach every sampled one
     for j in reached:

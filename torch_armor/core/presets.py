@@ -2,7 +2,7 @@
 <torch_armor.core.config.ArmorConfig.preset>` and ``torch-armor prune --preset NAME``.
 
 Each preset is ``ArmorConfig()`` with the lever settings below replaced; ``"default"`` is
-``ArmorConfig()`` itself. Measured perplexities and costs (default 34.84, max 32.20 on SmolLM2-135M): docs/results.md.
+``ArmorConfig()`` itself. Measured perplexities and costs (default 34.84, max 31.13 on SmolLM2-135M): docs/results.md.
 
 * ``"fast"``: 10 exact sweeps per layer, one refinement round, 32 reconstruction steps fitting
   each block to the dense model's hidden states (``target="model"``: without distillation, the
@@ -12,8 +12,10 @@ Each preset is ``ArmorConfig()`` with the lever settings below replaced; ``"defa
   for about 15 minutes on SmolLM2-135M on 2 cores).
 * ``"max"``: 20 sweeps, one refinement round and 16 full-``XᵀX`` sparse-core steps after it (the
   mask may change), 512 reconstruction steps per block on single windows (about eight epochs over
-  the calibration windows) and 48 distillation steps at learning rate 2e-3 (chosen on held-out
-  calibration text against 30 sweeps, 3 rounds and 64 steps of 4 windows: docs/results.md).
+  the calibration windows) and 96 distillation steps at learning rate 2e-3 whose training windows
+  include 64 sampled from the dense model, each continuing a training window's first 64 tokens
+  (chosen on held-out calibration text: docs/results.md). Its calibration windows must be longer
+  than 64 tokens, and its model a transformers causal LM (sampling uses its key/value cache).
 """
 
 from __future__ import annotations

@@ -130,8 +130,9 @@ def sample_windows(model: nn.Module, prompts: Sequence[Window], count: int, seq_
                               "(no generate()), so windows cannot be sampled from it; set sampled_windows=0")
     shortest = min(int(w[0].shape[1]) for w in prompts)
     if not 1 <= prompt_tokens < seq_len or prompt_tokens > shortest:
-        raise ArmorInputError(f"DistillConfig.sample_prompt_tokens={prompt_tokens} must be at least 1, below the window "
-                              f"length {seq_len} and within the shortest calibration window ({shortest} tokens)")
+        raise ArmorInputError(f"DistillConfig.sample_prompt_tokens={prompt_tokens} must be at least 1, below the "
+                              f"window length {seq_len} and within the shortest calibration window ({shortest} "
+                              "tokens): lower it or calibrate on longer windows")
     device = next(p.device for p in model.parameters())
     # transformers 5 renamed the key/value cache argument from past_key_values to cache
     cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
