@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from reconstruct_sweep import add_protocol_arguments, protocol_data, start  # noqa: E402
+from reconstruct_sweep import PREVIOUS_MAX, add_protocol_arguments, protocol_data, start  # noqa: E402
 from torch_armor import ArmorConfig, PruneOptions, prune_model  # noqa: E402
 from torch_armor.core.levers import DistillConfig  # noqa: E402
 from torch_armor.core.presets import PRESETS  # noqa: E402
@@ -41,7 +41,7 @@ from torch_armor.recipes.models import select_layers  # noqa: E402
 from torch_armor.recipes.quality import _materialize  # noqa: E402
 
 #: max's distillation before it took sampled windows: 48 steps at 2e-3 (``max-48``)
-_MAX = DistillConfig(steps=48, lr=2e-3)
+_MAX = PREVIOUS_MAX["distill"]
 #: the previous default's distillation: 16 float32 steps at 2e-3, checks every 4
 _PREVIOUS = DistillConfig(steps=16, lr=2e-3, eval_every=4, bf16_steps=False)
 #: Named distillation settings (``none``: the block pass alone).

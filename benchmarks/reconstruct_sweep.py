@@ -134,7 +134,7 @@ SETTINGS = {
     "fast-target-model": {**PRESETS["fast"],
                           "reconstruct": dataclasses.replace(PRESETS["fast"]["reconstruct"], target="model")},
     # max before its distillation took sampled windows (48 plain steps), fitted to the dense model's hidden states
-    "max-target-model": {**PRESETS["max"], "distill": DistillConfig(steps=48, lr=2e-3),
+    "max-target-model": {**PRESETS["max"], "distill": PREVIOUS_MAX["distill"],
                          "reconstruct": dataclasses.replace(PRESETS["max"]["reconstruct"], target="model")},
 }
 
