@@ -136,6 +136,9 @@ SETTINGS = {
     # max before its distillation took sampled windows (48 plain steps), fitted to the dense model's hidden states
     "max-target-model": {**PRESETS["max"], "distill": PREVIOUS_MAX["distill"],
                          "reconstruct": dataclasses.replace(PRESETS["max"]["reconstruct"], target="model")},
+    # max with its sampled windows calibrating the block pass too (DistillConfig(sampled_in_block_pass=True))
+    "max-sampled-block-pass": {**PRESETS["max"], "distill": dataclasses.replace(PRESETS["max"]["distill"],
+                                                                                sampled_in_block_pass=True)},
 }
 
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from conftest import make_tiny_llama
 from torch_armor import ArmorConfig, BcdConfig, PruneOptions, RefineConfig, prune_model
+from torch_armor.core.levers import ReconstructConfig
 from torch_armor.core.levers import DistillConfig
 from torch_armor.engine.distill import Distillation, dense_top_k, held_out_split, sample_windows, windows_of
 from torch_armor.errors import ArmorInputError
@@ -118,3 +119,85 @@ def test_sampled_windows_validation_names_the_field(field, value):
 def test_sample_prompt_tokens_of_zero_is_refused():
     with pytest.raises(ArmorInputError, match="DistillConfig.sample_prompt_tokens"):
         DistillConfig(sample_prompt_tokens=0)
+
+
+def _losses(report):
+    return [(r.name, r.relative_proxy_loss, r.relative_output_loss) for r in report.layers]
+
+
+_BLOCK_PASS = ArmorConfig(block_size=8, optimizer=BcdConfig(iters=2), refine=RefineConfig(rounds=1), reconstruct=None)
+_IN_PASS = DistillConfig(steps=2, held_out=3, top_k=8, sampled_windows=4, sample_prompt_tokens=2,
+                         sampled_in_block_pass=True)
+
+
+def test_sampled_windows_in_the_block_pass_calibrate_it_as_leading_calibration_windows(tmp_path):
+    dense = make_tiny_llama()
+    sampled = sample_windows(dense, windows_of([CALIB[:9]]), 4, CALIB.shape[1], seed=0, prompt_tokens=2)
+    explicit = torch.cat([*(w[0] for w in sampled), CALIB])
+    opts = PruneOptions(progress=False, batch_size=4)
+    got = prune_model(copy.deepcopy(dense), CALIB, dataclasses.replace(_BLOCK_PASS, distill=_IN_PASS), options=opts)
+    by_hand = prune_model(copy.deepcopy(dense), explicit, _BLOCK_PASS, options=opts)
+    without = prune_model(copy.deepcopy(dense), CALIB, dataclasses.replace(
+        _BLOCK_PASS, distill=dataclasses.replace(_IN_PASS, sampled_in_block_pass=False)), options=opts)
+    assert _losses(got) == _losses(by_hand)
+    assert _losses(got) != _losses(without)
+    assert got.settings["distill_sampled_in_block_pass"] is True
+
+
+def test_block_reconstruction_holds_out_calibration_windows_only(monkeypatch):
+    import torch_armor.engine.reconstruct as reconstruct
+
+    held_batches = []
+    real_split = reconstruct.split_windows
+
+    def recording_split(*args, **kwargs):
+        held, train = real_split(*args, **kwargs)
+        held_batches.extend(u.batch for u in held)
+        return held, train
+
+    monkeypatch.setattr(reconstruct, "split_windows", recording_split)
+    cfg = dataclasses.replace(_BLOCK_PASS, reconstruct=ReconstructConfig(steps=2, held_out=11), distill=_IN_PASS)
+    prune_model(make_tiny_llama(), CALIB, cfg, options=PruneOptions(progress=False, batch_size=4))
+    # batch 0 holds the 4 sampled windows; 11 held-out windows are every calibration window but one
+    assert held_batches and 0 not in held_batches and sorted(set(held_batches)) == [1, 2, 3]
+
+
+@pytest.mark.filterwarnings("ignore:run .* is missing; the layer will be recomputed")
+def test_a_resumed_run_reuses_its_sampled_windows(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from torch_armor.engine.distill import SAMPLED_NAME
+
+    dense = make_tiny_llama()
+    cfg = dataclasses.replace(_BLOCK_PASS, distill=_IN_PASS)
+    prune_model(copy.deepcopy(dense), CALIB, cfg, options=PruneOptions(progress=False, run_dir=tmp_path))
+    with safe_open(str(tmp_path / SAMPLED_NAME), framework="pt") as fh:
+        meta, ids = fh.metadata(), fh.get_tensor("ids")
+    want = sample_windows(dense, windows_of([CALIB[:9]]), 4, CALIB.shape[1], seed=0, prompt_tokens=2)
+    assert torch.equal(ids, torch.cat([w[0] for w in want]))
+    # an interrupted run's samples are what its resume calibrates on, not a new draw
+    other = torch.flip(ids, dims=[1]).contiguous()
+    save_file({"ids": other}, str(tmp_path / SAMPLED_NAME), metadata=meta)
+    for name in ("layers", "reconstructed", "hidden.safetensors", "distilled.safetensors"):
+        path = tmp_path / name
+        if path.is_dir():
+            import shutil
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    resumed = prune_model(copy.deepcopy(dense), CALIB, cfg, options=PruneOptions(progress=False, run_dir=tmp_path))
+    by_hand = prune_model(copy.deepcopy(dense), torch.cat([other, CALIB]), _BLOCK_PASS,
+                          options=PruneOptions(progress=False))
+    assert _losses(resumed) == _losses(by_hand)
+
+
+@pytest.mark.parametrize("value", [1, "yes"])
+def test_sampled_in_block_pass_must_be_a_bool(value):
+    with pytest.raises(ArmorInputError, match="DistillConfig.sampled_in_block_pass must be True or False"):
+        DistillConfig(sampled_windows=4, sampled_in_block_pass=value)
+
+
+def test_sampled_in_block_pass_without_sampled_windows_names_the_fix():
+    with pytest.raises(ArmorInputError, match=r"sampled_in_block_pass=True needs .*set sampled_windows"):
+        DistillConfig(sampled_in_block_pass=True)

@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from torch_armor.calibration.blocks import BlockInput
 from torch_armor.engine.reconstruct_data import Unit, lr_factor, split_windows, take_rows
+from torch_armor.errors import ArmorInputError
 
 
 @settings(max_examples=60, deadline=None)
@@ -29,6 +30,32 @@ def test_split_partitions_the_windows(sizes, held, micro, seed):
         assert u.rows and (micro is None or len(u.rows) <= micro)
         assert all(0 <= r < sizes[u.batch] for r in u.rows)
     assert split_windows(sizes, held, micro, seed) == (held_units, train)  # seeded
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 5), min_size=1, max_size=6), held=st.integers(1, 8),
+       micro=st.one_of(st.none(), st.integers(1, 4)), seed=st.integers(0, 1000), data=st.data())
+def test_held_out_windows_come_from_held_out_from_on(sizes, held, micro, seed, data):
+    flat = [(j, r) for j, s in enumerate(sizes) for r in range(s)]
+    start = data.draw(st.integers(0, len(flat) - 1))
+    held_units, train = split_windows(sizes, held, micro, seed, held_out_from=start)
+    held_w = [(u.batch, r) for u in held_units for r in u.rows]
+    train_w = [(u.batch, r) for u in train for r in u.rows]
+    assert set(held_w) <= set(flat[start:])
+    assert len(held_w) == (min(held, len(flat) - 1, len(flat) - start) or 1)
+    if len(flat) > 1:
+        assert sorted(held_w + train_w) == flat
+    assert set(flat[:start]) <= set(train_w)  # the leading windows are always trained on
+
+
+def test_held_out_from_zero_is_the_split_over_every_window():
+    assert split_windows([4, 4, 3], 3, 2, 7, held_out_from=0) == split_windows([4, 4, 3], 3, 2, 7)
+
+
+@pytest.mark.parametrize("start", [-1, 11])
+def test_held_out_from_outside_the_windows_is_named(start):
+    with pytest.raises(ArmorInputError, match=f"from window {start} on, but only 11 windows"):
+        split_windows([4, 4, 3], 3, 2, 7, held_out_from=start)
 
 
 def test_take_rows_slices_per_row_tensors_and_keeps_shared_ones():

@@ -271,6 +271,9 @@ class DistillConfig:
         sample_prompt_tokens: each sampled window starts with this many of a training window's first
             tokens and the dense model continues it (1: from its first token alone; more keeps the
             samples on the calibration text's subjects). Below the window length.
+        sampled_in_block_pass: the sampled windows also calibrate the block pass, placed before the
+            calibration windows: every layer's statistics and block reconstruction's training steps
+            see them (held-out windows stay calibration windows). Needs ``sampled_windows``.
         bf16_steps: run the training steps' forward and backward under bfloat16 autocast (the
             weights, Adam and the held-out checks that choose the kept iterate stay float32); on a
             device without fast bfloat16 matrix products the steps run in float32 (logged once).
@@ -287,6 +290,7 @@ class DistillConfig:
     decay: str = "constant"
     sampled_windows: int = 0
     sample_prompt_tokens: int = 1
+    sampled_in_block_pass: bool = False
     bf16_steps: bool = False
 
     def __post_init__(self) -> None:
@@ -308,6 +312,12 @@ class DistillConfig:
             raise ArmorInputError(f"DistillConfig.decay must be one of {DECAYS}, got {self.decay!r}")
         _positive_int(owner, "sampled_windows", self.sampled_windows, minimum=0)
         _positive_int(owner, "sample_prompt_tokens", self.sample_prompt_tokens)
+        if not isinstance(self.sampled_in_block_pass, bool):
+            raise ArmorInputError("DistillConfig.sampled_in_block_pass must be True or False, got "
+                                  f"{self.sampled_in_block_pass!r}")
+        if self.sampled_in_block_pass and not self.sampled_windows:
+            raise ArmorInputError("DistillConfig.sampled_in_block_pass=True needs windows to pass: set "
+                                  "sampled_windows to a positive count")
 
 
 Optimizer = Union[BcdConfig, AdamConfig]

@@ -41,7 +41,8 @@ PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
         "optimizer": BcdConfig(iters=20),
         "refine": RefineConfig(rounds=1, core_steps=16),
         "reconstruct": ReconstructConfig(steps=512),
-        "distill": DistillConfig(steps=96, lr=2e-3, sampled_windows=64, sample_prompt_tokens=64),
+        "distill": DistillConfig(steps=96, lr=2e-3, sampled_windows=64, sample_prompt_tokens=64,
+                                 sampled_in_block_pass=True),
     }),
 })
 

@@ -91,6 +91,7 @@ class BlockPipeline:
     world_size: int = 1
     expert_calibration: str = "routed"
     min_expert_tokens: int = 0
+    held_out_from: int = 0  # block reconstruction holds out windows from this one on (earlier ones: sampled)
 
     @property
     def method(self) -> Method:
@@ -340,7 +341,7 @@ class BlockPipeline:
             with self._xtx_on_disk(stats):
                 result = reconstruct_block(block, {n[len(prefix):]: solutions[n].factors for n in names}, recon[0],
                                            recon[1], self.config.reconstruct, device=self.device,
-                                           seed=self.config.seed)
+                                           seed=self.config.seed, held_out_from=self.held_out_from)
             new, before, after = result.factors, result.before, result.after
             seconds = (time.perf_counter() - start) / len(names)
             solutions = {n: LayerSolution(n, self.method.name, seconds=solutions[n].seconds + seconds,

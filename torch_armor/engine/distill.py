@@ -44,12 +44,14 @@ from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import ArmorTensor, armor_linear_from_factors
 
 __all__ = ["TopK", "Window", "windows_of", "distill_skip_reason", "dense_top_k", "coarse_kl", "sample_windows",
-           "distill_model", "DistillResult", "Distillation", "DISTILLED_NAME"]
+           "distill_model", "DistillResult", "Distillation", "DISTILLED_NAME", "SAMPLED_NAME"]
 
 logger = logging.getLogger("torch_armor")
 
 #: In a run directory: the distilled wrappers (and cores) of a finished distillation.
 DISTILLED_NAME = "distilled.safetensors"
+#: In a run directory: the windows sampled from the dense model (a resumed run reuses them).
+SAMPLED_NAME = "sampled.safetensors"
 #: one calibration window: ``(ids (1, seq), attention mask (1, seq) or None)``
 Window = Tuple[torch.Tensor, Optional[torch.Tensor]]
 
@@ -378,24 +380,53 @@ class Distillation:
             return (fh.metadata() or {}).get("identity") == self.identity
 
     def capture(self, model: nn.Module) -> None:
-        """Cache the dense model's top-k distributions on the windows distillation reads (skipped
+        """Sample windows from the dense model (``sampled_windows``; a resumed run reads the run
+        directory's) and cache its top-k distributions on the windows distillation reads (skipped
         when the run directory holds a finished distillation)."""
-        if self._finished():
-            return
         start = time.perf_counter()
         if self.config.sampled_windows:
-            _, train = held_out_split(len(self.windows), self.config)
-            self.sampled = sample_windows(model, [self.windows[j] for j in train], self.config.sampled_windows,
-                                          max(w[0].shape[1] for w in self.windows), seed=self.seed,
-                                          prompt_tokens=self.config.sample_prompt_tokens)
-            self.log(f"distillation: {len(self.sampled)} windows sampled from the dense model "
-                     f"({time.perf_counter() - start:.0f} s)")
+            self.sampled = self._sampled_windows(model)
+        if self._finished():
+            return
         every = [*self.windows, *self.sampled]
         tops = dense_top_k(model, [every[j] for j in self.needed], self.config.top_k)
         self.teacher = dict(zip(self.needed, tops))
         self.teacher_seconds = time.perf_counter() - start
         self.log(f"distillation: dense top-{self.config.top_k} cached on {len(self.needed)} windows "
                  f"({self.teacher_seconds:.0f} s)")
+
+    def _sampled_windows(self, model: nn.Module) -> List[Window]:
+        path = None if self.path is None else self.path.parent / SAMPLED_NAME
+        if path is not None and path.exists():
+            with safe_open(str(path), framework="pt") as fh:
+                if (fh.metadata() or {}).get("identity") == self.identity:
+                    ids = fh.get_tensor("ids")
+                    return [(ids[j:j + 1], None) for j in range(ids.shape[0])]
+        start = time.perf_counter()
+        _, train = held_out_split(len(self.windows), self.config)
+        sampled = sample_windows(model, [self.windows[j] for j in train], self.config.sampled_windows,
+                                 max(w[0].shape[1] for w in self.windows), seed=self.seed,
+                                 prompt_tokens=self.config.sample_prompt_tokens)
+        self.log(f"distillation: {len(sampled)} windows sampled from the dense model "
+                 f"({time.perf_counter() - start:.0f} s)")
+        if path is not None:
+            ids = torch.cat([w[0] for w in sampled]).contiguous()
+            atomic_write(path, save({"ids": ids}, metadata={"identity": self.identity}))
+        return sampled
+
+    def block_pass_batches(self, batches: Sequence[Any], batch_size: int) -> Tuple[List[Any], int]:
+        """The block pass's calibration batches and how many sampled windows lead them: with
+        ``sampled_in_block_pass``, the sampled windows (after :meth:`capture`) in batches of
+        ``batch_size`` before ``batches`` (with all-ones attention masks when ``batches`` carry
+        masks); else ``batches`` as they are."""
+        if not (self.config.sampled_in_block_pass and self.sampled):
+            return list(batches), 0
+        ids = torch.cat([w[0] for w in self.sampled])
+        masked = any(isinstance(b, (tuple, list)) for b in batches)
+        lead = [(part, torch.ones_like(part, dtype=torch.bool)) if masked else part for part in ids.split(batch_size)]
+        self.log(f"block pass: {len(self.sampled)} sampled windows calibrate it besides the {len(self.windows)} "
+                 "calibration windows")
+        return [*lead, *batches], len(self.sampled)
 
     def run(self, model: nn.Module) -> Dict[str, Any]:
         """Distill ``model`` (pruned, in place), or apply the run directory's finished result;

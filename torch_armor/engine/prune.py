@@ -194,21 +194,23 @@ def prune_model(
                     if finished and topo.rank == 0:
                         (options.log or logger.info)(f"resuming {run_path}: {finished} of {len(names)} layers already finished")
                 writer = ShardWriter(run_path / BLOCKS_DIR) if streamed else None
+                storage = options.storage or ("auto" if dev.type == "cuda" else "dense")
+                distillation, block_batches, n_sampled = None, batches, 0
+                if distill is not None:
+                    distillation = Distillation(distill, batches, seed=config.seed, run_dir=run_path, identity=identity,
+                                                storage=storage, log=options.log)
+                    distillation.capture(model)  # the dense teacher, before the block pass prunes in place
+                    block_batches, n_sampled = distillation.block_pass_batches(batches, options.batch_size)
                 pipeline = BlockPipeline(
                     source=source, blocks_prefix=blocks_prefix, blocks=blocks, names=names, config=config,
                     sequential=options.sequential, store=store, identity=identity, device=dev,
                     hidden_dtype=options.hidden_dtype,
                     hidden_dir=Path(options.hidden_dir) if options.hidden_dir is not None else None,
-                    storage=options.storage or ("auto" if dev.type == "cuda" else "dense"),
-                    progress=options.progress and topo.rank == 0, sink=writer, rank=topo.rank, world_size=topo.world_size,
-                    expert_calibration=options.expert_calibration, min_expert_tokens=options.min_expert_tokens,
+                    storage=storage, progress=options.progress and topo.rank == 0, sink=writer, rank=topo.rank,
+                    world_size=topo.world_size, expert_calibration=options.expert_calibration,
+                    min_expert_tokens=options.min_expert_tokens, held_out_from=n_sampled,
                 )
-                distillation = None
-                if distill is not None:
-                    distillation = Distillation(distill, batches, seed=config.seed, run_dir=run_path, identity=identity,
-                                                storage=pipeline.storage, log=options.log)
-                    distillation.capture(model)  # the dense teacher, before the block pass prunes in place
-                report = pipeline.run(batches)
+                report = pipeline.run(block_batches)
                 if distillation is not None:
                     report.distill = distillation.run(model)
                 report.settings.update(sequential=options.sequential)

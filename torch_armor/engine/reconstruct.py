@@ -87,7 +87,8 @@ def stages_of(names: Sequence[str]) -> List[List[str]]:
 
 def reconstruct_block(block: nn.Module, factors: Mapping[str, ArmorFactors], inputs: Sequence[BlockInput],
                       targets: Sequence[torch.Tensor], config: ReconstructConfig = ReconstructConfig(), *,
-                      device: torch.device = torch.device("cpu"), seed: int = 0) -> Reconstruction:
+                      device: torch.device = torch.device("cpu"), seed: int = 0,
+                      held_out_from: int = 0) -> Reconstruction:
     """Adam on the factors of ``block``'s linears against the dense block's outputs.
 
     Args:
@@ -98,10 +99,13 @@ def reconstruct_block(block: nn.Module, factors: Mapping[str, ArmorFactors], inp
         targets: the dense block's output for each batch.
         config: steps, schedule, micro-batches, held-out windows, stages.
         seed: the held-out windows and the batch order.
+        held_out_from: held-out windows are drawn from this window on (in batch order; the
+            windows before it, e.g. ones sampled from the dense model, are only trained on).
     """
     if len(inputs) != len(targets) or not inputs:
         raise ArmorInputError(f"reconstruct_block: {len(inputs)} input batches for {len(targets)} targets")
-    held, train = split_windows([int(t.shape[0]) for t in targets], config.held_out, config.micro_batch, seed)
+    held, train = split_windows([int(t.shape[0]) for t in targets], config.held_out, config.micro_batch, seed,
+                                held_out_from)
     groups = weight_names(block, factors)
     leaves = {n: FactorLeaves(f, device) for n, f in factors.items()}
     with FactoredLinears(block, groups, leaves) as linears:

@@ -32,19 +32,24 @@ class Unit:
 
 
 def split_windows(batch_sizes: Sequence[int], held_out: int, micro_batch: Optional[int],
-                  seed: int) -> Tuple[List[Unit], List[Unit]]:
+                  seed: int, held_out_from: int = 0) -> Tuple[List[Unit], List[Unit]]:
     """``(held_out_units, train_units)`` over batches of ``batch_sizes`` rows.
 
-    ``held_out`` windows (seeded choice; at most all but one, and the only window is both held out
-    and trained on) form the held-out units, one per batch that has any; the other windows of each
-    batch are cut into consecutive micro-batches of ``micro_batch`` rows (``None``: all of them).
+    ``held_out`` windows (seeded choice among the windows from the ``held_out_from``-th on, in
+    batch order; at most all but one, and the only window is both held out and trained on) form
+    the held-out units, one per batch that has any; the other windows of each batch are cut into
+    consecutive micro-batches of ``micro_batch`` rows (``None``: all of them).
     """
     windows = [(j, r) for j, size in enumerate(batch_sizes) for r in range(size)]
     if not windows:
         raise ArmorInputError("block reconstruction: no calibration windows reach the block")
-    count = min(held_out, len(windows) - 1) or 1
-    order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(seed)).tolist()
-    held = set(windows[i] for i in order[:count])
+    if not 0 <= held_out_from < len(windows):
+        raise ArmorInputError(f"block reconstruction: held-out windows are drawn from window {held_out_from} on, "
+                              f"but only {len(windows)} windows reach the block")
+    candidates = windows[held_out_from:]
+    count = min(held_out, len(windows) - 1, len(candidates)) or 1
+    order = torch.randperm(len(candidates), generator=torch.Generator().manual_seed(seed)).tolist()
+    held = set(candidates[i] for i in order[:count])
     held_units, train_units = [], []
     for j, size in enumerate(batch_sizes):
         rows = tuple(r for r in range(size) if (j, r) in held)
