@@ -5,7 +5,8 @@ are chosen on) and, with ``--wiki``, Wikipedia perplexity.
 The quality protocol's model and calibration (SmolLM2-135M, 2:4, all linears, 64 random 512-token
 sotu windows, seed 0) and the held-out sotu windows of ``benchmarks/reconstruct_sweep.py``. The
 block pass is ``--base``'s preset with distillation off (with ``--reconstruct-steps N``, N block
-reconstruction steps); every setting starts from the same pruned weights, so rows differ by
+reconstruction steps; the block pass of ``--base max`` has no sampled windows, which come with
+its distillation); every setting starts from the same pruned weights, so rows differ by
 distillation alone. Times: wall and this process's CPU per setting
 (teacher, sampling and training).
 

@@ -111,7 +111,9 @@ def _prune(args: argparse.Namespace, out: Path, run_dir: Path) -> int:
         batch_size=args.batch_size, progress=not args.no_progress, log=log)
     config = method_config(args)
     if isinstance(model, (str, os.PathLike)) and getattr(config, "distill", None) is not None:
-        log("end-to-end distillation needs the model in memory: off for this streamed prune")
+        sampled = (" (and with it the windows it samples from the dense model)"
+                   if config.distill.sampled_windows else "")
+        log(f"end-to-end distillation needs the model in memory: off for this streamed prune{sampled}")
         config = dataclasses.replace(config, distill=None)
     report = prune_model(model, windows, config, layers=args.layers, options=options)
     if report.rank != 0:

@@ -229,6 +229,16 @@ def test_streamed_checkpoints_skip_distillation_with_one_warning_naming_the_way_
     assert not report.distill
 
 
+def test_a_streamed_prune_says_the_block_pass_goes_without_its_sampled_windows(tmp_path):
+    model = make_tiny_llama()
+    model.save_pretrained(tmp_path / "ckpt")
+    cfg = ArmorConfig(block_size=8, optimizer=BcdConfig(iters=2), reconstruct=None,
+                      distill=DistillConfig(sampled_windows=4, sampled_in_block_pass=True))
+    with pytest.warns(UserWarning, match="distillation skipped: .*its 4 sampled windows are not drawn, so the block "
+                                         "pass calibrates on the calibration windows alone"):
+        prune_model(tmp_path / "ckpt", CALIB, cfg, options=PruneOptions(out=tmp_path / "out", progress=False))
+
+
 def test_too_many_held_out_windows_skip_distillation_naming_the_field():
     cfg = dataclasses.replace(BASE, distill=DistillConfig(held_out=12))
     with pytest.warns(UserWarning, match="12 calibration windows leave none to train on.*DistillConfig.held_out"):

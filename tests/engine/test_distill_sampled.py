@@ -201,3 +201,25 @@ def test_sampled_in_block_pass_must_be_a_bool(value):
 def test_sampled_in_block_pass_without_sampled_windows_names_the_fix():
     with pytest.raises(ArmorInputError, match=r"sampled_in_block_pass=True needs .*set sampled_windows"):
         DistillConfig(sampled_in_block_pass=True)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_block_pass_batches_lead_with_the_samples_in_the_calibrations_form(masked):
+    from torch_armor.engine.batches import calibration_batches
+
+    mask = torch.ones_like(CALIB)
+    mask[0, -5:] = 0
+    batches = calibration_batches({"input_ids": CALIB, "attention_mask": mask} if masked else CALIB, 4)
+    distillation = Distillation(_IN_PASS, batches, seed=0)
+    distillation.capture(make_tiny_llama())
+    got, leading = distillation.block_pass_batches(batches, 3)
+    assert leading == 4 and len(got) == 2 + len(batches) and all(a is b for a, b in zip(got[2:], batches))
+    ids = [b[0] if masked else b for b in got[:2]]
+    assert [tuple(t.shape) for t in ids] == [(3, CALIB.shape[1]), (1, CALIB.shape[1])]
+    assert torch.equal(torch.cat(ids), torch.cat([w[0] for w in distillation.sampled]))
+    if masked:
+        assert all(b[1].dtype == torch.bool and bool(b[1].all()) for b in got[:2])
+    plain = Distillation(dataclasses.replace(_IN_PASS, sampled_in_block_pass=False), batches, seed=0)
+    plain.capture(make_tiny_llama())
+    kept, none = plain.block_pass_batches(batches, 3)
+    assert none == 0 and len(kept) == len(batches) and all(a is b for a, b in zip(kept, batches))

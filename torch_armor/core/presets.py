@@ -2,7 +2,7 @@
 <torch_armor.core.config.ArmorConfig.preset>` and ``torch-armor prune --preset NAME``.
 
 Each preset is ``ArmorConfig()`` with the lever settings below replaced; ``"default"`` is
-``ArmorConfig()`` itself. Measured perplexities and costs (default 34.84, max 31.13 on SmolLM2-135M): docs/results.md.
+``ArmorConfig()`` itself. Measured perplexities and costs (default 34.84, max 28.26 on SmolLM2-135M): docs/results.md.
 
 * ``"fast"``: 10 exact sweeps per layer, one refinement round, 32 reconstruction steps fitting
   each block to the dense model's hidden states (``target="model"``: without distillation, the
@@ -10,12 +10,14 @@ Each preset is ``ArmorConfig()`` with the lever settings below replaced; ``"defa
 * ``"default"``: the library's defaults (20 sweeps, one refinement round, 64 reconstruction steps on
   single windows, 16 distillation steps at learning rate 1e-3; chosen on held-out calibration text
   for about 15 minutes on SmolLM2-135M on 2 cores).
-* ``"max"``: 20 sweeps, one refinement round and 16 full-``XᵀX`` sparse-core steps after it (the
-  mask may change), 512 reconstruction steps per block on single windows (about eight epochs over
-  the calibration windows) and 96 distillation steps at learning rate 2e-3 whose training windows
-  include 64 sampled from the dense model, each continuing a training window's first 64 tokens
-  (chosen on held-out calibration text: docs/results.md). Its calibration windows must be longer
-  than 64 tokens, and its model a transformers causal LM (sampling uses its key/value cache).
+* ``"max"``: 64 windows sampled from the dense model before pruning, each continuing a training
+  window's first 64 tokens, calibrate it besides the calibration windows (the block pass and
+  distillation; never held out); 20 sweeps, one refinement round and 16 full-``XᵀX`` sparse-core
+  steps after it (the mask may change), 512 reconstruction steps per block on single windows
+  (about four epochs over the calibration and sampled windows) and 96 distillation steps at
+  learning rate 2e-3 (chosen on held-out calibration text: docs/results.md). Its calibration
+  windows must be longer than 64 tokens, and its model a transformers causal LM (sampling uses
+  its key/value cache).
 """
 
 from __future__ import annotations

@@ -164,8 +164,10 @@ def prune_model(
             recon = getattr(config, "reconstruct", None)
             hint = ('; ReconstructConfig(target="model") makes up for part of it by fitting each block to the dense '
                     "model's hidden states" if recon is not None and recon.target == "block" else "")
+            samples = (f"; its {distill.sampled_windows} sampled windows are not drawn, so the block pass calibrates on "
+                       "the calibration windows alone" if distill.sampled_in_block_pass else "")
             warnings.warn(f"end-to-end distillation skipped: {why_not}; ArmorConfig(distill=None) prunes without it"
-                          + hint, stacklevel=2)
+                          + samples + hint, stacklevel=2)
             distill = None
     dev = torch.device(options.device) if options.device is not None else torch.device("cpu")
     if not streamed and options.device is None:
