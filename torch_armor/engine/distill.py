@@ -400,8 +400,7 @@ class Distillation:
         if path is not None and path.exists():
             with safe_open(str(path), framework="pt") as fh:
                 if (fh.metadata() or {}).get("identity") == self.identity:
-                    ids = fh.get_tensor("ids")
-                    return [(ids[j:j + 1], None) for j in range(ids.shape[0])]
+                    return windows_of([fh.get_tensor("ids")])
         start = time.perf_counter()
         _, train = held_out_split(len(self.windows), self.config)
         sampled = sample_windows(model, [self.windows[j] for j in train], self.config.sampled_windows,
