@@ -30,6 +30,11 @@ case "$cmd" in
   setup) setup ;;
   test)
     setup
+    # without an NVIDIA GPU, Triton kernels run in Triton's interpreter on CPU tensors (tests/kernels);
+    # it must be set before Python starts: torch imports triton
+    if ! nvidia-smi -L >/dev/null 2>&1; then
+      export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
+    fi
     set +e
     "$VENV/bin/python" -m pytest -q -m "not slow" "$@"
     rc=$?

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -19,6 +20,18 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "slow: real-model or long-running tests (deselect with -m 'not slow')"
     )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items) -> None:
+    """Triton kernels (tests/kernels) run on CPU tensors only when ``TRITON_INTERPRET=1`` was in the
+    environment before Python started (torch imports triton, and Triton reads it then): ``./dev.sh test``
+    sets it on a machine without an NVIDIA GPU. On a GPU they run the compiled kernels."""
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    skip = pytest.mark.skip(reason="no GPU: run with TRITON_INTERPRET=1 in the environment (./dev.sh test sets it)")
+    for item in items:
+        if "kernels" in item.path.parts:
+            item.add_marker(skip)
 
 
 def _require(package: str, hint: str) -> None:
@@ -98,3 +111,16 @@ def tiny_llama():
 def tiny_llama_factory():
     """``make_tiny_llama(seed=0, tie=False, vocab=128)`` for tests that need variants."""
     return make_tiny_llama
+
+
+def make_converted_tiny_llama(iters: int = 5):
+    """:func:`make_tiny_llama` with every decoder linear converted by ``ArmorSparsifier`` (block 16, ``iters``
+    BCD sweeps) after one calibration batch; lm_head stays dense."""
+    from torch_armor import ArmorConfig, BcdConfig, ArmorSparsifier
+
+    model = make_tiny_llama()
+    sparsifier = ArmorSparsifier(ArmorConfig(block_size=16, optimizer=BcdConfig(iters=iters)), progress=False)
+    sparsifier.prepare(model)
+    with torch.no_grad():
+        model(torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0)))
+    return sparsifier.convert(model)

@@ -5,7 +5,7 @@ Pure ``ast`` (nothing is imported or executed). Every module of the package sits
 an import may point to the same floor or a lower one, never up:
 
     0  errors, _io, progress              (no torch_armor imports besides each other)
-    1  core                               (pure math, sparsity patterns, the method configs)
+    1  core, kernels                      (pure math, sparsity patterns, the method configs; GPU kernels)
     2  calibration                        (hooks, statistics)
     3  tensor                             (ArmorTensor, storages; the save/load format)
     4  engine                             (method registry, runner, pipeline, sources, run store, prune_model)
@@ -54,6 +54,7 @@ FLOORS: Tuple[Tuple[str, int], ...] = (
     ("torch_armor._quiet", 0),
     ("torch_armor.progress", 0),
     ("torch_armor.core", 1),
+    ("torch_armor.kernels", 1),
     ("torch_armor.config", 1),  # compatibility alias of torch_armor.core.config (users only)
     ("torch_armor.calibration", 2),
     ("torch_armor.tensor", 3),

@@ -5,6 +5,11 @@
   and ``aten._cslt_compress`` has the shape function it lacks (``d_out·d_in·9/16`` elements for
   fp16/bf16, as ``cuSPARSELtOps.cpp`` allocates). Nothing runs a kernel: the trial matmul is
   skipped on fake tensors.
+* :func:`meta_gpu`: the same for a whole model on the ``meta`` device. A CPU-only torch cannot index a
+  fake CUDA tensor (``t[..., None]`` takes a CUDA device guard, which the build lacks), and every
+  Hugging Face model indexes; meta tensors index. Inside, the storage policy sees an sm90 GPU on
+  ``meta`` and ARMOR linears there take the CUDA path (fused wrapper kernels when Triton is
+  installed): ``model.to("meta", torch.bfloat16)`` gives 2:4 cores, shapes and strides as on a GPU.
 * :func:`traced_ops`: the aten ops of the forward graph AOTAutograd makes of ``fn`` under
   ``torch.compile(fullgraph=True)`` — what would run on the GPU, subclasses unwrapped.
 """
@@ -41,6 +46,20 @@ def fake_cuda(monkeypatch, capability: Tuple[int, int] = (9, 0),
         yield mode
 
 
+@contextlib.contextmanager
+def meta_gpu(monkeypatch, capability: Tuple[int, int] = (9, 0)) -> Iterator[None]:
+    from torch_armor.kernels import block_diag
+    from torch_armor.tensor import linear_layout
+
+    _give_cslt_compress_a_shape()
+    gpu = policy.DeviceInfo("cuda", capability, frozenset({"cusparselt"}))
+    real = policy.device_info
+    monkeypatch.setattr(policy, "device_info", lambda d: gpu if torch.device(d).type == "meta" else real(d))
+    monkeypatch.setattr(linear_layout, "fused_wrappers_available",
+                        lambda d: d.type == "meta" and block_diag._triton_importable())
+    yield
+
+
 def traced_ops(fn: Callable, *inputs) -> Tuple[List[str], object]:
     """``(op names in graph order, fn's output)`` of the AOTAutograd forward graph of ``fn(*inputs)``."""
     graphs = []
@@ -54,3 +73,4 @@ def traced_ops(fn: Callable, *inputs) -> Tuple[List[str], object]:
     assert len(graphs) == 1, f"expected one graph, got {len(graphs)}"
     ops = [str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"]
     return ops, out
+

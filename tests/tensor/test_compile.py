@@ -5,22 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torch_armor.sparsifier import ArmorSparsifier
 from torch_armor.tensor.armor_tensor import ArmorTensor
 
-from conftest import make_tiny_llama
-from torch_armor import ArmorConfig, BcdConfig
+from conftest import make_converted_tiny_llama
 
 
 @pytest.fixture(scope="module")
 def converted_llama():
     """Tiny LlamaForCausalLM (hidden 64, intermediate 128, 2 layers, 4 heads, 2 kv heads, vocab 128), converted."""
-    model = make_tiny_llama()
-    sparsifier = ArmorSparsifier(ArmorConfig(block_size=16, optimizer=BcdConfig(iters=5)), progress=False)
-    sparsifier.prepare(model)
-    with torch.no_grad():
-        model(torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0)))
-    model = sparsifier.convert(model)
+    model = make_converted_tiny_llama(iters=5)
     converted = [m for m in model.modules() if isinstance(getattr(m, "weight", None), ArmorTensor)]
     assert len(converted) == 14  # 7 linears x 2 layers; lm_head stays dense
     return model

@@ -1,10 +1,9 @@
 """The two ARMOR core formats that run anywhere: dense, and compact N:M (for CPU and disk).
 
 * :class:`DenseArmorTensor` holds the core as a dense ``(d_out, d_in)`` matrix with exact zeros.
-  On CPU its linear is the row layout of :func:`~torch_armor.tensor.linear_layout.rowwise_linear` (the
-  fastest CPU path, and bit-identical to what CPU runs always gave); on CUDA — where it is the
-  fallback for cores no 2:4 kernel takes — it runs the copy-free
-  :func:`~torch_armor.tensor.linear_layout.transposed_linear`.
+  Its linear is :func:`~torch_armor.tensor.linear_layout.armor_linear_rows` around a dense ``mm``
+  (on CPU bit-identical to what CPU runs always gave; on CUDA, where it is the fallback for cores
+  no 2:4 kernel takes, with the fused wrapper kernels).
 * :class:`CompactArmorTensor` holds the kept values ``(d_out, d_in·N/M)`` and the bit-packed
   positions (:func:`~torch_armor.tensor.packing.pack_nm`): about half the dense bytes. Each call
   unpacks the core (a scatter), so it saves memory, not time; the storage policy never picks it
@@ -31,7 +30,7 @@ import torch
 
 from torch_armor.core.pattern import parse_pattern
 from torch_armor.tensor.armor_tensor import ArmorTensor, register_format
-from torch_armor.tensor.linear_layout import rowwise_linear, transposed_linear
+from torch_armor.tensor.linear_layout import armor_linear_rows
 from torch_armor.tensor.packing import pack_nm, unpack_nm
 
 __all__ = ["DenseArmorTensor", "CompactArmorTensor"]
@@ -57,15 +56,9 @@ class DenseArmorTensor(ArmorTensor):
     def _linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         d_out, d_in = self.shape
         dtype = x.dtype
-        a, b, core = self.a_blocks.to(dtype), self.b_blocks.to(dtype), self.core.to(dtype)
-        x2d = x.reshape(-1, d_in)
-        if x.is_cuda:
-            y = transposed_linear(x2d, a, b, lambda t: torch.mm(core, t),
-                                  bias=bias.to(dtype) if bias is not None else None)
-            return y.reshape(*x.shape[:-1], d_out)
-        y = rowwise_linear(x2d, a, b, lambda h: torch.mm(h, core.t()))
-        if bias is not None:
-            y = y + bias
+        core = self.core.to(dtype)
+        y = armor_linear_rows(x.reshape(-1, d_in), self.a_blocks.to(dtype), self.b_blocks.to(dtype),
+                              lambda h: torch.mm(h, core.t()), bias)
         return y.reshape(*x.shape[:-1], d_out)
 
 
@@ -90,10 +83,8 @@ class CompactArmorTensor(ArmorTensor):
         d_out, d_in = self.shape
         dtype = x.dtype
         core = self.core_dense().to(dtype)
-        y = rowwise_linear(x.reshape(-1, d_in), self.a_blocks.to(dtype), self.b_blocks.to(dtype),
-                           lambda h: torch.mm(h, core.t()))
-        if bias is not None:
-            y = y + bias
+        y = armor_linear_rows(x.reshape(-1, d_in), self.a_blocks.to(dtype), self.b_blocks.to(dtype),
+                              lambda h: torch.mm(h, core.t()), bias)
         return y.reshape(*x.shape[:-1], d_out)
 
 

@@ -80,7 +80,7 @@ from torchao.utils import TorchAOBaseTensor
 
 from torch_armor.tensor.armor_tensor import QUANTIZED, ArmorTensor, from_parts, register_format
 from torch_armor.tensor.experts import ArmorExpertsTensor
-from torch_armor.tensor.linear_layout import rowwise_linear
+from torch_armor.tensor.linear_layout import armor_linear_rows
 from torch_armor.errors import ArmorInputError
 
 __all__ = [
@@ -128,10 +128,8 @@ class QuantizedArmorTensor(ArmorTensor):
         d_out, d_in = self.shape
         dtype = x.dtype
         # the core matmul goes through torchao's dispatch (int8 weight-only / dynamic activation ...)
-        y = rowwise_linear(x.reshape(-1, d_in), self.a_blocks.to(dtype), self.b_blocks.to(dtype),
-                           lambda h: F.linear(h, self.core))
-        if bias is not None:
-            y = y + bias
+        y = armor_linear_rows(x.reshape(-1, d_in), self.a_blocks.to(dtype), self.b_blocks.to(dtype),
+                              lambda h: F.linear(h, self.core), bias)
         return y.reshape(*x.shape[:-1], d_out)
 
     def with_storage(self, storage: str, backend: Optional[str] = None) -> ArmorTensor:

@@ -14,10 +14,12 @@ Two classes, one per kernel (the storage policy picks; both are ``storage_format
 
 Both hold plain tensors, so ``copy_`` / ``load_state_dict``, ``torch.save`` with
 ``torch.load(weights_only=True)``, ``.to()`` and ``torch.compile`` see ordinary inner tensors.
-The linear is :func:`~torch_armor.tensor.linear_layout.transposed_linear`: ``bmm(B, x viewed (n_B, d_b,
-T))`` writes the ``(d_in, T)`` operand the GEMM reads, the GEMM writes ``(d_out, T)``, which
-``bmm(A, ·)`` reads in place — two bmm, one sparse GEMM, no copy. An input of another dtype is
-cast to the core's (and the output back), never the core densified.
+The linear is :func:`~torch_armor.tensor.linear_layout.armor_linear_rows`: the B-pass writes the
+``(T', d_in)`` rows (``T`` padded to 8 by zero rows) that the GEMM reads as its column-major
+operand, the GEMM writes ``(T', d_out)`` rows (cuSPARSELt's ``transpose_result``), and the A-pass
+adds the bias and writes ``(T, d_out)`` row-major in the input's dtype — with Triton, two wrapper
+kernels and one sparse GEMM, no pad, cast or copy of its own. An input of another dtype is read
+as the core's, never the core densified.
 
 The first time a ``(device, backend, dtype, shape)`` is converted, a trial matmul on 8 random
 columns is compared with the dense product; a kernel that raises or disagrees makes that shape
@@ -32,7 +34,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from torch_armor.tensor.armor_tensor import ArmorTensor, register_format
-from torch_armor.tensor.linear_layout import transposed_linear
+from torch_armor.tensor.linear_layout import armor_linear_rows
 from torch_armor.tensor.policy import KernelRefused
 
 __all__ = ["SemiStructuredArmorTensor", "CusparseltArmorTensor", "CutlassArmorTensor", "TOKEN_MULTIPLE"]
@@ -78,8 +80,8 @@ class SemiStructuredArmorTensor(ArmorTensor):
         """The kernel's inner tensors of a contiguous dense 2:4 core (after ``a_blocks``, ``b_blocks``)."""
         raise NotImplementedError
 
-    def _core_mm(self, y: torch.Tensor) -> torch.Tensor:
-        """``core · y`` for the row-major ``(d_in, T)`` operand ``y``: ``(d_out, T)``."""
+    def _core_mm_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows · coreᵀ`` for row-major ``rows (T, d_in)``: ``(T, d_out)``."""
         raise NotImplementedError
 
     def _movable(self, device: torch.device, dtype: torch.dtype) -> bool:
@@ -91,10 +93,9 @@ class SemiStructuredArmorTensor(ArmorTensor):
 
     def _linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         d_out, d_in = self.shape
-        x2d = x.reshape(-1, d_in).to(self.dtype)
-        y = transposed_linear(x2d, self.a_blocks, self.b_blocks, self._core_mm,
-                              bias=bias.to(self.dtype) if bias is not None else None, token_multiple=TOKEN_MULTIPLE)
-        return y.to(x.dtype).reshape(*x.shape[:-1], d_out)
+        y = armor_linear_rows(x.reshape(-1, d_in), self.a_blocks, self.b_blocks, self._core_mm_rows, bias,
+                              token_multiple=TOKEN_MULTIPLE)
+        return y.view(*x.shape[:-1], d_out)
 
     def _trial(self, core: torch.Tensor) -> None:
         """Raise :class:`KernelRefused` if the kernel fails or disagrees with ``core`` on a small product."""
@@ -103,9 +104,9 @@ class SemiStructuredArmorTensor(ArmorTensor):
         key = (str(core.device), self.backend, core.dtype, tuple(core.shape))
         if key not in _TRIALS:
             gen = torch.Generator(core.device).manual_seed(0)
-            x = torch.randn(core.shape[1], TOKEN_MULTIPLE, generator=gen, device=core.device, dtype=core.dtype)
+            x = torch.randn(TOKEN_MULTIPLE, core.shape[1], generator=gen, device=core.device, dtype=core.dtype)
             try:
-                got, want = self._core_mm(x).float(), (core.float() @ x.float())
+                got, want = self._core_mm_rows(x).float(), (x.float() @ core.float().T)
                 if core.is_cuda:
                     torch.cuda.synchronize(core.device)
                 err = float((got - want).norm() / want.norm().clamp_min(1e-30))
@@ -127,9 +128,11 @@ class CusparseltArmorTensor(SemiStructuredArmorTensor):
     def _compress(core: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         return (torch._cslt_compress(core).view(core.shape[0], -1),)
 
-    def _core_mm(self, y: torch.Tensor) -> torch.Tensor:
-        return torch._cslt_sparse_mm(self.packed, y, bias=None, alpha=None, out_dtype=None, transpose_result=False,
-                                     alg_id=0, split_k=1, split_k_mode=-1)
+    def _core_mm_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        # rows.t() is the column-major (d_in, T) operand torch's own 2:4 linear passes; transpose_result
+        # writes core · rowsᵀ as its (T, d_out) transpose, row-major
+        return torch._cslt_sparse_mm(self.packed, rows.t(), bias=None, alpha=None, out_dtype=None,
+                                     transpose_result=True, alg_id=0, split_k=1, split_k_mode=-1)
 
     def core_dense(self) -> torch.Tensor:
         """The core, exactly: the sparse GEMM against the identity, ``_EYE_COLUMNS`` columns at a time."""
@@ -137,10 +140,10 @@ class CusparseltArmorTensor(SemiStructuredArmorTensor):
         columns = []
         for start in range(0, d_in, _EYE_COLUMNS):
             cols = min(_EYE_COLUMNS, d_in - start)
-            eye = torch.zeros(d_in, cols, dtype=self.dtype, device=self.device)
-            eye.narrow(0, start, cols).fill_diagonal_(1)
-            columns.append(self._core_mm(eye))
-        return torch.cat(columns, dim=1) if len(columns) > 1 else columns[0]
+            eye = torch.zeros(cols, d_in, dtype=self.dtype, device=self.device)
+            eye.narrow(1, start, cols).fill_diagonal_(1)
+            columns.append(self._core_mm_rows(eye).t())
+        return torch.cat(columns, dim=1)
 
 
 @register_format
@@ -156,8 +159,9 @@ class CutlassArmorTensor(SemiStructuredArmorTensor):
 
         return tuple(sparse_semi_structured_from_dense_cutlass(core))
 
-    def _core_mm(self, y: torch.Tensor) -> torch.Tensor:
-        return torch._sparse_semi_structured_mm(self.packed, self.meta, y)
+    def _core_mm_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        # the column-major operand torch's own CUTLASS linear passes; the (d_out, T) result read transposed
+        return torch._sparse_semi_structured_mm(self.packed, self.meta, rows.t()).t()
 
     def core_dense(self) -> torch.Tensor:
         from torch.sparse._semi_structured_conversions import sparse_semi_structured_to_dense_cutlass  # local: CUTLASS unpacking only
