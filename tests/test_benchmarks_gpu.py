@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -136,5 +138,58 @@ def test_gpu_check_lists_every_test_and_fails_on_a_failing_one(tmp_path):
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert "## CUDA tests: 1 passed, 1 failed, 0 skipped" in summary
     assert "- PASS " in summary and "test_fine" in summary and "- FAIL " in summary and "kernel off" in summary
-    assert "FLOPs per token" in summary and summary.rstrip().endswith("reference or missing)")
+    assert "FLOPs per token" in summary and "result: FAILED (" in summary
     assert (tmp_path / "out" / "inference_gpu.json").is_file() and (tmp_path / "out" / "cuda_tests.xml").is_file()
+
+
+def test_gpu_check_quick_prints_its_plan_and_estimate_first_and_keeps_to_its_budget(tmp_path):
+    """``--quick --dry-run``: the plan (every step, its rows) and an estimate of at most 5 minutes come
+    before anything runs; with no budget left each measuring step is a row saying it was skipped."""
+    probe = tmp_path / "test_probe.py"
+    probe.write_text("def test_fine():\n    pass\n")
+    proc = _check("--quick", "--dry-run", "--budget-s", "0", "--out", str(tmp_path / "out"), "--tests", str(probe))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    plan = re.search(r"## Plan \(estimate ([0-9.]+) min on one H100", out)
+    assert plan and float(plan.group(1)) <= 5.0
+    assert out.index("## Plan") < out.index("## CUDA tests: 1 passed")
+    assert "= 48 rows" in out and "= 15 rows" in out and "= 3 rows" in out
+    rows = [json.loads(line) for line in (tmp_path / "out" / "rows.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == ["tests", "layers", "model", "prune"]
+    assert all("skipped" in r["note"] for r in rows[1:])
+
+
+def test_report_writes_each_row_before_the_next_is_measured(tmp_path):
+    """A command cut off by a time limit keeps every finished row: the summary and rows.jsonl hold row k
+    while row k+1 is being measured."""
+    gpu_check = _import_benchmark("gpu_check")
+    report = gpu_check.Report(tmp_path)
+
+    def rows():
+        for k in range(3):
+            if k:
+                assert f"| row{k - 1} |" in report.summary.read_text()
+                assert len(report.rows.read_text().splitlines()) == k
+            yield {"what": f"row{k}", "seconds": float(k)}
+
+    assert len(report.table("prune", gpu_check.PRUNE_COLS, rows())) == 3
+
+
+def test_quick_rows_on_cpu():
+    """The quick steps' own code at tiny sizes on CPU (no number means anything): every variant a row,
+    each checked against the dense product of its weights; CUDA-graph rows say why they did not run."""
+    gpu_quick = _import_benchmark("gpu_quick")
+    layers = list(gpu_quick.layer_rows(dry=True, block_size=16, repeats=1))
+    assert len(layers) == 2 * 2 * 4 and [r["variant"] for r in layers[:4]] == gpu_quick.LAYER_VARIANTS
+    assert all(r["check"].startswith("ok") for r in layers), layers
+    model = list(gpu_quick.model_rows(dry=True, layers=1, block_size=16))
+    assert len(model) == 15 and all(("ms" in r) != ("graph" in r["workload"]) for r in model), model
+    assert all(r["check"].startswith("ok") for r in model if r["variant"] != "dense")
+
+
+def _import_benchmark(name: str):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))

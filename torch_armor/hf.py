@@ -116,6 +116,22 @@ def _suffix_pattern(suffix: str, owners: Sequence[str] = ("weight",)) -> str:
     return "(" + "|".join(re.escape(o) for o in owners) + r")\." + re.escape(suffix) + "$"
 
 
+def _undo_load_dtype_cast(fqn: str, layer: Dict[str, Any], tensors: Dict[str, torch.Tensor]) -> None:
+    """Floating parts back to the dtype the checkpoint stored them in. Some transformers releases (5.17)
+    cast every floating checkpoint tensor to ``from_pretrained(dtype=...)`` before conversion ops run; the
+    layer is cast to the model's dtype after it is built, so nothing is lost, and the file checks see
+    the tensors as stored."""
+    specs = layer.get("tensors") if isinstance(layer, dict) else None
+    if not isinstance(specs, dict):
+        return  # a malformed entry: validate_layer names it
+    for name, spec in specs.items():
+        key = part_key(fqn, name)
+        stored = DTYPES.get(spec.get("dtype")) if isinstance(spec, dict) else None
+        t = tensors.get(key)
+        if t is not None and stored is not None and stored.is_floating_point and t.is_floating_point() and t.dtype != stored:
+            tensors[key] = t.to(stored)
+
+
 class ArmorDeserialize(ConversionOps):
     """Builds one converted layer's ArmorTensor from its saved parts (a transformers conversion op)."""
 
@@ -136,6 +152,7 @@ class ArmorDeserialize(ConversionOps):
         for pattern, values in input_dict.items():
             value = values[0] if isinstance(values, list) else values
             tensors[part_key(full_layer_name, by_suffix[pattern])] = value
+        _undo_load_dtype_cast(full_layer_name, layer, tensors)
         validate_layer(full_layer_name, layer, tensors)
         w = build_layer(full_layer_name, layer, tensors)
         module, _, pname = full_layer_name.rpartition(".")

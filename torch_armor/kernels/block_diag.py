@@ -27,6 +27,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import torch
@@ -34,7 +35,11 @@ import torch.nn.functional as F
 
 from torch_armor.core.blockdiag import block_diag_right
 
-__all__ = ["block_diag_rows", "block_diag_rows_reference", "fused_wrappers_available"]
+__all__ = ["FUSED_WRAPPERS", "block_diag_rows", "block_diag_rows_reference", "fused_wrappers_available"]
+
+#: Set to ``False`` (or ``TORCH_ARMOR_FUSED_WRAPPERS=0`` in the environment) to run ARMOR's wrappers as
+#: batched matmuls on CUDA too: a way around a Triton problem, and the baseline the GPU check times.
+FUSED_WRAPPERS = os.environ.get("TORCH_ARMOR_FUSED_WRAPPERS", "1") != "0"
 
 
 @functools.cache
@@ -48,8 +53,8 @@ def _triton_importable() -> bool:
 
 def fused_wrappers_available(device: torch.device) -> bool:
     """Whether ARMOR linears on ``device`` run their wrappers as :func:`block_diag_rows` kernels:
-    CUDA with Triton installed (otherwise they fall back to batched matmuls)."""
-    return device.type == "cuda" and _triton_importable()
+    CUDA with Triton installed, unless :data:`FUSED_WRAPPERS` is off (otherwise batched matmuls)."""
+    return FUSED_WRAPPERS and device.type == "cuda" and _triton_importable()
 
 
 def block_diag_rows_reference(src: torch.Tensor, blocks: torch.Tensor, bias: Optional[torch.Tensor],
