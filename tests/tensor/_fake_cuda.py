@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, List, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch._dynamo.backends.common import aot_autograd
@@ -60,11 +60,15 @@ def meta_gpu(monkeypatch, capability: Tuple[int, int] = (9, 0)) -> Iterator[None
     yield
 
 
-def traced_ops(fn: Callable, *inputs) -> Tuple[List[str], object]:
-    """``(op names in graph order, fn's output)`` of the AOTAutograd forward graph of ``fn(*inputs)``."""
+def traced_ops(fn: Callable, *inputs, graph_pass: Optional[Callable] = None) -> Tuple[List[str], object]:
+    """``(op names in graph order, fn's output)`` of the AOTAutograd forward graph of ``fn(*inputs)``,
+    after ``graph_pass(graph)`` when given (e.g. a pass inductor would run)."""
     graphs = []
 
     def capture(gm, example_inputs):
+        if graph_pass is not None:
+            graph_pass(gm.graph)
+            gm.graph.lint()
         graphs.append(gm)
         return gm.forward
 

@@ -33,7 +33,7 @@ COPIES = {"clone", "copy", "copy_", "_to_copy", "to_dense", "eye", "contiguous",
 
 def _copies(ops, allowed=()):
     """The ops that copy an activation or build a dense core (``aten.clone.default`` -> ``clone``)."""
-    return [op for op in ops if op.split(".")[1] in COPIES - set(allowed)]
+    return [op for op in ops if op.startswith("aten.") and op.split(".")[1] in COPIES - set(allowed)]
 
 
 def _sparse_gemms(ops):
@@ -104,6 +104,27 @@ def test_odd_token_counts_are_padded_inside_the_b_pass(monkeypatch, tokens):
     assert not _copies(ops), ops
     assert ops.count(WRAPPER_PASS) == 2 and len(_sparse_gemms(ops)) == 1
     assert out.shape == (1, tokens, D) and out.stride() == (tokens * D, D, 1)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["separate", "shared-input pass"])
+def test_q_k_v_triple(monkeypatch, shared):
+    """Llama-3-8B's q (4096x4096), k and v (1024x4096) on one 2048-token input: one sparse GEMM per linear,
+    wrapper kernels around them, no bmm, pad, cast or copy; with the compile pass
+    (``torch_armor.kernels.fusion``) the three B-passes are one launch that reads the input once."""
+    pytest.importorskip("triton")
+    from torch_armor.kernels.fusion import share_wrapper_inputs
+
+    with fake_cuda(monkeypatch):
+        q, k, v = _cusparselt_layer(), _cusparselt_layer(d_out=1024), _cusparselt_layer(d_out=1024)
+        x = torch.empty(1, TOKENS, D, device="cuda", dtype=torch.bfloat16)
+        ops, outs = traced_ops(lambda t: (F.linear(t, q), F.linear(t, k), F.linear(t, v)), x,
+                               graph_pass=share_wrapper_inputs if shared else None)
+    _report(f"q/k/v at {TOKENS} tokens ({'shared-input pass' if shared else 'separate B-passes'})", ops)
+    assert not _copies(ops) and "aten.bmm.default" not in ops, ops
+    assert len(_sparse_gemms(ops)) == 3
+    assert ops.count(WRAPPER_PASS) == (3 if shared else 6)
+    assert ops.count("torch_armor.block_diag_rows_shared.default") == (1 if shared else 0)
+    assert [o.stride() for o in outs] == [(TOKENS * D, D, 1), (TOKENS * 1024, 1024, 1), (TOKENS * 1024, 1024, 1)]
 
 
 def test_bmm_fallback_without_triton(monkeypatch):

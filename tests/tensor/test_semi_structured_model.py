@@ -20,6 +20,7 @@ from _fake_cuda import meta_gpu, traced_ops
 from conftest import make_converted_tiny_llama
 
 from torch_armor.kernels import block_diag as block_diag_kernels
+from torch_armor.kernels.fusion import share_wrapper_inputs
 from torch_armor.tensor.semi_structured import CusparseltArmorTensor
 
 HOST_SYNCS = ("aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.equal", "aten.is_nonzero")
@@ -72,18 +73,22 @@ def _cache_kwargs(model, cache):
     return {name: cache, "use_cache": True}
 
 
-def test_compiled_decode_step_is_one_graph_without_host_syncs(on_meta_gpu):
-    """Issue #41 row 4: a decode step with transformers' static cache, traced as ``torch.compile`` would for
-    CUDA graphs (``mode="reduce-overhead"``): one graph, no graph break, nothing that syncs the host; every
-    linear two wrapper kernels around one sparse GEMM, no padding op."""
-    model = on_meta_gpu
+def _decode_step_ops(model, graph_pass=None):
     cache = StaticCache(config=model.config, max_cache_len=32)
     kwargs = _cache_kwargs(model, cache)
     with torch.no_grad():
         model(torch.zeros(1, 8, dtype=torch.long, device="meta"), cache_position=torch.arange(8, device="meta"), **kwargs)
         torch._dynamo.utils.counters.clear()
-        ops, logits = traced_ops(lambda tok, pos: model(tok, cache_position=pos, **kwargs).logits,
-                                 torch.zeros(1, 1, dtype=torch.long, device="meta"), torch.tensor([8], device="meta"))
+        return traced_ops(lambda tok, pos: model(tok, cache_position=pos, **kwargs).logits,
+                          torch.zeros(1, 1, dtype=torch.long, device="meta"), torch.tensor([8], device="meta"),
+                          graph_pass=graph_pass)
+
+
+def test_compiled_decode_step_is_one_graph_without_host_syncs(on_meta_gpu):
+    """Issue #41 row 4: a decode step with transformers' static cache, traced as ``torch.compile`` would for
+    CUDA graphs (``mode="reduce-overhead"``): one graph, no graph break, nothing that syncs the host; every
+    linear two wrapper kernels around one sparse GEMM, no padding op."""
+    ops, logits = _decode_step_ops(on_meta_gpu)
     counts = collections.Counter(ops)
     print(f"\ncompiled decode step (tiny Llama, 2 blocks): {len(ops)} ops: {dict(counts)}")
     assert not torch._dynamo.utils.counters["graph_break"]
@@ -91,3 +96,16 @@ def test_compiled_decode_step_is_one_graph_without_host_syncs(on_meta_gpu):
     assert counts["aten._cslt_sparse_mm.default"] == 14 and counts["torch_armor.block_diag_rows.default"] == 28
     assert "aten.constant_pad_nd.default" not in counts
     assert logits.shape == (1, 1, 128)
+
+
+def test_q_k_v_and_gate_up_share_one_b_pass_when_compiled_with_the_pass(on_meta_gpu):
+    """Issue #41, build item 2: linears that read the same input get one B-pass launch. With
+    ``compile_options()``'s pass, each block's q/k/v B-passes are one ``block_diag_rows_shared`` and so are
+    gate/up's: 2 per block instead of 5 separate launches."""
+    ops, _ = _decode_step_ops(on_meta_gpu, graph_pass=share_wrapper_inputs)
+    counts = collections.Counter(ops)
+    print(f"\ndecode step with the shared-input pass: {dict(counts)}")
+    assert counts["torch_armor.block_diag_rows_shared.default"] == 2 * 2
+    # per block: the B-passes of o_proj and down_proj and the 7 A-passes stay single
+    assert counts["torch_armor.block_diag_rows.default"] == 2 * (2 + 7)
+    assert counts["aten._cslt_sparse_mm.default"] == 14

@@ -28,14 +28,15 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
 
 from torch_armor.core.blockdiag import block_diag_right
 
-__all__ = ["FUSED_WRAPPERS", "block_diag_rows", "block_diag_rows_reference", "fused_wrappers_available"]
+__all__ = ["FUSED_WRAPPERS", "block_diag_rows", "block_diag_rows_reference", "block_diag_rows_shared",
+           "fused_wrappers_available"]
 
 #: Set to ``False`` (or ``TORCH_ARMOR_FUSED_WRAPPERS=0`` in the environment) to run ARMOR's wrappers as
 #: batched matmuls on CUDA too: a way around a Triton problem, and the baseline the GPU check times.
@@ -90,3 +91,27 @@ def _(src, blocks, bias, row_multiple, out_dtype):
     from torch_armor.kernels.triton_block_diag import block_diag_rows_triton  # local: imports triton
 
     return block_diag_rows_triton(src, blocks, bias, row_multiple, out_dtype)
+
+
+@torch.library.custom_op("torch_armor::block_diag_rows_shared", mutates_args=())
+def block_diag_rows_shared(src: torch.Tensor, blocks: List[torch.Tensor], row_multiple: int,
+                           out_dtype: torch.dtype) -> List[torch.Tensor]:
+    """:func:`block_diag_rows` (no bias) of one ``src`` with each of several block stacks of one shape:
+    the B-passes of linears that read the same input (q/k/v, gate/up) in one launch that reads ``src``
+    once. :mod:`torch_armor.kernels.fusion` puts it in compiled graphs."""
+    return [block_diag_rows_reference(src, b, None, row_multiple, out_dtype) for b in blocks]
+
+
+@block_diag_rows_shared.register_fake
+def _(src, blocks, row_multiple, out_dtype):
+    rows = src.shape[0]
+    return [src.new_empty((rows + (-rows) % row_multiple, b.shape[0] * b.shape[1]), dtype=out_dtype) for b in blocks]
+
+
+@block_diag_rows_shared.register_kernel("cuda")
+def _(src, blocks, row_multiple, out_dtype):
+    if not _triton_importable():
+        return [block_diag_rows_reference(src, b, None, row_multiple, out_dtype) for b in blocks]
+    from torch_armor.kernels.triton_block_diag import block_diag_rows_shared_triton  # local: imports triton
+
+    return block_diag_rows_shared_triton(src, blocks, row_multiple, out_dtype)
