@@ -124,6 +124,31 @@ def test_from_pretrained_options(tmp_path, one_thread):
         assert (half(IDS).logits.float() - ref_logits).abs().max() < 0.1 * ref_logits.abs().max()
 
 
+def test_from_pretrained_dtype_when_the_loader_casts_the_parts_first(tmp_path, monkeypatch, one_thread):
+    """transformers 5.17 casts every floating checkpoint tensor to ``from_pretrained(dtype=...)`` before the
+    ARMOR conversion op sees it (emulated here on the installed release); before, the file checks refused
+    the layer ("a_blocks should be torch.float32 ... found torch.bfloat16") and the load failed."""
+    from torch_armor import hf
+
+    real = hf.ArmorDeserialize.convert
+
+    def cast_first(self, input_dict, *args, **kwargs):
+        def cast(t):
+            return t.to(torch.bfloat16) if t.is_floating_point() else t
+
+        cast_dict = {k: [cast(t) for t in v] if isinstance(v, list) else cast(v) for k, v in input_dict.items()}
+        return real(self, cast_dict, *args, **kwargs)
+
+    monkeypatch.setattr(hf.ArmorDeserialize, "convert", cast_first)
+    model = pruned_llama()
+    model.save_pretrained(tmp_path)
+    half = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    for name in ("self_attn.q_proj", "mlp.down_proj"):
+        w, ref = half.get_submodule(f"model.layers.1.{name}").weight, model.get_submodule(f"model.layers.1.{name}").weight
+        assert isinstance(w, ArmorTensor) and w.dtype == torch.bfloat16
+        assert torch.equal(w.b_blocks, ref.b_blocks.bfloat16()) and torch.equal(w.core_dense(), ref.core_dense().bfloat16())
+
+
 def test_loading_without_torch_armor_fails_loudly(tmp_path):
     pruned_llama().save_pretrained(tmp_path)
     code = ("import sys; from transformers import AutoModelForCausalLM; "

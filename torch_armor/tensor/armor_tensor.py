@@ -14,7 +14,7 @@ tensors (its flatten/unflatten) and its own linear:
 * :class:`~torch_armor.tensor.semi_structured.CusparseltArmorTensor` /
   :class:`~torch_armor.tensor.semi_structured.CutlassArmorTensor` (``"semi_structured"``): the CUDA
   2:4 core as the kernel's own packed buffers, run through ``torch._cslt_sparse_mm`` /
-  ``torch._sparse_semi_structured_mm`` in a layout that copies no activation.
+  ``torch._sparse_semi_structured_mm`` between two wrapper kernels, no activation copied.
 * :class:`~torch_armor.tensor.quant.QuantizedArmorTensor` (``"quantized"``): a torchao quantized
   core (e.g. ``Int8Tensor``), built by ``quantize_(model, ArmorCoreConfig(...))``.
 

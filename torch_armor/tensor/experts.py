@@ -14,7 +14,7 @@ As for :class:`~torch_armor.tensor.armor_tensor.ArmorTensor`, each core storage 
 ``w[e]`` (an int or a 0-d tensor: what transformers' eager experts loop does,
 ``F.linear(x, self.gate_up_proj[expert_idx])``) and :meth:`ArmorExpertsTensor.expert` return
 expert ``e``'s 2-D ArmorTensor, whose inner tensors are views of the stacked ones, so ``F.linear``
-runs ARMOR's copy-free linear. ``.to()`` / ``.half()`` move every expert and choose the storage
+runs ARMOR's linear. ``.to()`` / ``.half()`` move every expert and choose the storage
 again; ``detach``/``clone``/``copy_`` work part by part; any other op raises, naming the op and what
 to use instead (``experts_implementation="armor"``, ``dense_weight()``).
 
