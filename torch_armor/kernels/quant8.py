@@ -1,0 +1,67 @@
+"""8-bit (int8, fp8 e4m3) 2:4 cores: the numbers a cuSPARSELt 8-bit GEMM computes, in plain torch.
+
+An ARMOR linear with an 8-bit core runs ``y = A · s_x ⊙ (q_core · q_x) ⊙ s_w · B``:
+
+* the core is quantized once, per output channel (:func:`quantize_rows` of the core: ``q_core`` and
+  ``s_w (d_out,)``), only the kept 2:4 values counting;
+* the B-pass output is quantized per token, dynamically (:func:`quantize_rows` of ``x · Bᵀ``:
+  ``q_x`` and ``s_x (T,)``) — on a GPU in the B-pass kernel itself, as it writes the GEMM's operand;
+* the GEMM multiplies the 8-bit values exactly, accumulating in int32 (int8) or fp32 (fp8), and the
+  scales are applied to its output, where the A-pass reads it (:func:`scaled_core_mm_rows`).
+
+Symmetric quantization, the largest magnitude of a row mapped to 127 (int8, rounded to nearest) or
+448 (fp8 e4m3, the format's own rounding). This module is the reference every 8-bit path (a CPU
+format, the GPU kernels) is checked against.
+
+Example::
+
+    >>> import torch
+    >>> q, scale = quantize_rows(torch.tensor([[0.5, -1.0, 0.25, 0.0]]), "int8")
+    >>> q.tolist(), [round(float(s) * 127, 6)]
+    ([[64, -127, 32, 0]], [1.0])
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+__all__ = ["QDTYPES", "quantize_rows", "dequantize_rows", "scaled_core_mm_rows"]
+
+#: the 8-bit formats: (torch dtype, largest magnitude a row is scaled to)
+QDTYPES = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
+_TINY = 1e-12  # an all-zero row gets this scale (its values quantize to 0 either way)
+
+
+def _qdtype(name: str):
+    if name not in QDTYPES:
+        raise ValueError(f"8-bit format must be one of {sorted(QDTYPES)}, got {name!r}")
+    return QDTYPES[name]
+
+
+def quantize_rows(x: torch.Tensor, qdtype: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric quantization of ``x (R, K)``: ``(q (R, K) 8-bit, scale (R,) float32)`` with
+    ``x ≈ q · scale[:, None]``."""
+    dtype, qmax = _qdtype(qdtype)
+    x = x.float()
+    scale = (x.abs().amax(dim=1) / qmax).clamp_min(_TINY)
+    scaled = x / scale[:, None]
+    if dtype == torch.int8:
+        return scaled.round().clamp(-qmax, qmax).to(torch.int8), scale
+    return scaled.clamp(-qmax, qmax).to(dtype), scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q · scale[:, None]`` in ``dtype``."""
+    return (q.float() * scale[:, None]).to(dtype)
+
+
+def scaled_core_mm_rows(rows: torch.Tensor, q_core: torch.Tensor, core_scale: torch.Tensor, qdtype: str,
+                        out_dtype: torch.dtype) -> torch.Tensor:
+    """``rows (T, d_in) · coreᵀ`` as the 8-bit GEMM computes it: ``rows`` quantized per token, the 8-bit
+    products summed exactly (float64 here: int32 / fp32 on the GPU never round them for these sizes),
+    then ``s_x[:, None] · s_w[None, :]``; ``(T, d_out)`` in ``out_dtype``."""
+    q_rows, row_scale = quantize_rows(rows, qdtype)
+    acc = q_rows.double() @ q_core.double().t()
+    return (acc * row_scale.double()[:, None] * core_scale.double()[None, :]).to(out_dtype)
