@@ -9,15 +9,15 @@ An ARMOR linear with an 8-bit core runs ``y = A · s_x ⊙ (q_core · q_x) ⊙ s
 * the GEMM multiplies the 8-bit values exactly, accumulating in int32 (int8) or fp32 (fp8), and the
   scales are applied to its output, where the A-pass reads it (:func:`scaled_core_mm_rows`).
 
-Symmetric quantization, the largest magnitude of a row mapped to 127 (int8, rounded to nearest) or
-448 (fp8 e4m3, the format's own rounding). This module is the reference every 8-bit path (a CPU
+Symmetric quantization, the largest magnitude of a row mapped to 127 (int8, rounded to nearest, ties
+away from zero) or 448 (fp8 e4m3, the format's own round-to-nearest-even). This module is the reference every 8-bit path (a CPU
 format, the GPU kernels) is checked against.
 
 Example::
 
     >>> import torch
     >>> q, scale = quantize_rows(torch.tensor([[0.5, -1.0, 0.25, 0.0]]), "int8")
-    >>> q.tolist(), [round(float(s) * 127, 6)]
+    >>> q.tolist(), [round(float(s) * 127, 6) for s in scale]
     ([[64, -127, 32, 0]], [1.0])
 """
 
@@ -48,7 +48,7 @@ def quantize_rows(x: torch.Tensor, qdtype: str) -> Tuple[torch.Tensor, torch.Ten
     scale = (x.abs().amax(dim=1) / qmax).clamp_min(_TINY)
     scaled = x / scale[:, None]
     if dtype == torch.int8:
-        return scaled.round().clamp(-qmax, qmax).to(torch.int8), scale
+        return (scaled.sign() * (scaled.abs() + 0.5).floor()).clamp(-qmax, qmax).to(torch.int8), scale
     return scaled.clamp(-qmax, qmax).to(dtype), scale
 
 
@@ -60,8 +60,11 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
 def scaled_core_mm_rows(rows: torch.Tensor, q_core: torch.Tensor, core_scale: torch.Tensor, qdtype: str,
                         out_dtype: torch.dtype) -> torch.Tensor:
     """``rows (T, d_in) · coreᵀ`` as the 8-bit GEMM computes it: ``rows`` quantized per token, the 8-bit
-    products summed exactly (float64 here: int32 / fp32 on the GPU never round them for these sizes),
-    then ``s_x[:, None] · s_w[None, :]``; ``(T, d_out)`` in ``out_dtype``."""
+    products summed as the GPU sums them (int8: exactly, as its int32 — in float32 where no sum can reach
+    2^24, else float64; fp8: in float32), then ``s_x[:, None] · s_w[None, :]``; ``(T, d_out)``."""
     q_rows, row_scale = quantize_rows(rows, qdtype)
-    acc = q_rows.double() @ q_core.double().t()
-    return (acc * row_scale.double()[:, None] * core_scale.double()[None, :]).to(out_dtype)
+    d_in = rows.shape[1]
+    exact_in_float32 = qdtype == "fp8" or d_in * 127 * 127 < 2 ** 24
+    acc_dtype = torch.float32 if exact_in_float32 else torch.float64
+    acc = q_rows.to(acc_dtype) @ q_core.to(acc_dtype).t()
+    return (acc * row_scale.to(acc_dtype)[:, None] * core_scale.to(acc_dtype)[None, :]).to(out_dtype)
