@@ -324,3 +324,35 @@ def test_eval_of_a_saved_moe_directory(tmp_path, capsys, smollm2_tokenizer, text
     got = json.loads(capsys.readouterr().out)["perplexity"]
     want = perplexity(model, eval_windows(str(wiki), smollm2_tokenizer, n_windows=2, seq_len=32), progress=False)
     assert math.isfinite(got) and got == pytest.approx(want, rel=1e-6)
+
+
+def test_quantize_writes_8bit_cores_that_load_back(tmp_path, capsys):
+    """``torch-armor quantize DIR --format int8|fp8 --out OUT``: the same model as quantize_ with the torchao
+    config in Python, smaller on disk; a quantized directory, a directory without ARMOR layers and a
+    non-empty --out are one-line errors."""
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+    from conftest import make_converted_tiny_llama, make_tiny_llama
+    from torch_armor import load_pretrained, save_pretrained
+    from torch_armor.tensor.eight_bit import Int8ArmorTensor
+    from torch_armor.tensor.quant import ArmorCoreConfig
+
+    model = make_converted_tiny_llama(iters=1)
+    save_pretrained(model, tmp_path / "pruned")
+    assert main(["quantize", str(tmp_path / "pruned"), "--format", "int8", "--out", str(tmp_path / "int8")]) == 0
+    assert "saved int8 2:4 cores" in capsys.readouterr().err
+    loaded = load_pretrained(tmp_path / "int8")
+    assert type(loaded.model.layers[0].mlp.down_proj.weight) is Int8ArmorTensor
+    quantize_(model, ArmorCoreConfig(Int8DynamicActivationInt8WeightConfig(set_inductor_config=False)))
+    ids = torch.randint(0, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    size = lambda d: (d / "model.safetensors").stat().st_size  # noqa: E731
+    assert size(tmp_path / "int8") < size(tmp_path / "pruned")
+    save_pretrained(make_tiny_llama(), tmp_path / "dense")
+    for argv, message in (([str(tmp_path / "int8"), "--out", str(tmp_path / "x")], "already has quantized cores"),
+                          ([str(tmp_path / "dense"), "--out", str(tmp_path / "y")], "holds no ARMOR layers"),
+                          ([str(tmp_path / "pruned"), "--out", str(tmp_path / "int8")], "is not empty")):
+        assert main(["quantize", *argv, "--format", "fp8"]) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if "quantize:" in line]
+        assert len(err) == 1 and message in err[0], err

@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="torch-armor",
         description="ARMOR 2:4 semi-structured pruning: prune a checkpoint, evaluate it, or run the demo.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{prune,eval,demo}")
+    sub = parser.add_subparsers(dest="command", metavar="{prune,quantize,eval,demo}")
     sub.required = True
 
     p = sub.add_parser("prune", help="prune a model and save it with a per-layer report",
@@ -181,6 +181,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sparsegpt-block-size", type=_positive_int, default=128, help="SparseGPT lazy block (128)")
     p.add_argument("--damp", type=float, default=0.01, help="SparseGPT dampening (0.01)")
     _add_common(p)
+
+    q = sub.add_parser("quantize", help="give a pruned directory's 2:4 cores 8-bit values (int8 or fp8)",
+                       description="Quantize every ARMOR core of a directory written by 'prune' to 8 bits (a "
+                                   "scale per output channel; activations are quantized per token when the model "
+                                   "runs) and save the model and tokenizer to --out. On a GPU the cores run on "
+                                   "cuSPARSELt's 8-bit 2:4 kernels (int8: sm80+, fp8: sm89+).")
+    q.add_argument("model", metavar="MODEL", help="a directory written by 'prune'")
+    q.add_argument("--format", choices=("int8", "fp8"), required=True, help="int8 or fp8 (e4m3) cores")
+    q.add_argument("--out", required=True, help="output directory")
+    q.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
+    q.add_argument("--no-progress", action="store_true", help="hide transformers' loading bar")
+    q.add_argument("--debug", action="store_true",
+                   help="show the full traceback of an error (also TORCH_ARMOR_DEBUG=1)")
 
     e = sub.add_parser("eval", help="perplexity or lm-evaluation-harness accuracy of a model or a pruned directory",
                        description="Token-level perplexity over the first --n-eval non-overlapping "
@@ -265,7 +278,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from torch_armor import cli_commands  # imports torchao and transformers: only now, so --help is fast
     from torch_armor.engine.interrupt import terminate_as_interrupt  # heavy, as above
 
-    commands = {"prune": cli_commands.cmd_prune, "eval": cli_commands.cmd_eval, "demo": cli_commands.cmd_demo}
+    commands = {"prune": cli_commands.cmd_prune, "quantize": cli_commands.cmd_quantize, "eval": cli_commands.cmd_eval,
+                "demo": cli_commands.cmd_demo}
 
     with terminate_as_interrupt():  # SIGTERM ends like Ctrl-C: one line, files consistent
         return _run(args, commands[args.command])

@@ -28,7 +28,7 @@ from torch_armor.engine.methods import method_named
 from torch_armor.engine.options import PruneOptions
 from torch_armor.engine.paths import check_prune_paths, model_source_dirs
 from torch_armor.engine.prune import prune_model
-from torch_armor.errors import MissingExtraError
+from torch_armor.errors import ArmorInputError, MissingExtraError
 from torch_armor.progress import is_interactive, quiet_third_party_progress
 from torch_armor.recipes.data import calibration_windows, eval_windows
 from torch_armor.recipes.demo_runs import TABLE_MD, DemoRuns
@@ -36,9 +36,10 @@ from torch_armor.recipes.evaluate import perplexity
 from torch_armor.recipes.harness import evaluate, parse_tasks, require_lm_eval, results_table, write_results
 from torch_armor.recipes.models import load_model, parse_dtype, pruning_source
 from torch_armor.recipes.quality import quality_table, run_quality
+from torch_armor.tensor.armor_tensor import ArmorTensor
 from torch_armor.tensor.finetune import checkpoint_size
 
-__all__ = ["cmd_prune", "cmd_eval", "cmd_demo", "demo_protocol", "log"]
+__all__ = ["cmd_prune", "cmd_quantize", "cmd_eval", "cmd_demo", "demo_protocol", "log"]
 
 
 def log(message: str) -> None:
@@ -146,6 +147,40 @@ def _prune(args: argparse.Namespace, out: Path, run_dir: Path) -> int:
     print(f"size: {size.parameters:,} stored parameters, {size.parameter_bytes / 2**20:.1f} MiB of weights "
           f"(dense model: {size.dense_parameters:,} parameters, {size.dense_parameter_bytes / 2**20:.1f} MiB)")
     print(f"saved {', '.join(saved[:-1])} and {saved[-1]} to {out}")
+    return 0
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from torchao.quantization import (Float8DynamicActivationFloat8WeightConfig,  # local: only this command needs them
+                                      Int8DynamicActivationInt8WeightConfig, quantize_)
+
+    from torch_armor.tensor.quant import ArmorCoreConfig  # local: as above
+    from torch_armor.tensor.serialization import load_pretrained, save_pretrained  # local: as above
+
+    out = Path(args.out)
+    if not str(args.out).strip():
+        raise ArmorInputError("--out is empty; give the directory to write the quantized model to")
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        raise ArmorInputError(f"--out {out} is not empty; choose a new directory or pass --overwrite")
+    if args.no_progress or not is_interactive():
+        quiet_third_party_progress()
+    source = Path(args.model)
+    model = load_pretrained(source)
+    storages = {m.weight.storage_format for m in model.modules() if isinstance(getattr(m, "weight", None), ArmorTensor)}
+    if not storages:
+        raise ArmorInputError(f"{source} holds no ARMOR layers: quantize a directory written by 'torch-armor prune'")
+    if not storages <= {"compact", "dense", "semi_structured"}:
+        raise ArmorInputError(f"{source} already has quantized cores ({', '.join(sorted(storages))}); quantize the "
+                              "directory 'torch-armor prune' wrote")
+    inner = {"int8": Int8DynamicActivationInt8WeightConfig, "fp8": Float8DynamicActivationFloat8WeightConfig}[args.format]
+    before = checkpoint_size(source)
+    quantize_(model, ArmorCoreConfig(inner(set_inductor_config=False)))
+    save_pretrained(model, out)
+    for pattern in ("tokenizer*", "special_tokens_map.json", "vocab.*", "merges.txt", "*.model", "chat_template*"):
+        for file in source.glob(pattern):
+            shutil.copy2(file, out / file.name)
+    log(f"saved {args.format} 2:4 cores to {out}: {checkpoint_size(out).bytes / 1e6:.1f} MB of tensors (was "
+        f"{before.bytes / 1e6:.1f} MB)")
     return 0
 
 

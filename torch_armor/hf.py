@@ -208,7 +208,7 @@ class ArmorHfQuantizer(HfQuantizer):
             meta = {name: torch.empty(spec["shape"], dtype=DTYPES[spec["dtype"]], device="meta")
                     for name, spec in layer["tensors"].items()}
             a, b = meta.pop("a_blocks"), meta.pop("b_blocks")
-            inner = {k: v for k, v in meta.items() if k in ("values", "indices", "core")}
+            inner = {k: v for k, v in meta.items() if k in ("values", "indices", "core", "core_scale")}
             storage = layer["storage"] if layer["storage"] != QUANTIZED else "dense"
             if storage == "dense" and "core" not in inner:
                 inner = {"core": torch.empty(layer["shape"], dtype=old.dtype, device="meta")}

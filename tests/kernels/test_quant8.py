@@ -67,7 +67,7 @@ def test_quantizing_b_pass_equals_quantizing_the_b_pass_output(seed, rows, block
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, n_blocks * block, generator=gen).to(DEVICE)
     blocks = (torch.randn(n_blocks, block, block, generator=gen) / block ** 0.5).to(DEVICE)
-    q, scale = triton_quant8.quantizing_b_pass_triton(x, blocks, row_multiple, qdtype)
+    q, scale = triton_quant8.quantizing_b_pass_triton(x, blocks, row_multiple, *QDTYPES[qdtype])
     want_q, want_scale = quantize_rows(block_diag_rows_reference(x, blocks, None, row_multiple, torch.float32), qdtype)
     assert q.dtype == QDTYPES[qdtype][0] and q.shape == want_q.shape
     assert torch.equal(q.cpu().float(), want_q.cpu().float())
@@ -81,7 +81,7 @@ def test_quantizing_b_pass_in_bf16(qdtype):
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(29, 128, generator=gen).to(DEVICE, torch.bfloat16)
     blocks = (torch.randn(8, 16, 16, generator=gen) / 4).to(DEVICE, torch.bfloat16)
-    q, scale = triton_quant8.quantizing_b_pass_triton(x, blocks, 8, qdtype)
+    q, scale = triton_quant8.quantizing_b_pass_triton(x, blocks, 8, *QDTYPES[qdtype])
     y = (x.double().cpu() @ torch.block_diag(*blocks.double().cpu()).T).bfloat16().double()
     back = dequantize_rows(q.cpu()[:29], scale.cpu()[:29], torch.float64)
     step = scale.cpu()[:29].double()[:, None] * (1.0 if qdtype == "int8" else 32.0)
@@ -105,6 +105,6 @@ def test_fp8_ties_round_to_even_as_torch_does():
     ties = [448.0, 8.5, 9.5, 17.0, 19.0, -8.5, -9.5, 0.5 * 2.0 ** -9, 3 * 2.0 ** -10, 104.0, 120.0, 0.0, 1.0625,
             1.1875, -240.0, 2.25]
     x = torch.tensor([ties]).to(DEVICE)
-    q, scale = triton_quant8.quantizing_b_pass_triton(x, torch.eye(16)[None].to(DEVICE), 1, "fp8")
+    q, scale = triton_quant8.quantizing_b_pass_triton(x, torch.eye(16)[None].to(DEVICE), 1, *QDTYPES["fp8"])
     assert float(scale) == 1.0
     assert q.cpu().float().tolist() == torch.tensor([ties]).to(torch.float8_e4m3fn).float().tolist()

@@ -95,7 +95,7 @@ def test_config_validation():
 # ---------------------------------------------------------------------- single layer
 
 
-@pytest.mark.parametrize("name, bound", [("int8_weight_only", 0.01), ("int8_dynamic", 0.03)])
+@pytest.mark.parametrize("name, bound", [("int8_weight_only", 0.01)])
 def test_quantize_core_keeps_wrappers(name, bound):
     f = random_factors(64, 128, 16)
     w = ArmorTensor.from_factors(f, storage="compact")
@@ -203,7 +203,9 @@ def test_tiny_llama_error_vs_fp32(llamas, eval_ids, name, bound):
         quantize_(dense_q, CONFIGS[name], filter_fn=lambda m, fqn: fqn in names)
         dense_err = rel_err(dense_q(eval_ids).logits, dense_ref)
     q_proj = model.model.layers[0].self_attn.q_proj.weight
-    assert q_proj.storage_format == "quantized" and q_proj.a_blocks.dtype == torch.float32
+    # weight-only: torchao's dense Int8Tensor core; dynamic activations: the int8 2:4 core (tensor/eight_bit.py)
+    assert q_proj.storage_format == {"int8_weight_only": "quantized", "int8_dynamic": "int8"}[name]
+    assert q_proj.a_blocks.dtype == torch.float32
     assert type(model.lm_head.weight.data) is torch.Tensor  # not a decoder linear: untouched
     err = rel_err(out, ref)
     print(f"{name}: relative logit error vs fp32: ARMOR core {err:.4%}, torchao on the dense model {dense_err:.4%}")
@@ -211,7 +213,7 @@ def test_tiny_llama_error_vs_fp32(llamas, eval_ids, name, bound):
     assert err < 1.5 * dense_err
 
 
-@pytest.mark.parametrize("name", ["int8_weight_only", "int8_dynamic"])
+@pytest.mark.parametrize("name", ["int8_weight_only"])  # int8 2:4 cores: tests/tensor/test_eight_bit.py
 def test_save_load_quantized_bit_identical(converted_llama, eval_ids, tmp_path, name):
     model = copy.deepcopy(converted_llama)
     save_pretrained(model, tmp_path / "fp32")

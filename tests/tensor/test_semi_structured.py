@@ -59,7 +59,7 @@ WRAPPER_PASS = "torch_armor.block_diag_rows.default"
 def wrapper_path(request, monkeypatch):
     """Both CUDA paths: the fused wrapper kernels (Triton installed) and the batched-matmul fallback."""
     if request.param == "bmm":
-        monkeypatch.setattr(block_diag_kernels, "_triton_importable", lambda: False)
+        monkeypatch.setattr(block_diag_kernels, "triton_importable", lambda: False)
     else:
         pytest.importorskip("triton")
     return request.param
@@ -129,7 +129,7 @@ def test_q_k_v_triple(monkeypatch, shared):
 
 def test_bmm_fallback_without_triton(monkeypatch):
     """Without Triton the wrappers are batched matmuls: still one sparse GEMM and a row-major output."""
-    monkeypatch.setattr(block_diag_kernels, "_triton_importable", lambda: False)
+    monkeypatch.setattr(block_diag_kernels, "triton_importable", lambda: False)
     with fake_cuda(monkeypatch):
         w = _cusparselt_layer(d_out=1024, d_in=512)
         ops, out = traced_ops(lambda t: F.linear(t, w), torch.empty(7, 512, device="cuda", dtype=torch.bfloat16))

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch_armor.core.blockdiag import block_diag_right
 
 __all__ = ["FUSED_WRAPPERS", "block_diag_rows", "block_diag_rows_reference", "block_diag_rows_shared",
-           "fused_wrappers_available"]
+           "fused_wrappers_available", "triton_importable"]
 
 #: Set to ``False`` (or ``TORCH_ARMOR_FUSED_WRAPPERS=0`` in the environment) to run ARMOR's wrappers as
 #: batched matmuls on CUDA too: a way around a Triton problem, and the baseline the GPU check times.
@@ -44,7 +44,8 @@ FUSED_WRAPPERS = os.environ.get("TORCH_ARMOR_FUSED_WRAPPERS", "1") != "0"
 
 
 @functools.cache
-def _triton_importable() -> bool:
+def triton_importable() -> bool:
+    """Whether ``import triton`` works here (asked once)."""
     try:
         import triton  # noqa: F401  local: triton is optional (test/CI extra; CUDA wheels of torch ship it)
     except ImportError:
@@ -55,7 +56,7 @@ def _triton_importable() -> bool:
 def fused_wrappers_available(device: torch.device) -> bool:
     """Whether ARMOR linears on ``device`` run their wrappers as :func:`block_diag_rows` kernels:
     CUDA with Triton installed, unless :data:`FUSED_WRAPPERS` is off (otherwise batched matmuls)."""
-    return FUSED_WRAPPERS and device.type == "cuda" and _triton_importable()
+    return FUSED_WRAPPERS and device.type == "cuda" and triton_importable()
 
 
 def block_diag_rows_reference(src: torch.Tensor, blocks: torch.Tensor, bias: Optional[torch.Tensor],
@@ -86,7 +87,7 @@ def _(src, blocks, bias, row_multiple, out_dtype):
 
 @block_diag_rows.register_kernel("cuda")
 def _(src, blocks, bias, row_multiple, out_dtype):
-    if not _triton_importable():
+    if not triton_importable():
         return block_diag_rows_reference(src, blocks, bias, row_multiple, out_dtype)
     from torch_armor.kernels.triton_block_diag import block_diag_rows_triton  # local: imports triton
 
@@ -110,7 +111,7 @@ def _(src, blocks, row_multiple, out_dtype):
 
 @block_diag_rows_shared.register_kernel("cuda")
 def _(src, blocks, row_multiple, out_dtype):
-    if not _triton_importable():
+    if not triton_importable():
         return [block_diag_rows_reference(src, b, None, row_multiple, out_dtype) for b in blocks]
     from torch_armor.kernels.triton_block_diag import block_diag_rows_shared_triton  # local: imports triton
 

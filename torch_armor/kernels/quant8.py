@@ -23,11 +23,14 @@ Example::
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["QDTYPES", "quantize_rows", "dequantize_rows", "scaled_core_mm_rows"]
+from torch_armor.kernels.block_diag import block_diag_rows_reference, triton_importable
+
+__all__ = ["QDTYPES", "quantize_rows", "dequantize_rows", "scaled_core_mm_rows", "quantizing_b_pass",
+           "quantizing_b_pass_reference", "scaled_a_pass", "scaled_a_pass_reference"]
 
 #: the 8-bit formats: (torch dtype, largest magnitude a row is scaled to)
 QDTYPES = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
@@ -49,7 +52,8 @@ def quantize_rows(x: torch.Tensor, qdtype: str) -> Tuple[torch.Tensor, torch.Ten
     scaled = x / scale[:, None]
     if dtype == torch.int8:
         return (scaled.sign() * (scaled.abs() + 0.5).floor()).clamp(-qmax, qmax).to(torch.int8), scale
-    return scaled.clamp(-qmax, qmax).to(dtype), scale
+    bits = scaled.clamp(-qmax, qmax).to(dtype).view(torch.uint8)
+    return torch.where(bits == 0x80, 0, bits).view(dtype), scale  # -0 is 0: zeros stay off the 2:4 support
 
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -68,3 +72,64 @@ def scaled_core_mm_rows(rows: torch.Tensor, q_core: torch.Tensor, core_scale: to
     acc_dtype = torch.float32 if exact_in_float32 else torch.float64
     acc = q_rows.to(acc_dtype) @ q_core.to(acc_dtype).t()
     return (acc * row_scale.to(acc_dtype)[:, None] * core_scale.to(acc_dtype)[None, :]).to(out_dtype)
+
+
+# ----------------------------------------------------------------------- the 8-bit linear's two passes
+
+
+def quantizing_b_pass_reference(src: torch.Tensor, blocks: torch.Tensor, row_multiple: int,
+                                qdtype: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantizing_b_pass` in plain torch: the B-pass (:func:`block_diag_rows_reference`) quantized per row."""
+    return quantize_rows(block_diag_rows_reference(src, blocks, None, row_multiple, blocks.dtype), qdtype)
+
+
+def scaled_a_pass_reference(src: torch.Tensor, blocks: torch.Tensor, bias: Optional[torch.Tensor],
+                            row_scale: torch.Tensor, col_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`scaled_a_pass` in plain torch."""
+    scaled = src.float() * row_scale.float()[:, None] * col_scale.float()[None, :]
+    return block_diag_rows_reference(scaled, blocks, bias, 1, out_dtype)
+
+
+@torch.library.custom_op("torch_armor::quantizing_b_pass", mutates_args=())
+def quantizing_b_pass(src: torch.Tensor, blocks: torch.Tensor, row_multiple: int,
+                      qdtype: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The 8-bit linear's B-pass: ``x · blockdiag(B)ᵀ`` quantized per token (``qdtype`` ``"int8"`` or
+    ``"fp8"``), rows padded with zeros to ``row_multiple``: ``(q (T', d_in), scale (T',) float32)``."""
+    return quantizing_b_pass_reference(src, blocks, row_multiple, qdtype)
+
+
+@quantizing_b_pass.register_fake
+def _(src, blocks, row_multiple, qdtype):
+    rows = src.shape[0] + (-src.shape[0]) % row_multiple
+    return (src.new_empty((rows, blocks.shape[0] * blocks.shape[1]), dtype=QDTYPES[qdtype][0]),
+            src.new_empty((rows,), dtype=torch.float32))
+
+
+@quantizing_b_pass.register_kernel("cuda")
+def _(src, blocks, row_multiple, qdtype):
+    if not triton_importable():
+        return quantizing_b_pass_reference(src, blocks, row_multiple, qdtype)
+    from torch_armor.kernels.triton_quant8 import quantizing_b_pass_triton  # local: imports triton
+
+    return quantizing_b_pass_triton(src, blocks, row_multiple, *QDTYPES[qdtype])
+
+
+@torch.library.custom_op("torch_armor::scaled_a_pass", mutates_args=())
+def scaled_a_pass(src: torch.Tensor, blocks: torch.Tensor, bias: Optional[torch.Tensor], row_scale: torch.Tensor,
+                  col_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The 8-bit linear's A-pass: ``(z ⊙ row_scale ⊗ col_scale) · blockdiag(A)ᵀ (+ bias)``, row-major."""
+    return scaled_a_pass_reference(src, blocks, bias, row_scale, col_scale, out_dtype)
+
+
+@scaled_a_pass.register_fake
+def _(src, blocks, bias, row_scale, col_scale, out_dtype):
+    return src.new_empty((src.shape[0], blocks.shape[0] * blocks.shape[1]), dtype=out_dtype)
+
+
+@scaled_a_pass.register_kernel("cuda")
+def _(src, blocks, bias, row_scale, col_scale, out_dtype):
+    if not triton_importable():
+        return scaled_a_pass_reference(src, blocks, bias, row_scale, col_scale, out_dtype)
+    from torch_armor.kernels.triton_quant8 import scaled_a_pass_triton  # local: imports triton
+
+    return scaled_a_pass_triton(src, blocks, bias, row_scale, col_scale, out_dtype)

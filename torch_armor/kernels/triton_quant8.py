@@ -19,8 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from torch_armor.kernels.quant8 import QDTYPES
-
 __all__ = ["quantizing_b_pass_triton", "scaled_a_pass_triton"]
 
 
@@ -52,7 +50,7 @@ def _round_to_e4m3(v):
     low = tl.floor(steps)
     tie_to_even = (steps - low == 0.5) & ((low.to(tl.int32) & 1) == 0)
     rounded = tl.where(tie_to_even, low, tl.floor(steps + 0.5)) * ulp
-    return tl.where(v < 0, -rounded, rounded)
+    return tl.where((v < 0) & (rounded > 0), -rounded, rounded)  # never -0: zeros stay off the 2:4 support
 
 
 @triton.jit
@@ -119,10 +117,10 @@ def _common(blocks: torch.Tensor, rows: int) -> dict:
             "USE_DOT": block_p2 >= 16, "PRECISION": "ieee" if blocks.dtype == torch.float32 else "tf32"}
 
 
-def quantizing_b_pass_triton(src: torch.Tensor, blocks: torch.Tensor, row_multiple: int,
-                             qdtype: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_rows(x · blockdiag(blocks)ᵀ)`` with ``T`` padded to ``row_multiple`` by zero rows."""
-    dtype, qmax = QDTYPES[qdtype]
+def quantizing_b_pass_triton(src: torch.Tensor, blocks: torch.Tensor, row_multiple: int, dtype: torch.dtype,
+                             qmax: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows(x · blockdiag(blocks)ᵀ)`` to ``dtype`` (``torch.int8``, largest value ``qmax`` = 127,
+    or ``torch.float8_e4m3fn``, 448) with ``T`` padded to ``row_multiple`` by zero rows."""
     rows = src.shape[0]
     n_blocks, block, _ = blocks.shape
     out_rows = rows + (-rows) % row_multiple

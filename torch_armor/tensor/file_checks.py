@@ -52,7 +52,8 @@ _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16":
 _TORCH_CODE = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
                "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
                "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
-_STORAGES = ("compact", "dense", "semi_structured", "quantized")
+_STORAGES = ("compact", "dense", "semi_structured", "quantized", "int8", "fp8")
+_EIGHT_BIT_CODES = {"int8": "int8", "fp8": "float8_e4m3fn"}  # 8-bit core storage -> dtype of its values
 _PART_SUFFIXES = (".b_blocks", ".values", ".indices", ".core")
 
 
@@ -192,10 +193,12 @@ def _layer_problem(fqn: str, layer: Any, stored: Mapping[str, Tuple[List[int], s
     if layer.get("dtype") not in _TORCH_CODE or not torch.empty(0, dtype=getattr(torch, layer["dtype"])).is_floating_point():
         return f"dtype {layer.get('dtype')!r} is not a floating dtype"
     storage, runtime = layer.get("storage"), layer.get("runtime_storage")
-    if storage not in ("compact", "dense", "quantized") or runtime not in _STORAGES:
+    if storage not in ("compact", "dense", "quantized", *_EIGHT_BIT_CODES) or runtime not in _STORAGES:
         return f"storage {storage!r} / runtime_storage {runtime!r} is not one of {_STORAGES}"
     if storage == "compact" and (not pattern.structured or shape[1] % pattern.m):
         return f"compact storage needs an N:M pattern dividing the {shape[1]} input columns, got {pattern}"
+    if storage in _EIGHT_BIT_CODES and ((pattern.n, pattern.m) != (2, 4) or runtime != storage or shape[1] % 4):
+        return f"an {storage} core must be 2:4 with runtime_storage {storage!r}, got {pattern} / {runtime!r}"
     specs = layer.get("tensors")
     if not (isinstance(specs, dict) and specs and all(
             isinstance(s, dict) and isinstance(s.get("shape"), list) and s.get("dtype") in _TORCH_CODE
@@ -209,6 +212,9 @@ def _layer_problem(fqn: str, layer: Any, stored: Mapping[str, Tuple[List[int], s
         expected.update(values=(lead + [shape[0], k], dt), indices=(lead + [shape[0], -(-k // per_byte)], "uint8"))
     elif storage == "dense":
         expected["core"] = (list(full), dt)
+    elif storage in _EIGHT_BIT_CODES:
+        expected.update(values=([shape[0], shape[1] // 2], _EIGHT_BIT_CODES[storage]),
+                        indices=([shape[0], -(-(shape[1] // 2) // 4)], "uint8"), core_scale=([shape[0]], "float32"))
     for name, (want_shape, want_dtype) in expected.items():
         if name not in specs or list(specs[name]["shape"]) != want_shape or specs[name]["dtype"] != want_dtype:
             got = specs.get(name)
@@ -296,7 +302,7 @@ def check_layer_values(fqn: str, pattern: Any, parts: Mapping[str, Any]) -> None
     """A converted layer's stored parts: finite factors and core, compact indices strictly increasing per group."""
     for name, t in parts.items():
         if isinstance(t, torch.Tensor) and type(t) is torch.Tensor and t.is_floating_point() \
-                and t.device.type != "meta" and not bool(torch.isfinite(t).all()):
+                and t.device.type != "meta" and not bool(torch.isfinite(t.float() if t.element_size() == 1 else t).all()):
             raise ArmorInputError(f"layer {fqn!r}: stored {name} holds NaN or Inf; the checkpoint is corrupt "
                                   "(re-save or re-prune the model)")
     indices = parts.get("indices")

@@ -29,7 +29,7 @@ from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_
 
 from torch_armor._io import atomic_write
 from torch_armor.errors import ArmorInputError
-from torch_armor.tensor.armor_tensor import QUANTIZED, ArmorTensor
+from torch_armor.tensor.armor_tensor import STORAGES, ArmorTensor
 from torch_armor.tensor.experts import ArmorExpertsTensor
 from torch_armor.tensor.file_checks import check_load_target, refuse_missing_keys
 from torch_armor.tensor.flatten import flatten_armor_state
@@ -165,6 +165,8 @@ def load_hf_quantized(path: Path, device: Optional[Union[str, torch.device]], st
     if storage is not None:
         for module in model.modules():
             for pname, w in list(module._parameters.items()):
-                if isinstance(w, (ArmorTensor, ArmorExpertsTensor)) and w.storage_format not in (QUANTIZED, storage):
+                # floating cores only: a quantized (torchao, int8, fp8) core is not re-stored
+                if isinstance(w, (ArmorTensor, ArmorExpertsTensor)) and w.storage_format in STORAGES \
+                        and w.storage_format != storage:
                     module._parameters[pname] = nn.Parameter(w.with_storage(storage), requires_grad=False)
     return model

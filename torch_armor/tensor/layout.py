@@ -33,6 +33,7 @@ import torch
 from torch_armor.core.pattern import parse_pattern
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import QUANTIZED, STORAGES, ArmorTensor, from_parts
+from torch_armor.tensor.eight_bit import EIGHT_BIT, EightBitArmorTensor
 from torch_armor.tensor.experts import ArmorExpertsTensor, experts_from_parts
 from torch_armor.tensor.file_checks import check_layer_values
 from torch_armor.tensor.packing import index_bits, pack_nm, unpack_nm
@@ -87,6 +88,8 @@ def tensor_spec(t: torch.Tensor) -> Dict[str, Any]:
 
 
 def _inner_names(storage: str) -> Tuple[str, ...]:
+    if storage in EIGHT_BIT:
+        return ("a_blocks", "b_blocks", "values", "indices", "core_scale")
     return ("a_blocks", "b_blocks") + (("values", "indices") if storage == "compact" else ("core",))
 
 
@@ -211,8 +214,12 @@ def layer_parts(key: str, value: Union[ArmorTensor, ArmorExpertsTensor]) -> Tupl
     if value.storage_format == QUANTIZED:
         return _flatten_quantized(key, value)
     runtime = value.storage_format
-    saved_storage = "compact" if parse_pattern(value.pattern).structured else "dense"
-    w = value.with_storage(saved_storage) if runtime != saved_storage else value
+    if isinstance(value, EightBitArmorTensor):  # stored compact, whatever kernel it runs on
+        saved_storage = runtime
+        w = value if value.backend is None else value.moved("cpu", value.dtype)
+    else:
+        saved_storage = "compact" if parse_pattern(value.pattern).structured else "dense"
+        w = value.with_storage(saved_storage) if runtime != saved_storage else value
     inner = {name: getattr(w, name) for name in _inner_names(saved_storage)}
     entry = {
         "shape": list(value.shape),
@@ -292,7 +299,12 @@ def validate_layer(fqn: str, layer: Any, tensors: Dict[str, torch.Tensor]) -> No
     if storage == QUANTIZED or runtime == QUANTIZED:
         _validate_quantized_layer(fqn, layer, tensors, (d_out, d_in), d_b, pattern, dtype)
         return
-    if storage not in ("compact", "dense") or runtime not in STORAGES:
+    if lead and (storage in EIGHT_BIT or runtime in EIGHT_BIT):
+        raise ArmorInputError(f"{where}: 8-bit expert cores are not supported; the file was edited or is corrupt")
+    if storage in EIGHT_BIT and (runtime != storage or (pattern.n, pattern.m) != (2, 4)):
+        raise ArmorInputError(f"{where}: an {storage} core must be 2:4 with runtime storage {storage!r}, got "
+                              f"{pattern} / {runtime!r}")
+    if storage not in ("compact", "dense", *EIGHT_BIT) or runtime not in STORAGES + EIGHT_BIT:
         raise ArmorInputError(f"{where}: invalid storage {storage!r} / runtime storage {runtime!r}")
     if storage == "compact" and not pattern.structured:
         raise ArmorInputError(f"{where}: compact storage needs an N:M pattern, got {pattern}")
@@ -302,7 +314,11 @@ def validate_layer(fqn: str, layer: Any, tensors: Dict[str, torch.Tensor]) -> No
         "a_blocks": (lead + (d_out // d_b, d_b, d_b), dtype),
         "b_blocks": (lead + (d_in // d_b, d_b, d_b), dtype),
     }
-    if storage == "compact":
+    if storage in EIGHT_BIT:
+        expected["values"] = ((d_out, d_in // 2), DTYPES["int8" if storage == "int8" else "float8_e4m3fn"])
+        expected["indices"] = ((d_out, -(-(d_in // 2) // 4)), torch.uint8)
+        expected["core_scale"] = ((d_out,), torch.float32)
+    elif storage == "compact":
         if d_in % pattern.m:
             raise ArmorInputError(f"{where}: d_in={d_in} is not a multiple of M={pattern.m}")
         k = d_in // pattern.m * pattern.n

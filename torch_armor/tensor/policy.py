@@ -51,6 +51,7 @@ __all__ = [
     "KernelRefused",
     "device_info",
     "choose_storage",
+    "choose_eight_bit",
     "warn_fallback",
 ]
 
@@ -194,6 +195,38 @@ def choose_storage(
     return StorageChoice(requested)
 
 
+#: compute capability from which cuSPARSELt multiplies each 8-bit format
+_EIGHT_BIT_CAPABILITY = {"int8": (8, 0), "fp8": (8, 9)}
+_EIGHT_BIT_MIN_SHAPE = (32, 32)  # torch.sparse.SparseSemiStructuredTensorCUSPARSELT, int8 / e4m3
+
+
+def choose_eight_bit(device: DeviceInfo, qdtype: str, shape: Tuple[int, int]) -> StorageChoice:
+    """Where an 8-bit (``"int8"`` / ``"fp8"``) 2:4 core runs: cuSPARSELt's 8-bit kernels on a CUDA GPU that
+    has them (int8 sm80+, fp8 sm89+, both dimensions multiples of 32), else the compact 8-bit form
+    (backend ``None``), with a reason on CUDA.
+
+    Example::
+
+        >>> choose_eight_bit(DeviceInfo("cuda", (9, 0), frozenset({"cusparselt"})), "fp8", (4096, 4096)).backend
+        'cusparselt'
+        >>> choose_eight_bit(DeviceInfo("cuda", (8, 0), frozenset({"cusparselt"})), "fp8", (4096, 4096)).reason
+        'cuSPARSELt multiplies fp8 2:4 cores from sm89, this GPU is sm80; the fp8 core runs unpacked (slow, same outputs)'
+    """
+    if device.type != "cuda":
+        return StorageChoice(qdtype)
+    cap, need = device.capability or (0, 0), _EIGHT_BIT_CAPABILITY[qdtype]
+    rows, cols = _EIGHT_BIT_MIN_SHAPE
+    if "cusparselt" not in device.backends:
+        why = "this torch has no cuSPARSELt"
+    elif cap < need:
+        why = f"cuSPARSELt multiplies {qdtype} 2:4 cores from sm{need[0]}{need[1]}, this GPU is sm{cap[0]}{cap[1]}"
+    elif shape[0] % rows or shape[1] % cols:
+        why = f"cuSPARSELt's {qdtype} kernels need both dimensions multiples of {rows}, the core is {tuple(shape)}"
+    else:
+        return StorageChoice(qdtype, backend="cusparselt")
+    return StorageChoice(qdtype, reason=why + f"; the {qdtype} core runs unpacked (slow, same outputs)")
+
+
 def warn_fallback(layer: Optional[str], shape: Tuple[int, int], choice: StorageChoice) -> None:
     """One :class:`ArmorStorageWarning` per distinct reason, naming the first layer it hit
     (``layer``, or its shape when the name is unknown); nothing when ``choice`` has no reason."""
@@ -202,7 +235,8 @@ def warn_fallback(layer: Optional[str], shape: Tuple[int, int], choice: StorageC
     _WARNED.add(choice.reason)
     where = layer or f"a {tuple(shape)} layer"
     warnings.warn(
-        f"{where}: keeps a dense core on the GPU (same outputs, no 2:4 speed-up) because {choice.reason}; "
+        f"{where}: keeps a {'dense' if choice.storage == 'dense' else choice.storage + ' compact'} core on the "
+        f"GPU (same outputs, no 2:4 speed-up) because {choice.reason}; "
         "every other layer with this reason does the same (warned once)",
         ArmorStorageWarning,
         stacklevel=3,

@@ -1,41 +1,31 @@
-"""Stack torchao quantization on ARMOR weights: quantize the sparse core, keep ``A``, ``B`` as they are.
+"""Stack torchao quantization configs on ARMOR weights: quantize the sparse core, keep ``A``, ``B`` as they are.
 
-A converted linear computes ``y = A · core · B · x``. :class:`ArmorCoreConfig` wraps any
-torchao weight-swap config (``Int8WeightOnlyConfig()``, ``Int8DynamicActivationInt8WeightConfig()``
-...) so that ``torchao.quantization.quantize_`` applies it to the **core** of every
-:class:`~torch_armor.tensor.armor_tensor.ArmorTensor` weight; the block-diagonal wrappers ``A`` and ``B``
-stay in the activation dtype. The quantized core is built by torchao itself (its registered
-handler runs on a temporary ``nn.Linear`` that holds the dense core), stored in the
-:class:`QuantizedArmorTensor` (``storage_format == "quantized"``), and the core matmul is ``F.linear(x·Bᵀ, core)``,
-so torchao's own dispatch does the int8 math, eager and under ``torch.compile``.
+A converted linear computes ``y = A · core · B · x``. :class:`ArmorCoreConfig` wraps a torchao config
+so that ``torchao.quantization.quantize_`` applies it to the **core** of every
+:class:`~torch_armor.tensor.armor_tensor.ArmorTensor` weight; ``A`` and ``B`` stay in the activation
+dtype. Three configs are taken:
 
-Plain ``quantize_(model, Int8WeightOnlyConfig())`` on a converted model raises
-``NotImplementedError`` telling you to wrap the config in :class:`ArmorCoreConfig` (torchao's
-handler needs ops such as ``view`` that a factored weight cannot offer). It may already have
-quantized dense linears it visited first; use ``ArmorCoreConfig(..., apply_to_dense=True)``
-to quantize converted and dense linears in one call.
+* ``Int8DynamicActivationInt8WeightConfig()`` and ``Float8DynamicActivationFloat8WeightConfig()``: an
+  **8-bit 2:4 core** (:mod:`torch_armor.tensor.eight_bit`: int8 / fp8 e4m3 kept values, a scale per output
+  channel, each token quantized on the fly), which on a GPU runs on cuSPARSELt's 8-bit 2:4 kernels
+  (int8 sm80+, fp8 sm89+) — the two compressions add up;
+* ``Int8WeightOnlyConfig()``: torchao's own ``Int8Tensor`` core (:class:`QuantizedArmorTensor`,
+  ``storage_format == "quantized"``): int8 weights, a **dense** core (no 2:4 kernel), its matmul
+  torchao's ``F.linear``.
 
-Measured error: relative Frobenius error of the logits of the int8-core model vs the fp32
-converted model (CPU, torch 2.13, torchao 0.18). Tiny random Llama of the tests (hidden 64,
-2 layers, weights ~N(0, 0.3²), converted with ``block_size=16``; ``tests/test_quant.py``):
+Any other config is refused with one line naming these three. Plain ``quantize_(model,
+Int8WeightOnlyConfig())`` on a converted model raises ``NotImplementedError`` telling you to wrap the
+config in :class:`ArmorCoreConfig` (torchao's handler needs ops such as ``view`` that a factored weight
+cannot offer). It may already have quantized dense linears it visited first; use
+``ArmorCoreConfig(..., apply_to_dense=True)`` to quantize converted and dense linears in one call.
 
-==========================================  ===============  ==========  ==============================
-config (on the core only)                   eager            compiled    torchao's config on the *dense*
-                                                                         model's decoder linears
-==========================================  ===============  ==========  ==============================
-``Int8WeightOnlyConfig()``                  3.7 – 3.9 %      same        3.8 %
-``Int8DynamicActivationInt8WeightConfig()`` 6.2 %            6.3 %       6.0 %
-==========================================  ===============  ==========  ==============================
-
-(The random model amplifies weight noise: the error is the same as torchao's own int8 on the
-dense model, which the test checks, together with bounds of 5 % and 10 %.) Compiled weight-only
-output equals eager to 1e-6; with dynamic activation quantization, float rounding differences
-can flip an activation's int8 value, so compiled and eager differ by about as much as the
-quantization error itself.
-
-SmolLM2-135M (``python benchmarks/inference.py --threads 1``: all 210 decoder linears converted
-with cheap factors, block 16, BCD x1; 4 Wikipedia windows of 128 tokens; error vs the fp32
-ARMOR model): ``Int8WeightOnlyConfig()`` 2.2 %, ``Int8DynamicActivationInt8WeightConfig()`` 6.0 %.
+Measured error: relative Frobenius error of the logits of the int8-core model vs the fp32 converted
+model (CPU, torch 2.13, torchao 0.18), on the tiny random Llama of the tests (hidden 64, 2 layers,
+weights ~N(0, 0.3²), converted with ``block_size=16``; ``tests/tensor/test_quant.py``, ``-s`` prints
+them): ``Int8WeightOnlyConfig()`` 3.5 % (torchao's own int8 on the dense model's decoder linears:
+3.8 %), ``Int8DynamicActivationInt8WeightConfig()`` (the int8 2:4 core) 6.1 % (torchao on the dense
+model: 6.0 %). The random model amplifies weight noise; on the real SmolLM2-135M see
+``benchmarks/quantized_cores.py`` (docs/gpu.md).
 
 Saving: :func:`torch_armor.tensor.serialization.save_pretrained` stores a quantized core's own
 tensors (the int8 ``qdata`` packed N:M like a floating core, plus its scales) and the
@@ -79,6 +69,7 @@ from torchao.quantization.transform_module import register_quantize_module_handl
 from torchao.utils import TorchAOBaseTensor
 
 from torch_armor.tensor.armor_tensor import QUANTIZED, ArmorTensor, from_parts, register_format
+from torch_armor.tensor.eight_bit import EightBitArmorTensor, quantize_core_8bit
 from torch_armor.tensor.experts import ArmorExpertsTensor
 from torch_armor.tensor.linear_layout import armor_linear_rows
 from torch_armor.errors import ArmorInputError
@@ -96,6 +87,9 @@ __all__ = [
 
 
 _CONFIG_KEY = "torchao_config"
+#: torchao configs whose quantization keeps the core 2:4: the 8-bit cores of torch_armor.tensor.eight_bit
+#: (per-output-channel weight scales, per-token dynamic activation scales)
+EIGHT_BIT_CONFIGS = {"Int8DynamicActivationInt8WeightConfig": "int8", "Float8DynamicActivationFloat8WeightConfig": "fp8"}
 
 
 @register_format
@@ -175,9 +169,9 @@ class ArmorCoreConfig(AOBaseConfig):
     """Apply a torchao config to the sparse core of every ARMOR-converted linear.
 
     Args:
-        inner: a torchao weight-swap config, e.g. ``Int8WeightOnlyConfig()`` or
-            ``Int8DynamicActivationInt8WeightConfig()``. torchao builds the quantized core
-            exactly as it would build a quantized weight.
+        inner: ``Int8DynamicActivationInt8WeightConfig()`` (int8 2:4 core),
+            ``Float8DynamicActivationFloat8WeightConfig()`` (fp8 2:4 core) or ``Int8WeightOnlyConfig()``
+            (torchao's dense int8 core); the module docstring says what each builds.
         apply_to_dense: also apply ``inner`` (torchao's usual handler) to linears whose
             weight is a plain tensor, e.g. ``lm_head``. Default: leave them untouched.
 
@@ -260,10 +254,10 @@ def _quantize_dense_core(core: torch.Tensor, inner: AOBaseConfig) -> torch.Tenso
 def quantize_armor_core(weight: ArmorTensor, inner: AOBaseConfig) -> ArmorTensor:
     """Return ``weight`` with its core quantized by torchao's ``inner`` config (``A``, ``B`` unchanged).
 
-    The dense core (``weight.core_dense()``, exact) goes through torchao's registered handler for
-    ``inner``; the result (e.g. an ``Int8Tensor``) becomes the core, storage ``"quantized"``.
-    A CUDA ``"semi_structured"`` core becomes a dense int8 one (torchao 0.18 has no int8 2:4
-    layout).
+    ``Int8DynamicActivationInt8WeightConfig()`` / ``Float8DynamicActivationFloat8WeightConfig()``: an
+    8-bit 2:4 core (:func:`torch_armor.tensor.eight_bit.quantize_core_8bit`). ``Int8WeightOnlyConfig()``:
+    the dense core (``weight.core_dense()``, exact) goes through torchao's registered handler and its
+    ``Int8Tensor`` becomes the core, storage ``"quantized"`` (dense: no 2:4 kernel). Other configs raise.
 
     Raises:
         TypeError: ``weight`` is not an ArmorTensor, or ``inner`` is not a weight-swap config.
@@ -285,7 +279,7 @@ def quantize_armor_core(weight: ArmorTensor, inner: AOBaseConfig) -> ArmorTensor
             "(ArmorCoreConfig quantizes ARMOR linears only and leaves experts' cores in floating point)")
     if not isinstance(weight, ArmorTensor):
         raise TypeError(f"quantize_armor_core expects an ArmorTensor weight, got {type(weight).__name__}")
-    if weight.storage_format == QUANTIZED:
+    if weight.storage_format == QUANTIZED or isinstance(weight, EightBitArmorTensor):
         raise ArmorInputError(
             "this ArmorTensor's core is already quantized; quantize the floating-point converted model "
             "once (or call dequantize_armor_core first)"
@@ -294,6 +288,14 @@ def quantize_armor_core(weight: ArmorTensor, inner: AOBaseConfig) -> ArmorTensor
         inner = inner.inner
     if not isinstance(inner, AOBaseConfig):
         raise TypeError(f"inner must be a torchao config instance such as Int8WeightOnlyConfig(), got {type(inner).__name__}")
+    if type(inner).__name__ in EIGHT_BIT_CONFIGS:
+        return quantize_core_8bit(weight, EIGHT_BIT_CONFIGS[type(inner).__name__])
+    if type(inner).__name__ != "Int8WeightOnlyConfig":
+        raise ArmorInputError(
+            f"{weight.layer_name or 'an ARMOR layer'}: {type(inner).__name__} cannot quantize an ARMOR core; "
+            "ArmorCoreConfig takes Int8DynamicActivationInt8WeightConfig() (int8 2:4 core), "
+            "Float8DynamicActivationFloat8WeightConfig() (fp8 2:4 core) or Int8WeightOnlyConfig() (int8 weights, "
+            "dense core)")
     core = weight.core_dense().detach().contiguous()
     qcore = _quantize_dense_core(core, inner)
     out = QuantizedArmorTensor(weight.a_blocks, weight.b_blocks, qcore, weight.pattern, weight.dtype,
@@ -320,6 +322,11 @@ def dequantize_armor_core(weight: ArmorTensor, storage: str = "auto") -> ArmorTe
     """
     if not isinstance(weight, ArmorTensor):
         raise TypeError(f"dequantize_armor_core expects an ArmorTensor weight, got {type(weight).__name__}")
+    if isinstance(weight, EightBitArmorTensor):
+        dense = from_parts("dense", weight.a_blocks, weight.b_blocks, weight.pattern, weight.dtype,
+                           core=weight.core_dense())
+        dense.layer_name = weight.layer_name
+        return dense.with_storage(storage) if storage != "dense" else dense
     if weight.storage_format != QUANTIZED:
         return weight.with_storage(storage)
     dense = from_parts("dense", weight.a_blocks, weight.b_blocks, weight.pattern, weight.dtype,
@@ -346,7 +353,7 @@ def _armor_core_transform(module: nn.Module, config: ArmorCoreConfig, *, paramet
         if handler is None:
             raise TypeError(f"{type(config.inner).__name__} has no quantize_ handler registered with torchao")
         return handler(module, config.inner)
-    if weight.storage_format == QUANTIZED:  # quantize_ twice: leave it (torchao skips quantized weights too)
+    if weight.storage_format == QUANTIZED or isinstance(weight, EightBitArmorTensor):  # quantize_ twice: leave it
         return module
     new = quantize_armor_core(weight, config.inner)
     setattr(module, parameter_name, nn.Parameter(new, requires_grad=False))
