@@ -176,8 +176,9 @@ def quick(args, report: Report, started: float) -> int:
             "step times are guesses until a GPU run replaces them)", "",
         f"- tests: {' '.join(args.tests or CUDA_TESTS)} (~{QUICK_ESTIMATE_S['tests']} s)",
         f"- layers: {len(shapes)} shapes ({', '.join(shapes)}) x {len(tokens)} token counts ({', '.join(map(str, tokens))}) "
-        f"x {len(gpu_quick.LAYER_VARIANTS)} variants ({', '.join(gpu_quick.LAYER_VARIANTS)}) = "
-        f"{len(shapes) * len(tokens) * len(gpu_quick.LAYER_VARIANTS)} rows (~{QUICK_ESTIMATE_S['layers']} s)",
+        f"x {len(gpu_quick.LAYER_VARIANTS)} variants ({', '.join(gpu_quick.LAYER_VARIANTS)}), and "
+        f"{', '.join(gpu_quick.EIGHT_BIT_VARIANTS)} at {' and '.join(map(str, gpu_quick.EIGHT_BIT_TOKENS))} tokens = "
+        f"{len(shapes) * (len(tokens) * len(gpu_quick.LAYER_VARIANTS) + 4)} rows (~{QUICK_ESTIMATE_S['layers']} s)",
         f"- model: Llama-3-8B-shaped, {args.layers} decoder layers, dense / 2:4 / ARMOR d_b={args.block_size} x "
         f"(prefill 2048, decode 128 eager and CUDA graph at batch 1 and 16) = 15 rows (~{QUICK_ESTIMATE_S['model']} s)",
         f"- prune: one 8B-shaped decoder block with ArmorConfig(), projected to 8B and 70B = 3 rows "

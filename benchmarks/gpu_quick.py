@@ -34,8 +34,9 @@ if importlib.util.find_spec("torch_armor") is None:  # run from a checkout witho
 import torch
 import torch.nn.functional as F
 
-from inference_gpu import Clock, armor_weight, check_note, median_ms, ratio, rel_error, sparse_weight
+from inference_gpu import CHECK_TOL, Clock, armor_weight, median_ms, ratio, rel_error, sparse_weight
 from torch_armor.kernels import block_diag
+from torch_armor.tensor.eight_bit import quantize_core_8bit
 
 Row = Dict[str, object]
 SHAPES_8B = ["4096x4096", "14336x4096", "4096x14336"]
@@ -43,6 +44,8 @@ TOKENS = [1, 16, 256, 2048]
 BLOCK_PARAMS_8B = 2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096
 BLOCK_PARAMS_70B = 2 * 8192 * 8192 + 2 * 1024 * 8192 + 3 * 28672 * 8192
 LAYER_VARIANTS = ["dense", "2:4", "armor bmm", "armor fused"]
+EIGHT_BIT_VARIANTS = ["armor int8", "armor fp8"]  # at 16 and 2048 tokens, where the GPU has the kernel
+EIGHT_BIT_TOKENS = (16, 2048)
 
 
 def _device_dtype(dry: bool):
@@ -82,21 +85,27 @@ def layer_rows(dry: bool, block_size: int, repeats: int = 20) -> Iterator[Row]:
             continue
         dense = w.dense_weight()
         plain, plain_note = sparse_weight(w.core_dense(), not dry)
-        calls = {"dense": (lambda x: F.linear(x, dense), dense),
-                 "2:4": (None if plain is None else (lambda x: F.linear(x, plain)), w.core_dense()),
-                 "armor bmm": (_armor_call(w, False), dense), "armor fused": (_armor_call(w, True), dense)}
+        calls = {"dense": (lambda x: F.linear(x, dense), dense, CHECK_TOL),
+                 "2:4": (None if plain is None else (lambda x: F.linear(x, plain)), w.core_dense(), CHECK_TOL),
+                 "armor bmm": (_armor_call(w, False), dense, CHECK_TOL),
+                 "armor fused": (_armor_call(w, True), dense, CHECK_TOL)}
+        for qdtype, tol in (("int8", 0.05), ("fp8", 0.15)):  # activations are quantized too: a looser check
+            q = quantize_core_8bit(w, qdtype)
+            calls[f"armor {qdtype}"] = (lambda x, q=q: F.linear(x, q), q.dense_weight(), tol)
         for n in tokens:
             x = torch.randn(n, d_in, device=device, dtype=dtype, generator=gen)
             measured: Dict[str, Row] = {}
-            for variant in LAYER_VARIANTS:
-                fn, ref = calls[variant]
+            variants = LAYER_VARIANTS + (EIGHT_BIT_VARIANTS if n in EIGHT_BIT_TOKENS or dry else [])
+            for variant in variants:
+                fn, ref, tol = calls[variant]
                 row: Row = {"shape": shape, "tokens": n, "variant": variant}
                 if fn is None:
                     row["note"] = plain_note
                 else:
                     try:
                         with torch.no_grad():
-                            row["check"] = check_note(rel_error(fn(x), F.linear(x.float(), ref.float())))
+                            err = rel_error(fn(x), F.linear(x.float(), ref.float()))
+                            row["check"] = f"ok {err:.1e}" if err <= tol else f"FAIL {err:.1e}"
                             row["ms"] = median_ms(lambda: clock.time(lambda: fn(x)), 3, repeats)
                             row["b2b_ms"] = clock.back_to_back(lambda: fn(x), repeats)
                     except Exception as err:  # noqa: BLE001 - a refused kernel is a row, the rest go on

@@ -153,7 +153,7 @@ def test_gpu_check_quick_prints_its_plan_and_estimate_first_and_keeps_to_its_bud
     plan = re.search(r"## Plan \(estimate ([0-9.]+) min on one H100", out)
     assert plan and float(plan.group(1)) <= 5.0
     assert out.index("## Plan") < out.index("## CUDA tests: 1 passed")
-    assert "= 48 rows" in out and "= 15 rows" in out and "= 3 rows" in out
+    assert "= 60 rows" in out and "= 15 rows" in out and "= 3 rows" in out
     rows = [json.loads(line) for line in (tmp_path / "out" / "rows.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == ["tests", "layers", "model", "prune"]
     assert all("skipped" in r["note"] for r in rows[1:])
@@ -180,7 +180,7 @@ def test_quick_rows_on_cpu():
     each checked against the dense product of its weights; CUDA-graph rows say why they did not run."""
     gpu_quick = _import_benchmark("gpu_quick")
     layers = list(gpu_quick.layer_rows(dry=True, block_size=16, repeats=1))
-    assert len(layers) == 2 * 2 * 4 and [r["variant"] for r in layers[:4]] == gpu_quick.LAYER_VARIANTS
+    assert len(layers) == 2 * 2 * 6 and [r["variant"] for r in layers[:6]] == gpu_quick.LAYER_VARIANTS + gpu_quick.EIGHT_BIT_VARIANTS
     assert all(r["check"].startswith("ok") for r in layers), layers
     model = list(gpu_quick.model_rows(dry=True, layers=1, block_size=16))
     assert len(model) == 15 and all(("ms" in r) != ("graph" in r["workload"]) for r in model), model
