@@ -322,7 +322,8 @@ def test_one_class_per_storage_and_no_storage_branch_in_forward():
     from torch_armor.tensor import armor_tensor, linear_layout
 
     forward = [inspect.getsource(linear_layout)] + [inspect.getsource(cls._linear) for cls in armor_tensor._FORMATS.values()]
-    assert len(forward) == 1 + 5  # dense, compact, cuSPARSELt, CUTLASS, quantized
+    # dense, compact, cuSPARSELt, CUTLASS, quantized; int8 and fp8, each compact and cuSPARSELt
+    assert len(forward) == 1 + 5 + 4
     assert not [src for src in forward if "storage" in src or "backend" in src]
     names = {type(ArmorTensor.from_factors(random_pattern_factors(32, 64, 16), storage=s)).__name__
              for s in ("compact", "dense")}
