@@ -72,6 +72,11 @@ def test_moves_casts_copies_and_refusals(qdtype, tmp_path):
     other = quantize_core_8bit(_weight(seed=5, dtype=torch.bfloat16), qdtype)
     other.copy_(q)
     assert torch.equal(other.values.view(torch.uint8), q.values.view(torch.uint8))
+    holder, target = torch.nn.Linear(128, 64, bias=False), torch.nn.Linear(128, 64, bias=False)
+    holder.weight, target.weight = torch.nn.Parameter(q, requires_grad=False), torch.nn.Parameter(other, requires_grad=False)
+    other.values.zero_()
+    target.load_state_dict(holder.state_dict())
+    assert torch.equal(target.weight.values.view(torch.uint8), q.values.view(torch.uint8))
     torch.save({"w": q}, tmp_path / "w.pt")
     back = torch.load(tmp_path / "w.pt", weights_only=True)["w"]
     assert type(back) is type(q) and torch.equal(back.core_dense(), q.core_dense())
