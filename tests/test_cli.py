@@ -324,3 +324,19 @@ def test_eval_of_a_saved_moe_directory(tmp_path, capsys, smollm2_tokenizer, text
     got = json.loads(capsys.readouterr().out)["perplexity"]
     want = perplexity(model, eval_windows(str(wiki), smollm2_tokenizer, n_windows=2, seq_len=32), progress=False)
     assert math.isfinite(got) and got == pytest.approx(want, rel=1e-6)
+
+
+def test_prune_of_a_hub_cache_snapshot_writes_what_the_plain_directory_gives(tmp_path, keep_threads):
+    from _hub_cache import hub_cache_layout
+    from _tiny_dir import save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path)
+    snapshot = hub_cache_layout(model_dir, tmp_path / "hub")  # every file a symlink to ../../blobs/<sha256>
+    args = ["--calib", str(tmp_path / "text.txt"), "--n-calib", "2", "--seq-len", "32", "--block-size", "16",
+            "--iters", "2", "--threads", "1", "--no-progress"]
+    assert main(["prune", str(snapshot), "--out", str(tmp_path / "from-cache"), *args]) == 0
+    assert main(["prune", str(model_dir), "--out", str(tmp_path / "plain"), *args]) == 0
+    written = sorted(p.name for p in (tmp_path / "plain").iterdir() if not p.name.startswith("prune_report"))
+    assert "model.safetensors.index.json" in written
+    for name in written:
+        assert (tmp_path / "from-cache" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes(), name

@@ -1,7 +1,8 @@
 """Checkpoints are untrusted input: checks run before any file is handed to safetensors or transformers.
 
 * :func:`check_shard_name` — a weights file named by an index or a config is a plain
-  ``*.safetensors`` file name inside the directory (no ``..``, no path, no symlink out of it).
+  ``*.safetensors`` file name inside the directory (no ``..``, no path, no symlink out of it; in the
+  Hugging Face hub cache, links into the model's own ``blobs/`` are the normal case).
 * :func:`read_safetensors_header` — the 8-byte length, the JSON header and every tensor's dtype,
   shape and byte range checked against the file's size: a pickle, a truncated file or another
   format gives one error naming the file (not safetensors' ``header too large``).
@@ -29,6 +30,7 @@ from torch_armor.errors import ArmorInputError
 
 __all__ = [
     "check_shard_name",
+    "link_home",
     "read_safetensors_header",
     "check_weight_files",
     "check_index",
@@ -70,10 +72,23 @@ def check_shard_name(directory: PathLike, name: Any, listed_in: str) -> Path:
         raise ArmorInputError(f"{listed_in} names weights file {name!r}, which is not a plain *.safetensors file name "
                               f"inside {root}; the file was edited or is corrupt (re-save the checkpoint)")
     path = root / name
-    if path.is_symlink() and path.resolve().parent != root.resolve():
-        raise ArmorInputError(f"{listed_in} names weights file {name!r}, a symlink to {path.resolve()} outside {root}; "
-                              "copy the file into the directory")
+    if path.is_symlink():
+        target, home = path.resolve(), link_home(root)
+        inside = home in target.parents if home != root.resolve() else target.parent == home
+        if not inside:
+            raise ArmorInputError(f"{listed_in} names weights file {name!r}, a symlink to {target} outside {home}; "
+                                  "copy the file into the directory")
     return path
+
+
+def link_home(directory: PathLike) -> Path:
+    """Where the symlinks of a checkpoint's files may point: the directory itself, or, for a snapshot of
+    the Hugging Face hub cache (``models--org--name/snapshots/<revision>``, whose files are links to
+    ``../../blobs/<sha256>``), the model's repository folder ``models--org--name``."""
+    real = Path(directory).resolve()
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
+        return real.parent.parent
+    return real
 
 
 def read_safetensors_header(path: PathLike) -> Dict[str, Any]:
