@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -142,6 +143,22 @@ def test_same_command_twice_writes_identical_bytes(tiny_dir, pruned_dir, tmp_pat
     a, b = (json.loads((d / REPORT_JSON).read_text()) for d in (pruned_dir, out))
     assert strip(a) == strip(b)
     assert [e["relative_proxy_loss"] for e in a["layers"]] == [e["relative_proxy_loss"] for e in b["layers"]]
+
+
+def test_a_weight_of_another_shape_than_config_json_is_named_before_pruning(tiny_dir, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    model_dir = Path(shutil.copytree(tiny_dir, tmp_path / "model"))
+    tensors = load_file(model_dir / "model.safetensors")
+    key = "model.layers.0.self_attn.q_proj.weight"
+    tensors[key] = tensors[key][:, :32].contiguous()
+    save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "calib.txt").write_text(_TEXT, encoding="utf-8")
+    out = tmp_path / "out"
+    assert main(["prune", *_args(model_dir), "--out", str(out)]) == 2
+    line = _error(capsys)
+    assert f"checkpoint tensor '{key}'" in line and "(64, 32)" in line and "config.json makes it (64, 64)" in line
+    assert not out.exists()
 
 
 def _fail_after(monkeypatch, n_ok: int, err_no: int):
