@@ -113,6 +113,9 @@ class PruneOptions:
             value = getattr(self, label)
             if value is not None and not isinstance(value, (str, os.PathLike)):
                 raise ArmorInputError(f"PruneOptions.{label} must be a path or None, got {type(value).__name__}")
+            if isinstance(value, str) and not value.strip():  # Path("") is the working directory
+                raise ArmorInputError(f"PruneOptions.{label} is an empty path (an unset variable?); give a directory "
+                                      "or None")
         for label in ("overwrite", "sequential", "progress"):
             if not isinstance(getattr(self, label), bool):
                 raise ArmorInputError(f"PruneOptions.{label} must be True or False, got {getattr(self, label)!r}")
