@@ -80,6 +80,9 @@ class ArmorQuantizationConfig(QuantizationConfigMixin):
         self.layers = dict(layers or {})
         self.buffers = dict(buffers or {})
         self.pattern = quantization_pattern(self.layers) if pattern is None else pattern
+        if self.pattern != quantization_pattern(self.layers):
+            raise ArmorInputError(f"config.json (quantization_config): 'pattern' is {self.pattern!r} but the layers are "
+                                  f"{quantization_pattern(self.layers)!r}; the file was edited (re-save the model)")
         if self.format_version != FORMAT_VERSION:
             raise ArmorInputError(
                 f"this ARMOR checkpoint is format version {self.format_version}; this torch_armor reads "
@@ -214,14 +217,18 @@ class ArmorHfQuantizer(HfQuantizer):
                 c for c in conversions
                 if not any(isinstance(op, ArmorDeserialize) for op in getattr(c, "operations", ()))
             ]
-        for name, dtype in self.quantization_config.buffers.items():
+        for name, dtype in self.quantization_config.buffers.items():  # dtypes checked against the layers' already
             module_path, _, bname = name.rpartition(".")
             try:
                 module = model.get_submodule(module_path)
             except AttributeError:
-                continue
-            buf = module._buffers.get(bname)
-            if isinstance(buf, torch.Tensor) and dtype in DTYPES and buf.dtype != DTYPES[dtype]:
+                module = None
+            buf = getattr(module, "_buffers", {}).get(bname)
+            if not isinstance(buf, torch.Tensor) or bname not in module._non_persistent_buffers_set:
+                raise ArmorInputError(f"config.json (quantization_config): 'buffers' names {name!r}, which is not a "
+                                      f"non-persistent buffer of this {type(model).__name__}; the file was edited or "
+                                      "is for another model (re-save the model)")
+            if buf.dtype != DTYPES[dtype]:
                 module._buffers[bname] = buf.to(DTYPES[dtype])
         self._model = model  # a plain reference (copy.deepcopy and torch.save of the model follow it; a weakref would not)
         return model

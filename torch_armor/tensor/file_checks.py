@@ -11,8 +11,9 @@
   ``quantization_config`` checked (types, block size against shape, pattern, dtype, inner tensors
   against the files' headers) and every ARMOR layer stored in the files listed, before
   transformers sees the directory.
-* :func:`check_layer_values` — a converted layer's factors are finite and its compact indices
-  strictly increasing within each group (one pass over the layer, cheap next to reading it).
+* :func:`check_layer_values` — a converted layer's factors are finite and the indices of every
+  compact core (a quantized core's packed ``qdata`` too) strictly increasing within each group (one
+  pass over the layer, cheap next to reading it).
 """
 
 from __future__ import annotations
@@ -273,6 +274,7 @@ def check_armor_layers(layers: Any, buffers: Any, files: Mapping[Path, Mapping[s
         if problem:
             raise ArmorInputError(f"{where}, layer {fqn!r}: {problem}; the file was edited or is corrupt "
                                   "(re-save the model)")
+    _check_buffer_dtypes(buffers, {layer["dtype"] for layer in layers.values()}, where)
     for key in stored:
         for suffix in _PART_SUFFIXES:
             base = key[: -len(suffix)]  # a layer's parts: A's blocks under its own key (fused experts too), the rest beside
@@ -286,6 +288,17 @@ def check_armor_layers(layers: Any, buffers: Any, files: Mapping[Path, Mapping[s
             with safe_open(str(home[key]), framework="pt", device="cpu") as fh:
                 parts[name] = fh.get_tensor(key)
         check_layer_values(fqn, layer["pattern"], parts)
+
+
+def _check_buffer_dtypes(buffers: Mapping[str, str], layer_dtypes: set, where: str) -> None:
+    """``buffers`` records the non-persistent floating buffers (rotary ``inv_freq``…) as saved: in float32
+    (how transformers computes them) or in the dtype the model, and so its layers, was cast to."""
+    allowed = sorted({"float32"} | layer_dtypes)
+    for name, dtype in buffers.items():
+        if dtype not in allowed:
+            raise ArmorInputError(f"{where}: 'buffers' gives {name!r} the dtype {dtype!r}, but a saved buffer is "
+                                  f"one of {allowed} (float32 or the layers' dtype); the file was edited (re-save "
+                                  "the model)")
 
 
 def check_layer_entries(layers: Any, buffers: Any) -> None:
@@ -308,14 +321,20 @@ def check_checkpoint_files(files: Any, layers: Any, buffers: Any) -> None:
 
 
 def check_layer_values(fqn: str, pattern: Any, parts: Mapping[str, Any]) -> None:
-    """A converted layer's stored parts: finite factors and core, compact indices strictly increasing per group."""
+    """A converted layer's stored parts: finite factors and core, and the positions of every compact core
+    (``indices``, or a quantized core's ``core.<name>.indices``) strictly increasing per group."""
     for name, t in parts.items():
         if isinstance(t, torch.Tensor) and type(t) is torch.Tensor and t.is_floating_point() \
                 and t.device.type != "meta" and not bool(torch.isfinite(t).all()):
             raise ArmorInputError(f"layer {fqn!r}: stored {name} holds NaN or Inf; the checkpoint is corrupt "
                                   "(re-save or re-prune the model)")
-    indices = parts.get("indices")
-    values = parts.get("values")
+    for name, indices in parts.items():
+        if name == "indices" or name.endswith(".indices"):
+            _check_positions(fqn, pattern, name, indices, parts.get(name[: -len("indices")] + "values"))
+
+
+def _check_positions(fqn: str, pattern: Any, name: str, indices: Any, values: Any) -> None:
+    """The packed positions of one compact core: below M and strictly increasing within each group of N."""
     if not (isinstance(indices, torch.Tensor) and isinstance(values, torch.Tensor)) or indices.device.type == "meta":
         return
     # fused experts stack their parts on a leading dim: check their rows one after the other
@@ -333,7 +352,7 @@ def check_layer_values(fqn: str, pattern: Any, parts: Mapping[str, Any]) -> None
     if bool(bad.any()):
         row, group = (int(v) for v in bad.nonzero()[0])
         raise ArmorInputError(
-            f"layer {fqn!r}: compact indices of row {row}, group {group} are {groups[row, group].tolist()}, not "
+            f"layer {fqn!r}: compact {name} of row {row}, group {group} are {groups[row, group].tolist()}, not "
             f"{n} strictly increasing positions below {m}; the checkpoint is corrupt (re-save the model)")
 
 
