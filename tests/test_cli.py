@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _tiny_dir import fast_prune_args, save_tiny_model
 from torch_armor.cli import REPORT_JSON, REPORT_PNG, main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -328,21 +329,15 @@ def test_eval_of_a_saved_moe_directory(tmp_path, capsys, smollm2_tokenizer, text
 
 
 
-def _tiny_args(folder: Path) -> list:
-    return ["--calib", str(folder / "text.txt"), "--n-calib", "2", "--seq-len", "32", "--block-size", "16", "--iters",
-            "2", "--reconstruct-steps", "0", "--refine", "none", "--threads", "1", "--no-progress"]
-
-
 @pytest.fixture(scope="module")
 def plain_prune(tmp_path_factory):
     """A tiny model in a plain directory and what ``prune`` writes for it."""
-    from _tiny_dir import save_tiny_model
 
     folder = tmp_path_factory.mktemp("plain")
     model_dir = save_tiny_model(folder)
     threads = torch.get_num_threads()
     try:
-        assert main(["prune", str(model_dir), "--out", str(folder / "out"), *_tiny_args(folder)]) == 0
+        assert main(["prune", str(model_dir), "--out", str(folder / "out"), *fast_prune_args(folder)]) == 0
     finally:
         torch.set_num_threads(threads)
     return model_dir, folder / "out"
@@ -376,7 +371,7 @@ def test_prune_of_the_same_model_in_another_layout_writes_the_same_files(layout,
     source = {"hub cache": _hub_cache, "stale inv_freq": _stale_inv_freq, "unicode path": _unicode_path}[layout](
         model_dir, tmp_path)
     out = tmp_path / ("sortie ü 出力" if layout == "unicode path" else "") / "pruned out"
-    assert main(["prune", str(source), "--out", str(out), *_tiny_args(model_dir.parent)]) == 0
+    assert main(["prune", str(source), "--out", str(out), *fast_prune_args(model_dir.parent)]) == 0
     written = sorted(p.name for p in plain_out.iterdir() if not p.name.startswith("prune_report"))
     assert "model.safetensors.index.json" in written and sorted(
         p.name for p in out.iterdir() if not p.name.startswith("prune_report")) == written
@@ -397,7 +392,8 @@ def test_a_3_4_prune_is_saved_as_3_4_and_says_so(plain_prune, tmp_path, keep_thr
 
     model_dir = plain_prune[0]
     out = tmp_path / "out"
-    assert main(["prune", str(model_dir), "--out", str(out), "--pattern", "3:4", *_tiny_args(model_dir.parent)]) == 0
+    assert main(["prune", str(model_dir), "--out", str(out), "--pattern", "3:4",
+                 *fast_prune_args(model_dir.parent)]) == 0
     quant = json.loads((out / "config.json").read_text())["quantization_config"]
     assert quant["pattern"] == "3:4" and {e["pattern"] for e in quant["layers"].values()} == {"3:4"}
     assert len(quant["layers"]) == 14 and json.loads((out / REPORT_JSON).read_text())["pattern"] == "3:4"

@@ -7,6 +7,7 @@
   shape and byte range checked against the file's size: a pickle, a truncated file or another
   format gives one error naming the file (not safetensors' ``header too large``).
 * :func:`check_weight_files` — both of the above for every weights file of a directory.
+* :func:`refuse_incomplete` — a directory left half-written by an interrupted save is refused.
 * :func:`check_quantization_config` — every ARMOR layer entry of ``config.json``'s
   ``quantization_config`` checked (types, block size against shape, pattern, dtype, inner tensors
   against the files' headers) and every ARMOR layer stored in the files listed, before
@@ -36,6 +37,8 @@ __all__ = [
     "check_weight_files",
     "check_index",
     "check_quantization_config",
+    "INCOMPLETE_KEY",
+    "refuse_incomplete",
     "check_layer_values",
     "check_armor_layers",
     "check_checkpoint_files",
@@ -57,6 +60,9 @@ _TORCH_CODE = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16":
                "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
 _STORAGES = ("compact", "dense", "semi_structured", "quantized")
 _PART_SUFFIXES = (".b_blocks", ".values", ".indices", ".core")
+#: ``quantization_config`` key that marks a directory whose weights files a save is replacing: from the
+#: first file replaced until the new ``config.json`` is written (its value says which process)
+INCOMPLETE_KEY = "incomplete"
 
 
 def _bad(path: Path, why: str) -> ArmorInputError:
@@ -241,6 +247,16 @@ def _layer_problem(fqn: str, layer: Any, stored: Mapping[str, Tuple[List[int], s
     return None
 
 
+def refuse_incomplete(quant: Mapping[str, Any], where: str) -> None:
+    """A ``quantization_config`` written while a save replaced the weights files (:data:`INCOMPLETE_KEY`):
+    that save did not finish, so the files may belong to two models."""
+    if quant.get(INCOMPLETE_KEY):
+        raise ArmorInputError(
+            f"{where}: the directory is half-written: a save replacing its weights files ({quant[INCOMPLETE_KEY]}) "
+            "did not finish, so they may belong to two different models; rerun the command that wrote it (a prune "
+            "resumes from its run directory) or restore the directory from a copy")
+
+
 def check_quantization_config(directory: PathLike) -> None:
     """Validate an ARMOR ``quantization_config`` in ``directory/config.json`` against the weights files."""
     root = Path(directory)
@@ -251,6 +267,7 @@ def check_quantization_config(directory: PathLike) -> None:
         raise ArmorInputError(f"{cfg_path} cannot be read as a JSON object ({err}); restore the file") from None
     if not isinstance(quant, dict) or quant.get("quant_method") != "armor":
         return
+    refuse_incomplete(quant, f"{cfg_path} (quantization_config)")
     headers = check_weight_files(root)
     check_armor_layers(quant.get("layers"), quant.get("buffers", {}), {root / n: h for n, h in headers.items()},
                        f"{cfg_path} (quantization_config)")
