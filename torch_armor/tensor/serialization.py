@@ -120,8 +120,10 @@ def assemble_checkpoint(
     dtypes of non-persistent buffers to restore on load), plus ``model.safetensors.index.json``
     for several files; ``armor_config.json`` (every file with its sha256,
     the merged description, ``model_class``) is written atomically LAST. An earlier
-    ``armor_config.json`` and stale weights files in ``directory`` are removed first, so an
-    interrupted assembly leaves a directory that does not load.
+    ``armor_config.json`` and stale weights files in ``directory`` are removed first, and with
+    ``hf_config`` a ``config.json`` saying the directory is half-written stands until the new one
+    is written, so an interrupted assembly leaves a directory that neither this loader nor
+    transformers' ``from_pretrained`` loads.
 
     Raises:
         ValueError: no shards, a shard missing or not written by :func:`save_shard`, a key in
