@@ -32,7 +32,6 @@ from torch_armor.errors import ArmorInputError
 
 __all__ = [
     "check_shard_name",
-    "link_home",
     "read_safetensors_header",
     "check_weight_files",
     "check_index",
@@ -80,7 +79,7 @@ def check_shard_name(directory: PathLike, name: Any, listed_in: str) -> Path:
                               f"inside {root}; the file was edited or is corrupt (re-save the checkpoint)")
     path = root / name
     if path.is_symlink():
-        target, home = path.resolve(), link_home(root)
+        target, home = path.resolve(), _link_home(root)
         inside = home in target.parents if home != root.resolve() else target.parent == home
         if not inside:
             raise ArmorInputError(f"{listed_in} names weights file {name!r}, a symlink to {target} outside {home}; "
@@ -88,7 +87,7 @@ def check_shard_name(directory: PathLike, name: Any, listed_in: str) -> Path:
     return path
 
 
-def link_home(directory: PathLike) -> Path:
+def _link_home(directory: PathLike) -> Path:
     """Where the symlinks of a checkpoint's files may point: the directory itself, or, for a snapshot of
     the Hugging Face hub cache (``models--org--name/snapshots/<revision>``, whose files are links to
     ``../../blobs/<sha256>``), the model's repository folder ``models--org--name``."""
