@@ -3,13 +3,16 @@
     python benchmarks/robustness.py                    # every case
     python benchmarks/robustness.py --only "load options"   # the cases whose name contains the text
     python benchmarks/robustness.py --code /path/to/old/checkout --only i25   # the same cases on other code
+    python benchmarks/robustness.py --case-limit 300   # a case running longer counts as a hang (default 600 s)
 
 Every case either returns a result that the case itself verifies ("correct": finite, pattern
 exact, loss ≤ NoWag-P, equal to a reference) or raises. A raise counts as a "clear error" when it
 is a documented type (ValueError / torch_armor.errors.ArmorError / OSError from a write) whose
 message names the thing at fault; at the command line, exit status 2 with one line on stderr and
-no traceback. Anything else is "raw / internal" (a traceback, an internal assert, another type)
-and a verified-wrong result is "silent wrong". Tiny random Llama models; ~1 minute on 1 thread.
+no traceback. Anything else is "raw / internal" (a traceback, an internal assert, another type),
+a verified-wrong result is "silent wrong", an input or finished result destroyed is "data loss",
+and a case still running after ``--case-limit`` seconds (default 600), or a process it waits for,
+is a "hang". Tiny random Llama models; about 20 minutes on 1 thread beside other jobs.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import io
 import json
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -53,6 +58,11 @@ class Wrong(AssertionError):
 
 class DataLost(AssertionError):
     """A case's own verification found an input or a finished result destroyed."""
+
+
+class Hung(BaseException):
+    """A case ran past its time limit (raised by the alarm in :func:`classify`; a BaseException, so that
+    no ``except Exception`` of the code under test swallows it)."""
 
 
 def check_kept(cond: bool, what: str) -> None:
@@ -516,11 +526,33 @@ from robustness_untrusted import register as _register_issue25  # noqa: E402  (i
 
 _register_issue25(case, cli_case, CliResult, _cli, check, check_kept, CODE)
 
+from robustness_layouts import register as _register_layouts  # noqa: E402  (model directories as users have them)
+
+_register_layouts(case, cli_case, _cli, check, check_kept)
+
 
 # ------------------------------------------------------------------------------------ runner
-def classify(run: Callable[[], object], names: str) -> Tuple[str, str]:
+def _hung(signum, frame):
+    raise Hung()
+
+
+def classify(run: Callable[[], object], names: str, limit_s: int = 600) -> Tuple[str, str]:
+    previous = signal.signal(signal.SIGALRM, _hung)
+    signal.alarm(limit_s)
+    try:
+        return _classify(run, names)
+    except Hung:
+        return "hang", f"still running after {limit_s} s"
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _classify(run: Callable[[], object], names: str) -> Tuple[str, str]:
     try:
         run()
+    except subprocess.TimeoutExpired as err:
+        return "hang", f"a process it waits for ran past {err.timeout} s: {' '.join(map(str, err.cmd))[:80]}"
     except CliOutcome as out:
         res = out.res
         lines = [ln for ln in res.err.splitlines() if ln.strip()]
@@ -541,16 +573,20 @@ def classify(run: Callable[[], object], names: str) -> Tuple[str, str]:
 
 
 def main() -> int:
+    if "--help" in sys.argv or "-h" in sys.argv:
+        print(__doc__)
+        return 0
     from torch_armor.progress import quiet_third_party_progress
 
     torch.set_num_threads(1)
     quiet_third_party_progress()
     rows = []
     only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
+    limit = int(sys.argv[sys.argv.index("--case-limit") + 1]) if "--case-limit" in sys.argv else 600
     for group, name, run, names in CASES:
         if only is not None and not (group.startswith(only) or only in name):
             continue
-        outcome, detail = classify(run, names)
+        outcome, detail = classify(run, names, limit)
         rows.append((group, name, outcome, detail))
     if "dir" in _TINY:
         shutil.rmtree(_TINY["dir"], ignore_errors=True)
@@ -566,13 +602,13 @@ def main() -> int:
     for group, name, outcome, detail in rows:
         short = detail if len(detail) <= 110 else detail[:107] + "…"
         print(f"| {group} | {name} | {outcome} | {short.replace('|', '/')} |")
-    kinds = ("clear error", "correct result", "silent wrong", "raw / internal", "data loss")
+    kinds = ("clear error", "correct result", "silent wrong", "raw / internal", "data loss", "hang")
     counts = {k: sum(r[2] == k for r in rows) for k in kinds}
     print()
     print(f"tried {len(rows)}: {counts['clear error']} clear errors, {counts['correct result']} correct results, "
           f"{counts['silent wrong']} silent wrong, {counts['raw / internal']} raw / internal errors, "
-          f"{counts['data loss']} data loss")
-    return 0 if counts["silent wrong"] == counts["raw / internal"] == counts["data loss"] == 0 else 1
+          f"{counts['data loss']} data loss, {counts['hang']} hang")
+    return 0 if counts["silent wrong"] == counts["raw / internal"] == counts["data loss"] == counts["hang"] == 0 else 1
 
 
 if __name__ == "__main__":

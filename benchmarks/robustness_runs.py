@@ -198,6 +198,73 @@ def register(case, cli_case, CliResult, _cli, check, check_kept, code: Path) -> 
         except DataLostProxy as err:
             check_kept(False, str(err))
 
+    def _cli_process(argv, log: Path, stop_at=None) -> subprocess.Popen:
+        env = subprocess_env(code)
+        if stop_at is not None:
+            env["TORCH_ARMOR_TEST_STOP_AT"] = stop_at  # a test-only stop point (torch_armor._io.stop_here_for_tests)
+        with open(log, "w") as err:
+            return subprocess.Popen([sys.executable, "-m", "torch_armor", *map(str, argv)], env=env, cwd=STATE["tmp"],
+                                    stdout=subprocess.DEVNULL, stderr=err)
+
+    @case("concurrency", "two CLI prunes into one --out at once, each with its own --run-dir", "saved in")
+    def _():
+        from _tiny_dir import fast_prune_args, save_tiny_model
+        from torch_armor import load_pretrained
+
+        base = tmp_dir()
+        model_dir = save_tiny_model(base)
+        out = base / "out"
+        procs = {name: _cli_process(["prune", model_dir, "--out", out, "--run-dir", base / f"run-{name}", "--seed", seed,
+                                     *fast_prune_args(base)], base / f"{name}.log") for name, seed in (("a", "0"), ("b", "1"))}
+        codes = {name: proc.wait(timeout=600) for name, proc in procs.items()}
+        check_kept(sorted(codes.values()) != [0, 0], "both exited 0: one finished model was silently replaced")
+        if sorted(codes.values()) != [0, 2]:
+            raise RuntimeError(f"exit statuses {codes}")
+        loser = next(name for name, c in codes.items() if c == 2)
+        for d in (out, base / f"run-{loser}" / "pruned"):
+            try:
+                logits_of(load_pretrained(d))
+            except (OSError, ValueError) as err:
+                check_kept(False, f"{d} does not load: {err}")
+        raise ValueError((base / f"{loser}.log").read_text().strip().splitlines()[-1])
+
+    @case("overwrite", "prune --overwrite of a finished sharded OUT killed after its first new shard, then loaded",
+          "half-written")
+    def _():
+        import time
+
+        from transformers import AutoModelForCausalLM
+
+        from _tiny_dir import fast_prune_args, save_tiny_model
+        from torch_armor import load_pretrained
+
+        base = tmp_dir()
+        model_dir = save_tiny_model(base)
+        out = base / "out"
+        argv = ["prune", model_dir, "--out", out, *fast_prune_args(base)]
+        check(_cli(list(map(str, argv))).code == 0, "the first prune failed")
+        first = out / "model-00001-of-00003.safetensors"
+        inode = first.stat().st_ino
+        proc = _cli_process(argv + ["--overwrite", "--seed", "1"], base / "again.log", stop_at="first-shard-moved")
+        end = time.monotonic() + 600
+        while time.monotonic() < end:  # stopped there, or (code without the stop point) the first shard replaced
+            pid, status = os.waitpid(proc.pid, os.WNOHANG | os.WUNTRACED)
+            if (pid and os.WIFSTOPPED(status)) or not first.exists() or first.stat().st_ino != inode:
+                break
+            if pid:
+                raise RuntimeError("the re-prune ended before its first shard was moved in")
+            time.sleep(0.0005)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        loaded = []
+        for load in (AutoModelForCausalLM.from_pretrained, load_pretrained):
+            try:
+                loaded.append(load(out))
+            except ValueError as err:
+                refused = err
+        check(not loaded, "a directory holding shards of two runs loaded")
+        raise refused
+
     # ------------------------------------------------------------------ signals and late failures
     def _signal_case(sig: int):
         model_dir = tokenized_model(6)

@@ -113,6 +113,7 @@ def register(case, cli_case, CliResult, _cli, check, check_kept, code: Path) -> 
         "a stored layer missing from 'layers'": lambda q: q["layers"].pop(first_layer(q)),
         "storage 'sparse'": lambda q: q["layers"][first_layer(q)].update(storage="sparse"),
         "shape transposed": lambda q: q["layers"][first_layer(q)].update(shape=[128, 64] if q["layers"][first_layer(q)]["shape"] == [64, 128] else [64, 32]),
+        "buffer rotary_emb.inv_freq given dtype 'int8'": lambda q: q["buffers"].update({"model.rotary_emb.inv_freq": "int8"}),
     }
     for label, fn in qc_edits.items():
         @case("checkpoint", f"load_pretrained: quantization_config {label}", "config.json")
@@ -156,6 +157,20 @@ def register(case, cli_case, CliResult, _cli, check, check_kept, code: Path) -> 
             d = edit_tensors(hf_dir(), fn)
             loads_wrong(d, check)
             check(False, "corrupt factors loaded")
+
+    @case("checkpoint", "load_pretrained (HF format): duplicate 2:4 positions in an int8 core", "layer 'model.layers")
+    def _():
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+        from torch_armor import ArmorCoreConfig
+
+        model = pruned_model()
+        quantize_(model, ArmorCoreConfig(Int8WeightOnlyConfig(set_inductor_config=False)))
+        d = tmp_dir() / "int8"
+        model.save_pretrained(d)
+        edit_tensors(d, _dup_positions)
+        load_checked(d)
+        check(False, "an int8 core with duplicate positions loaded")
 
     @case("checkpoint", "load_pretrained (torch_armor format): Inf in a saved factor", "up_proj")
     def _():

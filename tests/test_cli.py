@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _tiny_dir import fast_prune_args, save_tiny_model
 from torch_armor.cli import REPORT_JSON, REPORT_PNG, main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -324,6 +326,88 @@ def test_eval_of_a_saved_moe_directory(tmp_path, capsys, smollm2_tokenizer, text
     got = json.loads(capsys.readouterr().out)["perplexity"]
     want = perplexity(model, eval_windows(str(wiki), smollm2_tokenizer, n_windows=2, seq_len=32), progress=False)
     assert math.isfinite(got) and got == pytest.approx(want, rel=1e-6)
+
+
+
+@pytest.fixture(scope="module")
+def plain_prune(tmp_path_factory):
+    """A tiny model in a plain directory and what ``prune`` writes for it."""
+
+    folder = tmp_path_factory.mktemp("plain")
+    model_dir = save_tiny_model(folder)
+    threads = torch.get_num_threads()
+    try:
+        assert main(["prune", str(model_dir), "--out", str(folder / "out"), *fast_prune_args(folder)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return model_dir, folder / "out"
+
+
+def _hub_cache(model_dir: Path, folder: Path) -> Path:
+    from _hub_cache import hub_cache_layout
+
+    return hub_cache_layout(model_dir, folder / "hub")  # every file a symlink to ../../blobs/<sha256>
+
+
+def _stale_inv_freq(model_dir: Path, folder: Path) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    copy = folder / "stale"
+    shutil.copytree(model_dir, copy)
+    tensors = load_file(copy / "model.safetensors")
+    for i in range(2):  # the per-block buffer of Llama checkpoints written by transformers < 4.31
+        tensors[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = torch.rand(8)
+    save_file(tensors, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    return copy
+
+
+def _unicode_path(model_dir: Path, folder: Path) -> Path:
+    return Path(shutil.copytree(model_dir, folder / "modèle ü 模型 v1" / "my model"))
+
+
+@pytest.mark.parametrize("layout", ["hub cache", "stale inv_freq", "unicode path"])
+def test_prune_of_the_same_model_in_another_layout_writes_the_same_files(layout, plain_prune, tmp_path, keep_threads):
+    model_dir, plain_out = plain_prune
+    source = {"hub cache": _hub_cache, "stale inv_freq": _stale_inv_freq, "unicode path": _unicode_path}[layout](
+        model_dir, tmp_path)
+    out = tmp_path / ("sortie ü 出力" if layout == "unicode path" else "") / "pruned out"
+    assert main(["prune", str(source), "--out", str(out), *fast_prune_args(model_dir.parent)]) == 0
+    written = sorted(p.name for p in plain_out.iterdir() if not p.name.startswith("prune_report"))
+    assert "model.safetensors.index.json" in written and sorted(
+        p.name for p in out.iterdir() if not p.name.startswith("prune_report")) == written
+    for name in written:
+        assert (out / name).read_bytes() == (plain_out / name).read_bytes(), name
+    from torch_armor import ArmorTensor, load_pretrained
+
+    loaded, reference = load_pretrained(out), load_pretrained(plain_out)
+    assert sum(isinstance(p, ArmorTensor) for p in loaded.parameters()) == 14
+    with torch.no_grad():
+        assert torch.equal(loaded(torch.arange(12)[None]).logits, reference(torch.arange(12)[None]).logits)
+
+
+def test_a_3_4_prune_is_saved_as_3_4_and_says_so(plain_prune, tmp_path, keep_threads):
+    from transformers import AutoModelForCausalLM
+
+    from torch_armor import ArmorTensor, load_pretrained
+
+    model_dir = plain_prune[0]
+    out = tmp_path / "out"
+    assert main(["prune", str(model_dir), "--out", str(out), "--pattern", "3:4",
+                 *fast_prune_args(model_dir.parent)]) == 0
+    quant = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert quant["pattern"] == "3:4" and {e["pattern"] for e in quant["layers"].values()} == {"3:4"}
+    assert len(quant["layers"]) == 14 and json.loads((out / REPORT_JSON).read_text())["pattern"] == "3:4"
+    ids = torch.arange(12)[None]
+    logits = []
+    for model in (load_pretrained(out), AutoModelForCausalLM.from_pretrained(out)):
+        weights = [p for p in model.parameters() if isinstance(p, ArmorTensor)]
+        assert len(weights) == 14 and {w.pattern for w in weights} == {"3:4"}
+        for w in weights:  # 3 kept in every group of 4 consecutive inputs, read off the dense core
+            kept = (w.core_dense() != 0).reshape(w.shape[0], -1, 4).sum(-1)
+            assert bool((kept == 3).all())
+        with torch.no_grad():
+            logits.append(model(ids).logits)
+    assert torch.equal(*logits)
 
 
 def test_quantize_writes_8bit_cores_that_load_back(tmp_path, capsys):

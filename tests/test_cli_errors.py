@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -142,6 +143,56 @@ def test_same_command_twice_writes_identical_bytes(tiny_dir, pruned_dir, tmp_pat
     a, b = (json.loads((d / REPORT_JSON).read_text()) for d in (pruned_dir, out))
     assert strip(a) == strip(b)
     assert [e["relative_proxy_loss"] for e in a["layers"]] == [e["relative_proxy_loss"] for e in b["layers"]]
+
+
+def test_a_weight_of_another_shape_than_config_json_is_named_before_pruning(tiny_dir, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    model_dir = Path(shutil.copytree(tiny_dir, tmp_path / "model"))
+    tensors = load_file(model_dir / "model.safetensors")
+    key = "model.layers.0.self_attn.q_proj.weight"
+    tensors[key] = tensors[key][:, :32].contiguous()
+    save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "calib.txt").write_text(_TEXT, encoding="utf-8")
+    out = tmp_path / "out"
+    assert main(["prune", *_args(model_dir), "--out", str(out)]) == 2
+    line = _error(capsys)
+    assert f"checkpoint tensor '{key}'" in line and "(64, 32)" in line and "config.json makes it (64, 64)" in line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("extra, names", [
+    (["--out", ""], "argument --out: an empty path"),
+    (["--run-dir", ""], "argument --run-dir: an empty path"),
+    (["--pattern", "\u00b2:4"], "argument --pattern: pattern '\u00b2:4': expected 'N:M'"),
+])
+def test_arguments_refused_by_the_parser_name_their_flag(tiny_dir, tmp_path, capsys, monkeypatch, extra, names):
+    monkeypatch.chdir(tmp_path)  # an empty --out used to mean the working directory
+    with pytest.raises(SystemExit) as exc:
+        main(["prune", *_args(tiny_dir), "--out", "out", *extra])
+    assert exc.value.code == 2 and names in capsys.readouterr().err.splitlines()[-1]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("extra, names", [
+    (["--n-calib", "99999999999999999999"], "--n-calib 99999999999999999999 × --seq-len 32 = "),
+    (["--n-calib", "999999999999"], "of memory; ask for fewer windows (e.g. --n-calib 64)"),
+    (["--calib", "BINARY"], "is not UTF-8 text (byte 0x89 at offset 0); give a text file"),
+    (["--method", "sparsegpt", "--sparsegpt-block-size", "3"], "--sparsegpt-block-size 3: SparseGPTConfig.block_size=3 "
+                                                                "is not a multiple of M=4"),
+    (["--method", "sparsegpt", "--damp", "2"], "--damp 2.0: SparseGPTConfig.damp must be in [0, 1)"),
+])
+def test_bad_counts_texts_and_method_settings_name_their_flag(tiny_dir, tmp_path, capsys, extra, names):
+    binary = tmp_path / "calib.bin"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
+    extra = [str(binary) if e == "BINARY" else e for e in extra]
+    out = tmp_path / "out"
+    assert main(["prune", *_args(tiny_dir), "--out", str(out), *extra]) == 2
+    line = _error(capsys)
+    assert names in line, line
+    if "--calib" in extra:
+        assert line.startswith(f"torch-armor prune: error: --calib '{binary}': {binary} is not UTF-8")
+    assert not out.exists()
 
 
 def _fail_after(monkeypatch, n_ok: int, err_no: int):

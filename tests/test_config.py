@@ -3,7 +3,8 @@ import dataclasses
 import pytest
 import torch
 
-from torch_armor import AdamConfig, ArmorConfig, BcdConfig, ReconstructConfig, RefineConfig
+from torch_armor import AdamConfig, ArmorConfig, BcdConfig, ReconstructConfig, RefineConfig, SparseGPTConfig
+from torch_armor.errors import ArmorInputError
 from torch_armor.core.pattern import parse_pattern
 
 
@@ -24,6 +25,20 @@ def test_parse_unstructured():
 def test_parse_rejects(bad):
     with pytest.raises(ValueError):
         parse_pattern(bad)
+
+
+@pytest.mark.parametrize("bad", ["\u00b2:4", "\u0662:\u0664", "2:\uff14"])  # superscript, Arabic-Indic, full-width
+def test_parse_takes_ascii_digits_only(bad):
+    with pytest.raises(ArmorInputError, match="expected 'N:M' such as '2:4'"):
+        parse_pattern(bad)
+
+
+def test_sparsegpt_block_size_must_be_a_multiple_of_m():
+    assert SparseGPTConfig(pattern="4:8", block_size=16).block_size == 16
+    with pytest.raises(ArmorInputError, match=r"SparseGPTConfig.block_size=3 is not a multiple of M=4 of pattern "
+                                              r"'2:4'.*use a multiple of 4"):
+        SparseGPTConfig(block_size=3)
+    assert SparseGPTConfig(pattern="unstructured:0.5", block_size=3).block_size == 3  # no groups to straddle
 
 
 @pytest.mark.parametrize(

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 from pathlib import Path
 from typing import BinaryIO, Callable, Union
 
 from torch_armor.errors import ArmorInputError
 
-__all__ = ["RUN_DIR_NAME", "TMP_MARK", "atomic_write", "fsync_dir", "file_sha256", "temp_path"]
+__all__ = ["RUN_DIR_NAME", "TMP_MARK", "STOP_AT_ENV", "atomic_write", "fsync_dir", "file_sha256", "temp_path",
+           "stop_here_for_tests"]
 
 #: Marks the temporary files of :func:`atomic_write`: ``.<name>.tmp-<pid>``.
 TMP_MARK = ".tmp-"
@@ -108,3 +110,16 @@ def file_sha256(path: PathLike, chunk_size: int = 1 << 22) -> str:
         for chunk in iter(lambda: fh.read(chunk_size), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+#: Test hook (read only by :func:`stop_here_for_tests`): ``TORCH_ARMOR_TEST_STOP_AT=<point>`` makes a process
+#: stop itself (``SIGSTOP``) when it reaches that point of a save, so a test can kill it exactly there or let
+#: it go on (``SIGCONT``). Points: ``"save"`` (a prune holding its output's lock, before it checks the output
+#: again) and ``"first-shard-moved"`` (an assembly that has moved its first weights file into place).
+STOP_AT_ENV = "TORCH_ARMOR_TEST_STOP_AT"
+
+
+def stop_here_for_tests(point: str) -> None:
+    """Stop this process at ``point`` when :data:`STOP_AT_ENV` names it (nothing otherwise)."""
+    if os.environ.get(STOP_AT_ENV) == point and hasattr(signal, "SIGSTOP"):
+        os.kill(os.getpid(), signal.SIGSTOP)

@@ -36,6 +36,7 @@ from typing import Optional, Sequence
 from torch_armor._io import RUN_DIR_NAME
 from torch_armor.core.config import ArmorConfig
 from torch_armor.core.levers import OPTIMIZERS
+from torch_armor.core.pattern import parse_pattern
 from torch_armor.core.presets import PRESETS
 from torch_armor.cli_names import (DEMO_METHODS, DENSE, FULL_PROTOCOL, HARNESS_JSON, QUICK_PROTOCOL, REPORT_JSON,
                                    REPORT_PNG)
@@ -77,6 +78,20 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
     return value
+
+
+def _path(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path (an unset shell variable?); give a directory")
+    return text
+
+
+def _pattern(text: str) -> str:
+    try:
+        parse_pattern(text)
+    except ArmorError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
 
 
 _SEED_MAX = 2**63 - 1
@@ -156,10 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "save the model (safetensors) and tokenizer to --out with a per-layer "
                                    "report (prune_report.json, prune_report.png).")
     _add_model(p, "'smollm2' (embedded SmolLM2-135M), a local Hugging Face directory, or a hub id")
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", type=_path, required=True, help="output directory")
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
     p.add_argument("--method", choices=method_names(), default="armor", help="pruning method (default armor)")
-    p.add_argument("--pattern", default="2:4", help="'2:4' (default), 'N:M' or 'unstructured:F'")
+    p.add_argument("--pattern", type=_pattern, default="2:4", help="'2:4' (default), 'N:M' or 'unstructured:F'")
     p.add_argument("--calib", default="sotu",
                    help="calibration text: sotu (default), wiki, a file/dir/glob, or a datasets name")
     p.add_argument("--n-calib", type=_positive_int, default=64, help="calibration windows (default 64)")
@@ -167,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prune only some decoder layers: indices like '0-1' or '0,4-6', or a regex on names")
     _add_armor(p)
     g = p.add_argument_group("runs (ARMOR)")
-    g.add_argument("--run-dir", default=None,
+    g.add_argument("--run-dir", type=_path, default=None,
                    help=f"where statistics and every finished layer are saved as they complete; rerunning the "
                         f"same command resumes from it (default OUT/{RUN_DIR_NAME}, deleted after a successful "
                         "save; a given --run-dir is kept)")
@@ -211,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a directory of your own task YAMLs (repeatable)")
     e.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: each task's own)")
     e.add_argument("--limit", type=_positive_int, default=None, help="only the first N documents of each task")
-    e.add_argument("--out", type=Path, default=None, metavar="PATH",
+    e.add_argument("--out", type=_path, default=None, metavar="PATH",
                    help=f"with --tasks: write the results JSON here (default: MODEL/{HARNESS_JSON} for a pruned "
                         "directory, nowhere otherwise)")
     _add_common(e)
@@ -228,14 +243,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "ArmorConfig's defaults (about an hour on 2 cores)")
     d.add_argument("--methods", nargs="+", choices=DEMO_METHODS, default=None,
                    help=f"rows to run (default: {' '.join(QUICK_PROTOCOL['methods'])}; --full: all)")
-    d.add_argument("--pattern", default="2:4", help="sparsity pattern (default 2:4)")
+    d.add_argument("--pattern", type=_pattern, default="2:4", help="sparsity pattern (default 2:4)")
     d.add_argument("--calib", default="sotu", help="calibration text (default sotu)")
     d.add_argument("--n-calib", type=_positive_int, default=None,
                    help=f"calibration windows (default {QUICK_PROTOCOL['n_calib']}; --full: 64)")
     d.add_argument("--data", default="wiki", help="evaluation text (default wiki)")
     d.add_argument("--n-eval", type=_positive_int, default=None,
                    help=f"evaluation windows (default {QUICK_PROTOCOL['n_eval']}; --full: 64)")
-    d.add_argument("--run-dir", default=None,
+    d.add_argument("--run-dir", type=_path, default=None,
                    help="where finished rows (rows.json, table.md) and ARMOR's finished layers are kept; "
                         "rerunning the same command resumes (default runs/demo-quick, --full: runs/demo-full)")
     d.add_argument("--layers", default=None, help="prune only some decoder layers (indices or regex)")
@@ -245,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--armor-eval", choices=("materialized", "tensor"), default="materialized",
                    help="evaluate ARMOR with W_hat materialized as dense matrices (default; same function, "
                         "fastest on CPU) or through the ArmorTensor weights")
-    d.add_argument("--json", default=None, metavar="PATH", help="also write rows, reports and timings as JSON")
+    d.add_argument("--json", type=_path, default=None, metavar="PATH", help="also write rows, reports and timings as JSON")
     _add_common(d)
     return parser
 

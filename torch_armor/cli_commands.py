@@ -13,7 +13,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Callable, Dict
 
 import torch
 
@@ -30,7 +30,7 @@ from torch_armor.engine.paths import check_prune_paths, model_source_dirs
 from torch_armor.engine.prune import prune_model
 from torch_armor.errors import ArmorInputError, MissingExtraError
 from torch_armor.progress import is_interactive, quiet_third_party_progress
-from torch_armor.recipes.data import calibration_windows, eval_windows
+from torch_armor.recipes.data import calibration_windows, check_window_memory, eval_windows
 from torch_armor.recipes.demo_runs import TABLE_MD, DemoRuns
 from torch_armor.recipes.evaluate import perplexity
 from torch_armor.recipes.harness import evaluate, parse_tasks, require_lm_eval, results_table, write_results
@@ -77,40 +77,61 @@ def armor_config(args: argparse.Namespace) -> ArmorConfig:
     return dataclasses.replace(base, **changes)
 
 
+#: the command-line flag of each baseline config field
+_BASELINE_FLAGS = {"pattern": "--pattern", "block_size": "--sparsegpt-block-size", "damp": "--damp"}
+
+
 def method_config(args: argparse.Namespace) -> Any:
-    """The config of ``--method`` from the options that apply to it."""
+    """The config of ``--method`` from the options that apply to it (an error names the flag)."""
     kind = method_named(args.method).config_type
     if issubclass(kind, ArmorConfig):
         return armor_config(args)
     given = {"pattern": args.pattern, "block_size": args.sparsegpt_block_size, "damp": args.damp}
-    return kind(**{f.name: given[f.name] for f in dataclasses.fields(kind) if f.name in given})
+    fields = {f.name: given[f.name] for f in dataclasses.fields(kind) if f.name in given}
+    try:
+        return kind(**fields)
+    except ArmorInputError as err:
+        field = next((f for f in fields if str(err).startswith(f"{kind.__name__}.{f}")), None)
+        if field is None:
+            raise
+        raise ArmorInputError(f"{_BASELINE_FLAGS[field]} {fields[field]}: {err}") from None
+
+
+def from_text(flag: str, source: str, windows: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``windows(source, ...)`` (calibration or evaluation windows); an error about the text names ``flag``."""
+    try:
+        return windows(source, *args, **kwargs)
+    except ArmorInputError as err:
+        raise ArmorInputError(f"{flag} {source!r}: {err}") from None
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
     out = Path(args.out)
     check_prune_paths(model_source_dirs(args.model), out=out, run_dir=args.run_dir, out_flag="--out")  # first
+    check_window_memory(args.n_calib, args.seq_len, ("--n-calib", "--seq-len"))
+    config = method_config(args)  # the method's settings checked before the model is loaded
     # the run directory outlives prune_model (which holds its lock) until the tokenizer, report and plot
     # are written: a failure after the last block leaves a state the same command resumes
     run_dir = Path(args.run_dir) if args.run_dir else out / RUN_DIR_NAME
-    code = _prune(args, out, run_dir)
+    code = _prune(args, out, run_dir, config)
     if launched_rank() == 0 and not args.run_dir and not args.keep_run_dir:
         shutil.rmtree(run_dir, ignore_errors=True)
     return code
 
 
-def _prune(args: argparse.Namespace, out: Path, run_dir: Path) -> int:
+def _prune(args: argparse.Namespace, out: Path, run_dir: Path, config: Any) -> int:
     setup(args)
     start = time.perf_counter()
     model, tokenizer = pruning_source(args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device,
                                       log=log)
     log(f"calibrating on {args.n_calib}×{args.seq_len} tokens of {args.calib}, "
         f"{'sequentially' if not args.one_shot else 'one-shot'}, one decoder block at a time")
-    windows = calibration_windows(args.calib, tokenizer, n_windows=args.n_calib, seq_len=args.seq_len, seed=args.seed)
+    windows = from_text("--calib", args.calib, calibration_windows, tokenizer, n_windows=args.n_calib,
+                        seq_len=args.seq_len, seed=args.seed)
     options = PruneOptions(
         out=out, overwrite=args.overwrite, run_dir=run_dir,
         device=args.device, dtype=parse_dtype(args.dtype), storage=args.storage, sequential=not args.one_shot,
         batch_size=args.batch_size, progress=not args.no_progress, log=log)
-    config = method_config(args)
     if isinstance(model, (str, os.PathLike)) and getattr(config, "distill", None) is not None:
         sampled = (" (and with it the windows it samples from the dense model)"
                    if config.distill.sampled_windows else "")
@@ -190,7 +211,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     setup(args)
     model, tokenizer = load_model(args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device)
-    windows = eval_windows(args.data, tokenizer, n_windows=args.n_eval, seq_len=args.seq_len)
+    windows = from_text("--data", args.data, eval_windows, tokenizer, n_windows=args.n_eval, seq_len=args.seq_len)
     t = time.perf_counter()
     ppl = perplexity(model, windows, batch_size=args.batch_size, progress=not args.no_progress)
     seconds = time.perf_counter() - t
@@ -213,7 +234,7 @@ def _eval_tasks(args: argparse.Namespace) -> int:
     results = evaluate(model, tokenizer, tasks, include_path=args.include_path, num_fewshot=args.num_fewshot,
                        limit=args.limit, batch_size=args.batch_size)
     seconds = time.perf_counter() - t
-    out = args.out
+    out = Path(args.out) if args.out is not None else None
     if out is None and (Path(args.model) / REPORT_JSON).is_file():
         out = Path(args.model) / HARNESS_JSON
     if out is not None:

@@ -44,7 +44,8 @@ from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import QUANTIZED, ArmorTensor, from_parts, restore_storage
 from torch_armor.tensor.experts import ArmorExpertsTensor, experts_from_parts
 from torch_armor.tensor.experts_forward import prefer_armor_experts
-from torch_armor.tensor.file_checks import (check_checkpoint_files, check_layer_entries, refuse_meta_device_map)
+from torch_armor.tensor.file_checks import (check_checkpoint_files, check_layer_entries, refuse_incomplete,
+                                            refuse_meta_device_map)
 from torch_armor.tensor.finetune import trainable_parts
 from torch_armor.tensor.flatten import flatten_armor_state
 from torch_armor.tensor.hf_format import (QUANT_METHOD, attach_quantizer, load_hf_quantized,
@@ -75,11 +76,15 @@ class ArmorQuantizationConfig(QuantizationConfigMixin):
     def __init__(self, layers: Optional[Dict[str, Any]] = None, buffers: Optional[Dict[str, str]] = None,
                  pattern: Optional[str] = None, format_version: int = FORMAT_VERSION, **kwargs: Any) -> None:
         self.quant_method = QUANT_METHOD
+        refuse_incomplete(kwargs, "config.json (quantization_config)")  # a save replacing the weights did not finish
         check_layer_entries(layers, buffers)  # before transformers builds anything from them
         self.format_version = int(format_version)
         self.layers = dict(layers or {})
         self.buffers = dict(buffers or {})
         self.pattern = quantization_pattern(self.layers) if pattern is None else pattern
+        if self.pattern != quantization_pattern(self.layers):
+            raise ArmorInputError(f"config.json (quantization_config): 'pattern' is {self.pattern!r} but the layers "
+                                  f"are {quantization_pattern(self.layers)!r}; the file was edited (re-save the model)")
         if self.format_version != FORMAT_VERSION:
             raise ArmorInputError(
                 f"this ARMOR checkpoint is format version {self.format_version}; this torch_armor reads "
@@ -231,14 +236,18 @@ class ArmorHfQuantizer(HfQuantizer):
                 c for c in conversions
                 if not any(isinstance(op, ArmorDeserialize) for op in getattr(c, "operations", ()))
             ]
-        for name, dtype in self.quantization_config.buffers.items():
+        for name, dtype in self.quantization_config.buffers.items():  # dtypes checked against the layers' already
             module_path, _, bname = name.rpartition(".")
             try:
                 module = model.get_submodule(module_path)
             except AttributeError:
-                continue
-            buf = module._buffers.get(bname)
-            if isinstance(buf, torch.Tensor) and dtype in DTYPES and buf.dtype != DTYPES[dtype]:
+                module = None
+            buf = getattr(module, "_buffers", {}).get(bname)
+            if not isinstance(buf, torch.Tensor) or bname not in module._non_persistent_buffers_set:
+                raise ArmorInputError(f"config.json (quantization_config): 'buffers' names {name!r}, which is not a "
+                                      f"non-persistent buffer of this {type(model).__name__}; the file was edited or "
+                                      "is for another model (re-save the model)")
+            if buf.dtype != DTYPES[dtype]:
                 module._buffers[bname] = buf.to(DTYPES[dtype])
         self._model = model  # a plain reference (copy.deepcopy and torch.save of the model follow it; a weakref would not)
         return model

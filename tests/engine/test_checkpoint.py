@@ -214,3 +214,41 @@ def test_materialized_tensors_do_not_view_the_files(tmp_path):
         f.write(b"\x00" * (size - start))
     assert not ckpt.read_tensors(["model.layers.0.mlp.up_proj.weight"])["model.layers.0.mlp.up_proj.weight"].any()
     assert torch.equal(block.mlp.up_proj.weight, before) and torch.equal(raw, before)
+
+
+def _resaved(tmp_path: Path, edit) -> Path:
+    """The tiny Llama written by save_pretrained, then its model.safetensors rewritten with ``edit(tensors)``."""
+    from safetensors.torch import load_file, save_file
+
+    d = _save(make_tiny_llama(), tmp_path / "ckpt", shard=None)
+    tensors = load_file(d / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return d
+
+
+def test_stale_rotary_inv_freq_keys_are_ignored_as_transformers_ignores_them(tmp_path, caplog):
+    def add_inv_freq(tensors):  # what Llama checkpoints written by transformers < 4.31 hold in every block
+        for i in range(2):
+            tensors[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = torch.rand(8)
+
+    d = _resaved(tmp_path, add_inv_freq)
+    with caplog.at_level("DEBUG", logger="torch_armor"):
+        ckpt = LazyCheckpoint(d)
+    assert [r.getMessage() for r in caplog.records if "inv_freq" in r.getMessage()] == [
+        f"{d}: ignoring 2 checkpoint tensor(s) that LlamaForCausalLM does not use, as transformers does: "
+        "['model.layers.0.self_attn.rotary_emb.inv_freq', 'model.layers.1.self_attn.rotary_emb.inv_freq']"]
+    assert not [k for k in ckpt.keys() if "inv_freq" in k]
+    assert torch.equal(_logits(_stream(ckpt)), _logits(_eager(d)))
+
+
+def test_a_tensor_of_another_shape_than_config_json_gives_is_refused_naming_it(tmp_path):
+    key = "model.layers.0.self_attn.q_proj.weight"
+
+    def halve(tensors):
+        tensors[key] = tensors[key][:, :32].contiguous()
+
+    d = _resaved(tmp_path, halve)
+    with pytest.raises(ValueError, match=rf"checkpoint tensor '{key}' \(in .*model.safetensors\) is stored as "
+                                         r"\(64, 32\), but .*config.json makes it \(64, 64\) in LlamaForCausalLM"):
+        LazyCheckpoint(d)

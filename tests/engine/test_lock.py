@@ -111,3 +111,78 @@ def test_the_lock_is_reentrant_in_one_process(tmp_path):
             pass
     with run_lock(tmp_path):
         pass
+
+
+# ------------------------------------------------------------------ two prunes into one --out, own run directories
+def _tree(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _wait_for_line(proc: subprocess.Popen, log: Path, text: str, timeout: float = 120.0) -> None:
+    end = time.monotonic() + timeout
+    while text not in log.read_text():
+        assert proc.poll() is None and time.monotonic() < end, f"no {text!r}: {log.read_text()[-2000:]}"
+        time.sleep(0.05)
+
+
+def _commands(tmp_path: Path) -> dict:
+    """Prunes "a" and "b" of one tiny model into one --out, each with its own --run-dir and seed."""
+    from _tiny_dir import fast_prune_args, save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path)
+    return {name: ["prune", model_dir, "--out", tmp_path / "out", "--run-dir", tmp_path / f"run-{name}", "--seed", seed,
+                   *fast_prune_args(tmp_path)] for name, seed in (("a", "0"), ("b", "1"))}
+
+
+def _finish(*procs: subprocess.Popen) -> list:
+    try:
+        return [proc.wait(timeout=300) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def test_of_two_prunes_into_one_out_at_once_the_second_to_finish_keeps_its_model_in_its_run_directory(tmp_path):
+    from _processes import start_cli
+
+    commands = _commands(tmp_path)
+    out = tmp_path / "out"
+    procs = {name: start_cli(argv, tmp_path / f"{name}.log") for name, argv in commands.items()}
+    codes = dict(zip(procs, _finish(*procs.values())))
+    assert sorted(codes.values()) == [0, 2], {name: (tmp_path / f"{name}.log").read_text()[-1000:] for name in procs}
+    loser = next(name for name, code in codes.items() if code == 2)
+    kept = tmp_path / f"run-{loser}" / "pruned"
+    last = (tmp_path / f"{loser}.log").read_text().strip().splitlines()[-1]
+    assert last.startswith(f"torch-armor prune: error: --out {out}: another process wrote ") and \
+        f"its pruned model is saved in {kept} instead" in last, last
+    from torch_armor import load_pretrained
+
+    ids = torch.arange(12)[None] % 20
+    with torch.no_grad():  # the winner's model in --out, the loser's (another seed) whole in its run directory
+        assert not torch.equal(load_pretrained(kept)(ids).logits, load_pretrained(out)(ids).logits)
+
+
+def test_a_killed_writer_leaves_out_to_the_next_and_its_rerun_does_not_replace_that(tmp_path):
+    from _processes import start_cli, wait_stopped
+
+    commands = _commands(tmp_path)
+    out = tmp_path / "out"
+    a = start_cli(commands["a"], tmp_path / "a.log", stop_at="save")  # stops holding --out's lock, before writing
+    b = None
+    try:
+        wait_stopped(a, tmp_path / "a.log")
+        b = start_cli(commands["b"], tmp_path / "b.log")
+        _wait_for_line(b, tmp_path / "b.log", f"waiting for --out {out}: another process is writing it")
+        os.kill(a.pid, signal.SIGKILL)  # the lock dies with its holder: B goes on
+        assert _finish(b) == [0], (tmp_path / "b.log").read_text()[-2000:]
+    finally:
+        for proc in (a, b):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    written = _tree(out)
+    rerun = start_cli(commands["a"], tmp_path / "rerun.log")  # A's command again: its run directory resumes it
+    assert _finish(rerun) == [2]
+    assert f"--out {out} is not empty; pass --overwrite" in (tmp_path / "rerun.log").read_text()
+    assert _tree(out) == written  # B's finished model is not replaced by A's resumed one

@@ -98,3 +98,11 @@ def test_existing_file_as_out_is_refused_up_front(model_dir, tmp_path):
 def test_out_inside_the_input_is_allowed(model_dir):
     check_prune_paths([model_dir], out=model_dir / "pruned")
     check_prune_paths([model_dir], out=os.path.join(model_dir, "sub", "..", "pruned"))
+
+
+@pytest.mark.parametrize("field", ["out", "run_dir", "hidden_dir"])
+def test_an_empty_path_is_refused_not_taken_as_the_working_directory(field, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=rf"PruneOptions.{field} is an empty path .*give a directory"):
+        PruneOptions(**{field: ""})
+    assert list(tmp_path.iterdir()) == []

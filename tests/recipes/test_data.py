@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from torch_armor.errors import ArmorInputError
 from torch_armor.recipes import data
 from torch_armor.recipes.data import calibration_windows, eval_windows, load_text, tokenize_text
 
@@ -95,6 +96,25 @@ def test_load_text_errors(tmp_path):
         load_text(42)
     with pytest.raises(ValueError, match="empty string"):
         load_text("  ")
+
+
+def test_a_file_that_is_not_utf8_is_named(tmp_path):
+    (tmp_path / "a.txt").write_text("fine text", encoding="utf-8")
+    (tmp_path / "b.txt").write_bytes(b"ok \xe8\x00\xff binary")
+    for source in (tmp_path / "b.txt", str(tmp_path)):  # the file itself, or a directory holding it
+        with pytest.raises(ArmorInputError, match=r"b.txt is not UTF-8 text \(byte 0xe8 at offset 3\); give a text "
+                                                  "file, or convert it to UTF-8"):
+            load_text(source)
+
+
+def test_windows_whose_token_ids_cannot_fit_in_memory_are_refused_before_tokenizing():
+    tokenizer = lambda *a, **k: pytest.fail("tokenized")  # noqa: E731
+    for n in (10**20, 10**12):
+        with pytest.raises(ArmorInputError, match=rf"n_windows {n} × seq_len 512 = .* token ids, .* GiB, more than this "
+                                                  r"machine's .* GiB of memory; ask for fewer windows"):
+            calibration_windows("some text", tokenizer, n_windows=n, seq_len=512)
+    with pytest.raises(ArmorInputError, match=r"^--n-calib 99999999999999999999 × --seq-len 32 = "):
+        data.check_window_memory(99999999999999999999, 32, ("--n-calib", "--seq-len"))
 
 
 def test_load_text_dataset_columns():
@@ -204,4 +224,5 @@ def test_load_kwargs_reach_load_text():
 
 
 def test_module_exports():
-    assert set(data.__all__) == {"tokenize_text", "load_text", "calibration_windows", "eval_windows"}
+    assert set(data.__all__) == {"tokenize_text", "load_text", "check_window_memory", "calibration_windows",
+                                 "eval_windows"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import struct
 
@@ -12,6 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
+from _hub_cache import hub_cache_layout
+from conftest import make_tiny_llama
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.file_checks import check_layer_values, check_shard_name, read_safetensors_header
 
@@ -112,6 +115,39 @@ def test_a_symlink_out_of_the_directory_is_refused(tmp_path):
     (d / "model.safetensors").symlink_to(tmp_path / "outside.safetensors")
     with pytest.raises(ArmorInputError, match="outside"):
         check_shard_name(d, "model.safetensors", "index")
+
+
+def test_hub_cache_links_into_the_repository_pass_and_links_out_of_it_are_refused(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"x": torch.ones(2)}, src / "model.safetensors")
+    snapshot = hub_cache_layout(src, tmp_path / "hub")
+    assert check_shard_name(snapshot, "model.safetensors", "index") == snapshot / "model.safetensors"
+    other = hub_cache_layout(src, tmp_path / "hub", repo="models--org--other")  # another model's blob
+    link = snapshot / "model.safetensors"
+    link.unlink()
+    link.symlink_to(os.path.relpath((other / "model.safetensors").resolve(), snapshot))
+    with pytest.raises(ArmorInputError, match=r"a symlink to .*models--org--other.* outside .*models--org--tiny;"):
+        check_shard_name(snapshot, "model.safetensors", "index")
+
+
+@pytest.mark.parametrize("writer", ["torch_armor", "transformers"])
+def test_an_armor_directory_in_the_hub_cache_layout_loads(tmp_path, writer):
+    from transformers import AutoModelForCausalLM
+
+    from torch_armor import ArmorConfig, BcdConfig, PruneOptions, load_pretrained, prune_model, save_pretrained
+
+    model = make_tiny_llama()
+    calib = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    prune_model(model, calib, ArmorConfig(block_size=16, optimizer=BcdConfig(iters=1)), options=PruneOptions(progress=False))
+    saved = tmp_path / "saved"
+    save_pretrained(model, saved) if writer == "torch_armor" else model.save_pretrained(saved)
+    snapshot = hub_cache_layout(saved, tmp_path / "hub", repo="models--org--pruned")
+    ids = torch.arange(12)[None]
+    with torch.no_grad():
+        want = model(ids).logits
+        for loaded in (load_pretrained(snapshot), AutoModelForCausalLM.from_pretrained(snapshot)):
+            assert torch.equal(loaded(ids).logits, want)
 
 
 # ------------------------------------------------------------------------- stored values

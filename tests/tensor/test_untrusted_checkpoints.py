@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -64,17 +65,77 @@ CONFIG_EDITS = {
     "a layer unlisted": lambda q: q["layers"].pop(_first_layer(q)),
     "entry a string": lambda q: q["layers"].update({_first_layer(q): "x"}),
     "buffers a list": lambda q: q.update(buffers=[1]),
+    # a non-ARMOR buffer (rotary inv_freq, recomputed on load) cast to another dtype: logits off
+    "buffer dtype integer": lambda q: q["buffers"].update({"model.rotary_emb.inv_freq": "int8"}),
+    "buffer dtype another": lambda q: q["buffers"].update({"model.rotary_emb.inv_freq": "float16"}),
+    "buffer unknown": lambda q: q["buffers"].update({"model.layers.0.rotary_emb.inv_freq": "float32"}),
+    "pattern another than the layers'": lambda q: q.update(pattern="4:8"),
 }
 
 
 @pytest.mark.parametrize("edit", sorted(CONFIG_EDITS))
 def test_edited_quantization_config_is_refused_naming_config_json(hf_dir, tmp_path, edit):
+    from transformers import AutoModelForCausalLM
+
     d = _copy(hf_dir, tmp_path / "m")
     _edit_config(d, CONFIG_EDITS[edit])
-    with pytest.raises(ArmorInputError) as info:
+    for load in (load_pretrained, AutoModelForCausalLM.from_pretrained):
+        with pytest.raises(ArmorInputError) as info:
+            load(d)
+        text = str(info.value)
+        assert "config.json" in text and "armor_config.json" not in text and "\n" not in text
+
+
+@pytest.mark.parametrize("edit, field", [("buffer dtype integer", "'buffers' gives 'model.rotary_emb.inv_freq' the "
+                                                                   "dtype 'int8'"),
+                                         ("buffer unknown", "'buffers' names 'model.layers.0.rotary_emb.inv_freq'"),
+                                         ("pattern another than the layers'", "'pattern' is '4:8'")])
+def test_the_field_at_fault_is_named(hf_dir, tmp_path, edit, field):
+    d = _copy(hf_dir, tmp_path / "m")
+    _edit_config(d, CONFIG_EDITS[edit])
+    with pytest.raises(ArmorInputError, match="config.json \\(quantization_config\\).*" + re.escape(field)):
         load_pretrained(d)
-    text = str(info.value)
-    assert "config.json" in text and "armor_config.json" not in text and "\n" not in text
+
+
+@pytest.fixture(scope="module")
+def int8_model_and_dir(tmp_path_factory):
+    """A pruned tiny Llama whose cores are int8 (torchao through ArmorCoreConfig), written by model.save_pretrained."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    from torch_armor import ArmorCoreConfig
+
+    model = make_tiny_llama()
+    prune_model(model, CALIB, ArmorConfig(block_size=16, optimizer=BcdConfig(iters=1)), options=PruneOptions(progress=False))
+    quantize_(model, ArmorCoreConfig(Int8WeightOnlyConfig(set_inductor_config=False)))
+    d = tmp_path_factory.mktemp("int8") / "pruned"
+    model.save_pretrained(d)
+    return model, d
+
+
+@pytest.mark.parametrize("edit", ["duplicate", "out of order", "none"])
+def test_int8_cores_get_the_index_checks_of_float_cores(int8_model_and_dir, tmp_path, edit):
+    from transformers import AutoModelForCausalLM
+
+    model, saved = int8_model_and_dir
+    d = _copy(saved, tmp_path / "m")
+    key = "model.layers.0.mlp.down_proj.weight.core.qdata.indices"
+
+    def positions(t):  # the first byte holds the 2-bit positions of groups 0 and 1 (two each), lowest bits first
+        t[key] = t[key].clone()
+        t[key][0, 0] = 0 if edit == "duplicate" else (int(t[key][0, 0]) & 0xF0) | 0b0111  # [3, 1]: decreasing
+
+    if edit != "none":
+        _edit_tensors(d, positions)
+        want = "[0, 0]" if edit == "duplicate" else "[3, 1]"
+        for load in (load_pretrained, AutoModelForCausalLM.from_pretrained):
+            with pytest.raises(ArmorInputError, match=rf"layer 'model.layers.0.mlp.down_proj.weight': compact "
+                                                      rf"core.qdata.indices of row 0, group 0 are {re.escape(want)}, not "
+                                                      r"2 strictly increasing"):
+                load(d)
+        return
+    ids = torch.arange(12)[None]  # the unedited directory: a valid int8 checkpoint, loaded exactly
+    with torch.no_grad():
+        assert torch.equal(load_pretrained(d)(ids).logits, model(ids).logits)
 
 
 def _nan_in(key_suffix):

@@ -143,6 +143,11 @@ class SparseGPTConfig(MethodConfig):
         object.__setattr__(self, "pattern", normalized_pattern("SparseGPTConfig", self.pattern))
         check_count("SparseGPTConfig", "block_size", self.block_size, minimum=1)
         check_fraction("SparseGPTConfig", "damp", self.damp)
+        group = parse_pattern(self.pattern).group
+        if self.block_size % group:
+            raise ArmorInputError(f"SparseGPTConfig.block_size={self.block_size} is not a multiple of M={group} of "
+                                  f"pattern '{self.pattern}': an N:M group must not straddle two lazy blocks; use a "
+                                  f"multiple of {group} such as {_SPARSEGPT_BLOCK}")
 
     def to_dict(self) -> Dict[str, Any]:
         return {"pattern": self.pattern, "block_size": self.block_size, "damp": self.damp}

@@ -74,7 +74,8 @@ def parse_pattern(pattern: Union[str, SparsityPattern]) -> SparsityPattern:
             raise ArmorInputError(f"pattern {pattern!r}: the pruned fraction must lie strictly between 0 and 1")
         return SparsityPattern(n=0, m=0, sparsity=sparsity, structured=False)
     parts = text.split(":")
-    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+    # ASCII digits only: str.isdigit() also accepts '²', which int() refuses
+    if len(parts) != 2 or not all(p.strip().isascii() and p.strip().isdigit() for p in parts):
         raise ArmorInputError(f"pattern {pattern!r}: expected 'N:M' such as '2:4', or 'unstructured:0.5'")
     n, m = int(parts[0]), int(parts[1])
     if not 0 < n < m:

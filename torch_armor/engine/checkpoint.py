@@ -29,6 +29,8 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import logging
+import re
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -44,6 +46,7 @@ from torch_armor.tensor.file_checks import check_weight_files
 __all__ = ["LazyCheckpoint"]
 
 INDEX_NAME = "model.safetensors.index.json"
+logger = logging.getLogger("torch_armor")
 _CHUNK = 16 << 20
 
 
@@ -78,6 +81,14 @@ def _read_tensor(path: Path, start: int, entry: dict) -> Optional[torch.Tensor]:
     return t
 
 
+def _stacked_shape(experts: list) -> Optional[list]:
+    """``[E, out, in]`` of per-expert 2-D parts concatenated by rows, then stacked; ``None`` if they do not fit."""
+    if any(len(shape) != 2 for parts in experts for shape in parts):
+        return None
+    per_expert = [[sum(shape[0] for shape in parts), *sorted({shape[1] for shape in parts})] for parts in experts]
+    return [len(experts), *per_expert[0]] if all(e == per_expert[0] for e in per_expert) else None
+
+
 class LazyCheckpoint:
     """A local HF causal-LM checkpoint whose model lives on ``meta`` until asked for.
 
@@ -95,7 +106,8 @@ class LazyCheckpoint:
             raise ArmorInputError(f"checkpoint directory {d} does not exist; pass a local folder with config.json and *.safetensors")
         if not (d / "config.json").is_file():
             raise ArmorInputError(f"{d / 'config.json'} is missing; the checkpoint folder needs the model's config.json")
-        check_weight_files(d)  # plain shard names inside d, every header checked, before safetensors opens one
+        # plain shard names inside d, every header checked, before safetensors opens one
+        self._shapes = {k: e["shape"] for header in check_weight_files(d).values() for k, e in header.items()}
         self._files = self._find_files(d)  # file name -> list of keys
         self._where: dict[str, str] = {}
         index = d / INDEX_NAME
@@ -177,6 +189,7 @@ class LazyCheckpoint:
                 self._source[n] = n
         self._fused = self._per_expert_keys()
         consumed = {k for parts in self._fused.values() for keys in parts for k in keys}
+        self._drop_ignored({k for k in self._where if k not in self._slots and k not in consumed})
         for k, name in self._where.items():
             if k not in self._slots and k not in consumed:
                 raise ArmorInputError(
@@ -190,6 +203,43 @@ class LazyCheckpoint:
                     f"{type(self.model).__name__} needs tensor {n!r} but no file in {self.directory} "
                     "holds it; the checkpoint is incomplete or for another architecture"
                 )
+        self._check_shapes()
+
+    def _check_shapes(self) -> None:
+        """Every stored tensor has the shape ``config.json`` gives its parameter (before any block runs)."""
+        for n, slots in self._slots.items():
+            mod, attr, is_param = slots[0]
+            want = list((mod._parameters if is_param else mod._buffers)[attr].shape)
+            if n in self._fused:
+                key = self._fused[n][0][0]
+                got = _stacked_shape([[self._shapes[k] for k in keys] for keys in self._fused[n]])
+            else:
+                key = self._source[n]
+                got = list(self._shapes[key])
+            if got != want:
+                stored = f"{tuple(got)}" if got is not None else "per-expert shapes that do not stack"
+                target = "it" if key == n else repr(n)
+                raise ArmorInputError(
+                    f"checkpoint tensor {key!r} (in {self.directory / self._where[key]}) is stored as {stored}, but "
+                    f"{self.directory / 'config.json'} makes {target} {tuple(want)} in {type(self.model).__name__}; "
+                    "the weights do not match their config.json: fix config.json or re-save the checkpoint")
+
+    def _drop_ignored(self, unmatched: set) -> None:
+        """Forget the checkpoint tensors that transformers' ``from_pretrained`` drops without a word: the
+        model's ``_keys_to_ignore_on_load_unexpected`` and the per-layer rotary ``inv_freq`` (and
+        ``position_ids``) buffers that older checkpoints stored and models now compute."""
+        patterns = set(getattr(self.model, "_keys_to_ignore_on_load_unexpected", None) or ())
+        buffers = [name for name, _ in self.model.named_buffers()]
+        if any(name.endswith("rotary_emb.inv_freq") for name in buffers):
+            patterns.add(r"rotary_emb\.inv_freq")
+        if any(name.endswith("position_ids") for name in buffers):
+            patterns.add(r"(^|\.)position_ids$")
+        ignored = sorted(k for k in unmatched if any(re.search(p, k) for p in patterns))
+        if ignored:
+            logger.debug(f"{self.directory}: ignoring {len(ignored)} checkpoint tensor(s) that "
+                         f"{type(self.model).__name__} does not use, as transformers does: {ignored[:4]}")
+        for k in ignored:
+            del self._where[k]
 
     def _per_expert_keys(self) -> dict:
         """Fused 3-D expert parameters stored per expert (``experts.{e}.gate_proj.weight``, the

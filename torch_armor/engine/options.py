@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch
 
@@ -26,7 +26,7 @@ from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import STORAGES
 from torch_armor.tensor.serialization import PICKLE_SUFFIXES
 
-__all__ = ["PruneOptions", "RUN_DIR_NAME", "check_device", "check_out"]
+__all__ = ["PruneOptions", "RUN_DIR_NAME", "check_device", "check_out", "out_contents"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -68,7 +68,9 @@ class PruneOptions:
     Args:
         out: save the pruned model there (:func:`torch_armor.save_pretrained` format); needed
             for a checkpoint directory, which is streamed. Must be empty or new unless
-            ``overwrite``; pickle weights there are refused.
+            ``overwrite``; pickle weights there are refused. Checked again when the model is
+            saved (one writer at a time): if another process wrote there meanwhile, the model
+            goes to ``run_dir/pruned`` instead and an error says so.
         overwrite: write into a non-empty ``out``.
         run_dir: keep every finished ARMOR layer and the hidden states at each block boundary
             there; rerunning resumes bit-identically; a directory of another run (other weights,
@@ -113,6 +115,9 @@ class PruneOptions:
             value = getattr(self, label)
             if value is not None and not isinstance(value, (str, os.PathLike)):
                 raise ArmorInputError(f"PruneOptions.{label} must be a path or None, got {type(value).__name__}")
+            if isinstance(value, str) and not value.strip():  # Path("") is the working directory
+                raise ArmorInputError(f"PruneOptions.{label} is an empty path (an unset variable?); give a directory "
+                                      "or None")
         for label in ("overwrite", "sequential", "progress"):
             if not isinstance(getattr(self, label), bool):
                 raise ArmorInputError(f"PruneOptions.{label} must be True or False, got {getattr(self, label)!r}")
@@ -134,12 +139,17 @@ class PruneOptions:
             raise ArmorInputError("PruneOptions.log must be a callable taking one line of text")
 
 
+def out_contents(out: Path, allowed: Sequence[str] = ()) -> List[Path]:
+    """What ``out`` holds besides the ``allowed`` names (nothing when it does not exist)."""
+    return sorted(p for p in out.iterdir() if p.name not in allowed) if out.is_dir() else []
+
+
 def check_out(out: Path, overwrite: bool, allowed: Sequence[str] = ()) -> None:
     """``out`` must be a new or empty directory (``allowed`` entries and ``overwrite`` aside) and
     hold no pickle weights a checkpoint cannot sit beside."""
     if out.exists() and not out.is_dir():
         raise ArmorInputError(f"--out {out} exists and is not a directory")
-    leftovers = [p for p in out.iterdir() if p.name not in allowed] if out.is_dir() else []
+    leftovers = out_contents(out, allowed)
     if leftovers and not overwrite:
         raise ArmorInputError(f"--out {out} is not empty; pass --overwrite (PruneOptions(overwrite=True)) to write "
                               "into it")

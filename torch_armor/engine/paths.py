@@ -22,12 +22,14 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, List, Optional, Union
 
-from torch_armor._io import atomic_write
+from torch_armor._io import atomic_write, file_sha256
 from torch_armor.errors import ArmorInputError
+from torch_armor.tensor.layout import ARMOR_CONFIG_NAME
 
-__all__ = ["check_prune_paths", "model_source_dirs", "mark_run_target", "resumes_into"]
+__all__ = ["check_prune_paths", "model_source_dirs", "mark_run_target", "mark_written", "resumes_into"]
 
 TARGET_NAME = "target"
+WRITTEN_NAME = "written"
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -77,11 +79,22 @@ def mark_run_target(run_dir: PathLike, out: PathLike) -> None:
     atomic_write(Path(run_dir) / TARGET_NAME, str(Path(out).expanduser().resolve()).encode())
 
 
+def mark_written(run_dir: PathLike, out: PathLike) -> None:
+    """Record in the run directory which finished checkpoint it wrote into ``out`` (the sha256 of
+    ``out/armor_config.json``, which lists every weights file's sha256), for :func:`resumes_into`."""
+    atomic_write(Path(run_dir) / WRITTEN_NAME, file_sha256(Path(out) / ARMOR_CONFIG_NAME).encode())
+
+
 def resumes_into(run_dir: PathLike, out: PathLike) -> bool:
-    """Whether ``run_dir`` is an unfinished run that was writing ``out``: the same command may write
-    into that non-empty ``out`` again (it resumes, finishing only what is missing)."""
+    """Whether ``run_dir`` is an unfinished run that was writing ``out``, and ``out`` holds no finished
+    checkpoint but the one this run wrote there: the same command may write into that non-empty ``out``
+    again (it resumes, finishing only what is missing), never over another run's finished model."""
+    run_dir, out = Path(run_dir), Path(out).expanduser()
     try:
-        target = (Path(run_dir) / TARGET_NAME).read_text()
+        if (run_dir / TARGET_NAME).read_text() != str(out.resolve()):
+            return False
+        if not (out / ARMOR_CONFIG_NAME).is_file():
+            return True
+        return (run_dir / WRITTEN_NAME).read_text() == file_sha256(out / ARMOR_CONFIG_NAME)
     except OSError:
         return False
-    return target == str(Path(out).expanduser().resolve())

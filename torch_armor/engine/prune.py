@@ -27,8 +27,9 @@ from __future__ import annotations
 import logging
 import shutil
 import warnings
+from functools import partial
 from pathlib import Path
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import contextlib
 
@@ -36,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torch_armor._io import stop_here_for_tests
 from torch_armor.calibration.blocks import decoder_blocks
 from torch_armor.calibration.selection import LayerSelection, select_layers
 from torch_armor.calibration.validate import check_token_ids, vocab_size_of
@@ -47,10 +49,11 @@ from torch_armor.engine.distributed import init_distributed, launched_world_size
 from torch_armor.engine.experts import dense_lines, dense_weights, group_by_param, layer_module, routed_token_lines
 from torch_armor.engine.identity import identity_string
 from torch_armor.engine.interrupt import interrupted_message
-from torch_armor.engine.lock import run_lock
+from torch_armor.engine.lock import OutputBusy, output_lock, run_lock
 from torch_armor.engine.methods import method_for
-from torch_armor.engine.options import RUN_DIR_NAME, PathLike, PruneOptions, check_out
-from torch_armor.engine.paths import check_prune_paths, mark_run_target, model_source_dirs, resumes_into
+from torch_armor.engine.options import RUN_DIR_NAME, PathLike, PruneOptions, check_out, out_contents
+from torch_armor.engine.paths import (check_prune_paths, mark_run_target, mark_written, model_source_dirs,
+                                      resumes_into)
 from torch_armor.engine.prune_compat import accept_legacy_call
 from torch_armor.engine.report import PruneReport
 from torch_armor.engine.runstore import RunStore
@@ -62,6 +65,9 @@ from torch_armor.tensor.serialization import save_pretrained
 __all__ = ["prune_model", "PruneOptions", "RUN_DIR_NAME"]
 
 logger = logging.getLogger("torch_armor")
+
+#: Where a run keeps its pruned model (in its run directory) when another process wrote ``out`` first.
+KEPT_NAME = "pruned"
 
 
 def _run_path(options: PruneOptions) -> Tuple[Optional[Path], bool]:
@@ -87,6 +93,31 @@ def _check_layers(model: nn.Module, names: Sequence[str], config: Any, streamed:
             raise ArmorInputError(f"layer {name!r} is already pruned (its weight is of type {type(weight).__name__}); "
                                   "prune the original dense model")
         config.check_layer(*weight.shape, name=name)
+
+
+def _save_output(write: Callable[[Path], None], out: Path, overwrite: bool, resuming: bool, allowed: Sequence[str],
+                 run_path: Path, log: Callable[[str], None]) -> None:
+    """``write(out)``, one writer at a time, with ``out`` checked again under the lock: it was new or empty
+    (or this run's own, ``resuming``) when the prune began, but another process may have written there
+    since. Then this run's model goes to ``run_path/pruned`` instead, and an error says so (without
+    ``overwrite``, another run's finished model in ``out`` is never replaced)."""
+    try:
+        with output_lock(out, on_wait=lambda: log(f"waiting for --out {out}: another process is writing it")):
+            stop_here_for_tests("save")
+            found = out_contents(out, allowed)
+            if overwrite or not found or (resuming and resumes_into(run_path, out)):
+                write(out)
+                mark_written(run_path, out)
+                return
+        why = (f"another process wrote {[p.name for p in found[:3]]} there while this one pruned (it was new or "
+               "empty when this one began)")
+    except OutputBusy as err:
+        why = str(err)
+    kept = run_path / KEPT_NAME
+    write(kept)
+    raise ArmorInputError(f"--out {out}: {why}, so nothing of this run was written there; its pruned model is saved "
+                          f"in {kept} instead: move it where you want it, or rerun the same command with --overwrite "
+                          "to replace what --out holds")
 
 
 @accept_legacy_call
@@ -140,10 +171,12 @@ def prune_model(
     run_path, temp_run = _run_path(options)
     check_prune_paths(model_source_dirs(model_or_path), out=out, run_dir=options.run_dir,
                       hidden_dir=options.hidden_dir)  # inputs are never outputs, checked before any work
+    resuming, allowed = False, ()
     if out is not None:
         inside = run_path is not None and run_path.parent.resolve() == out.resolve()
         resuming = run_path is not None and resumes_into(run_path, out)
-        check_out(out, options.overwrite or resuming, allowed=(run_path.name,) if inside else ())
+        allowed = (run_path.name,) if inside else ()
+        check_out(out, options.overwrite or resuming, allowed=allowed)
     source = Streamed(model_or_path, dtype=options.dtype) if streamed else InMemory(model_or_path)
     model = source.model
     blocks_prefix, blocks = decoder_blocks(model)
@@ -223,10 +256,9 @@ def prune_model(
                 if not streamed:
                     attach_quantizer(model)  # model.save_pretrained now writes the ARMOR format
                 if topo.rank == 0 and out is not None:
-                    if streamed:
-                        writer.finish(source, blocks_prefix, out)
-                    else:
-                        save_pretrained(model, out)
+                    write = (partial(writer.finish, source, blocks_prefix) if streamed
+                             else partial(save_pretrained, model))
+                    _save_output(write, out, options.overwrite, resuming, allowed, run_path, options.log or logger.info)
                     if temp_run:
                         shutil.rmtree(run_path, ignore_errors=True)
                 return report

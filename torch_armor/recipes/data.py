@@ -26,14 +26,14 @@ import glob as _glob
 import os
 import sys
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Tuple, Union
 
 import torch
 
 from torch_armor.recipes.assets import sotu_text, wiki_text
 from torch_armor.errors import ArmorInputError
 
-__all__ = ["tokenize_text", "load_text", "calibration_windows", "eval_windows"]
+__all__ = ["tokenize_text", "load_text", "check_window_memory", "calibration_windows", "eval_windows"]
 
 TextSource = Union[str, "os.PathLike[str]", Sequence[str], Any]
 
@@ -101,11 +101,19 @@ def _join(pieces: Sequence[Any], what: str) -> str:
     return "\n\n".join(pieces)
 
 
+def _read_utf8(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ArmorInputError(f"{path} is not UTF-8 text (byte 0x{err.object[err.start]:02x} at offset {err.start}); "
+                              "give a text file, or convert it to UTF-8") from None
+
+
 def _read_files(paths: Sequence[str], what: str) -> str:
     files = sorted(p for p in paths if os.path.isfile(p))
     if not files:
         raise ArmorInputError(f"no text files found for {what}; check the path or pattern")
-    return "\n\n".join(Path(p).read_text(encoding="utf-8") for p in files)
+    return "\n\n".join(_read_utf8(p) for p in files)
 
 
 def _dataset_text(dataset: Any, text_column: str) -> str:
@@ -174,7 +182,7 @@ def load_text(
     if source == "wiki":
         return wiki_text()
     if os.path.isfile(source):
-        return Path(source).read_text(encoding="utf-8")
+        return _read_utf8(source)
     if os.path.isdir(source):
         return _read_files(_glob.glob(os.path.join(_glob.escape(source), "*.txt")), f"directory {source!r} (*.txt)")
     if _GLOB_CHARS & set(source):
@@ -214,6 +222,20 @@ def _check_positive(**values: int) -> None:
             raise ArmorInputError(f"{name} must be a positive integer, got {value!r}")
 
 
+def check_window_memory(n_windows: int, seq_len: int, names: Tuple[str, str] = ("n_windows", "seq_len")) -> None:
+    """Refuse ``n_windows`` windows of ``seq_len`` tokens whose token ids alone (8 bytes each) exceed
+    this machine's memory (``names``: how the two counts are called in the message, e.g. CLI flags)."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):  # no sysconf (Windows): torch's index limit at least
+        memory = 2**63 - 1
+    if n_windows * seq_len * 8 > memory:
+        raise ArmorInputError(
+            f"{names[0]} {n_windows} × {names[1]} {seq_len} = {n_windows * seq_len:,} token ids, "
+            f"{n_windows * seq_len * 8 / 2**30:,.0f} GiB, more than this machine's {memory / 2**30:,.0f} GiB of "
+            f"memory; ask for fewer windows (e.g. {names[0]} 64)")
+
+
 def calibration_windows(
     source: TextSource,
     tokenizer: Any,
@@ -236,6 +258,7 @@ def calibration_windows(
         True
     """
     _check_positive(n_windows=n_windows, seq_len=seq_len)
+    check_window_memory(n_windows, seq_len)
     ids = _token_ids(source, tokenizer, **load_kwargs)
     n_tokens = ids.numel()
     if n_tokens < seq_len:

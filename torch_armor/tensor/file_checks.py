@@ -1,17 +1,20 @@
 """Checkpoints are untrusted input: checks run before any file is handed to safetensors or transformers.
 
 * :func:`check_shard_name` — a weights file named by an index or a config is a plain
-  ``*.safetensors`` file name inside the directory (no ``..``, no path, no symlink out of it).
+  ``*.safetensors`` file name inside the directory (no ``..``, no path, no symlink out of it; in the
+  Hugging Face hub cache, links into the model's own ``blobs/`` are the normal case).
 * :func:`read_safetensors_header` — the 8-byte length, the JSON header and every tensor's dtype,
   shape and byte range checked against the file's size: a pickle, a truncated file or another
   format gives one error naming the file (not safetensors' ``header too large``).
 * :func:`check_weight_files` — both of the above for every weights file of a directory.
+* :func:`refuse_incomplete` — a directory left half-written by an interrupted save is refused.
 * :func:`check_quantization_config` — every ARMOR layer entry of ``config.json``'s
   ``quantization_config`` checked (types, block size against shape, pattern, dtype, inner tensors
   against the files' headers) and every ARMOR layer stored in the files listed, before
   transformers sees the directory.
-* :func:`check_layer_values` — a converted layer's factors are finite and its compact indices
-  strictly increasing within each group (one pass over the layer, cheap next to reading it).
+* :func:`check_layer_values` — a converted layer's factors are finite and the indices of every
+  compact core (a quantized core's packed ``qdata`` too) strictly increasing within each group (one
+  pass over the layer, cheap next to reading it).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ __all__ = [
     "check_weight_files",
     "check_index",
     "check_quantization_config",
+    "INCOMPLETE_KEY",
+    "refuse_incomplete",
     "check_layer_values",
     "check_armor_layers",
     "check_checkpoint_files",
@@ -55,6 +60,9 @@ _TORCH_CODE = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16":
 _STORAGES = ("compact", "dense", "semi_structured", "quantized", "int8", "fp8")
 _EIGHT_BIT_CODES = {"int8": "int8", "fp8": "float8_e4m3fn"}  # 8-bit core storage -> dtype of its values
 _PART_SUFFIXES = (".b_blocks", ".values", ".indices", ".core")
+#: ``quantization_config`` key that marks a directory whose weights files a save is replacing: from the
+#: first file replaced until the new ``config.json`` is written (its value says which process)
+INCOMPLETE_KEY = "incomplete"
 
 
 def _bad(path: Path, why: str) -> ArmorInputError:
@@ -71,10 +79,23 @@ def check_shard_name(directory: PathLike, name: Any, listed_in: str) -> Path:
         raise ArmorInputError(f"{listed_in} names weights file {name!r}, which is not a plain *.safetensors file name "
                               f"inside {root}; the file was edited or is corrupt (re-save the checkpoint)")
     path = root / name
-    if path.is_symlink() and path.resolve().parent != root.resolve():
-        raise ArmorInputError(f"{listed_in} names weights file {name!r}, a symlink to {path.resolve()} outside {root}; "
-                              "copy the file into the directory")
+    if path.is_symlink():
+        target, home = path.resolve(), _link_home(root)
+        inside = home in target.parents if home != root.resolve() else target.parent == home
+        if not inside:
+            raise ArmorInputError(f"{listed_in} names weights file {name!r}, a symlink to {target} outside {home}; "
+                                  "copy the file into the directory")
     return path
+
+
+def _link_home(directory: PathLike) -> Path:
+    """Where the symlinks of a checkpoint's files may point: the directory itself, or, for a snapshot of
+    the Hugging Face hub cache (``models--org--name/snapshots/<revision>``, whose files are links to
+    ``../../blobs/<sha256>``), the model's repository folder ``models--org--name``."""
+    real = Path(directory).resolve()
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
+        return real.parent.parent
+    return real
 
 
 def read_safetensors_header(path: PathLike) -> Dict[str, Any]:
@@ -231,6 +252,16 @@ def _layer_problem(fqn: str, layer: Any, stored: Mapping[str, Tuple[List[int], s
     return None
 
 
+def refuse_incomplete(quant: Mapping[str, Any], where: str) -> None:
+    """A ``quantization_config`` written while a save replaced the weights files (:data:`INCOMPLETE_KEY`):
+    that save did not finish, so the files may belong to two models."""
+    if quant.get(INCOMPLETE_KEY):
+        raise ArmorInputError(
+            f"{where}: the directory is half-written: a save replacing its weights files ({quant[INCOMPLETE_KEY]}) "
+            "did not finish, so they may belong to two different models; rerun the command that wrote it (a prune "
+            "resumes from its run directory) or restore the directory from a copy")
+
+
 def check_quantization_config(directory: PathLike) -> None:
     """Validate an ARMOR ``quantization_config`` in ``directory/config.json`` against the weights files."""
     root = Path(directory)
@@ -241,6 +272,7 @@ def check_quantization_config(directory: PathLike) -> None:
         raise ArmorInputError(f"{cfg_path} cannot be read as a JSON object ({err}); restore the file") from None
     if not isinstance(quant, dict) or quant.get("quant_method") != "armor":
         return
+    refuse_incomplete(quant, f"{cfg_path} (quantization_config)")
     headers = check_weight_files(root)
     check_armor_layers(quant.get("layers"), quant.get("buffers", {}), {root / n: h for n, h in headers.items()},
                        f"{cfg_path} (quantization_config)")
@@ -264,6 +296,7 @@ def check_armor_layers(layers: Any, buffers: Any, files: Mapping[Path, Mapping[s
         if problem:
             raise ArmorInputError(f"{where}, layer {fqn!r}: {problem}; the file was edited or is corrupt "
                                   "(re-save the model)")
+    _check_buffer_dtypes(buffers, {layer["dtype"] for layer in layers.values()}, where)
     for key in stored:
         for suffix in _PART_SUFFIXES:
             base = key[: -len(suffix)]  # a layer's parts: A's blocks under its own key (fused experts too), the rest beside
@@ -277,6 +310,17 @@ def check_armor_layers(layers: Any, buffers: Any, files: Mapping[Path, Mapping[s
             with safe_open(str(home[key]), framework="pt", device="cpu") as fh:
                 parts[name] = fh.get_tensor(key)
         check_layer_values(fqn, layer["pattern"], parts)
+
+
+def _check_buffer_dtypes(buffers: Mapping[str, str], layer_dtypes: set, where: str) -> None:
+    """``buffers`` records the non-persistent floating buffers (rotary ``inv_freq``…) as saved: in float32
+    (how transformers computes them) or in the dtype the model, and so its layers, was cast to."""
+    allowed = sorted({"float32"} | layer_dtypes)
+    for name, dtype in buffers.items():
+        if dtype not in allowed:
+            raise ArmorInputError(f"{where}: 'buffers' gives {name!r} the dtype {dtype!r}, but a saved buffer is "
+                                  f"one of {allowed} (float32 or the layers' dtype); the file was edited (re-save "
+                                  "the model)")
 
 
 def check_layer_entries(layers: Any, buffers: Any) -> None:
@@ -299,14 +343,20 @@ def check_checkpoint_files(files: Any, layers: Any, buffers: Any) -> None:
 
 
 def check_layer_values(fqn: str, pattern: Any, parts: Mapping[str, Any]) -> None:
-    """A converted layer's stored parts: finite factors and core, compact indices strictly increasing per group."""
+    """A converted layer's stored parts: finite factors and core, and the positions of every compact core
+    (``indices``, or a quantized core's ``core.<name>.indices``) strictly increasing per group."""
     for name, t in parts.items():
         if isinstance(t, torch.Tensor) and type(t) is torch.Tensor and t.is_floating_point() \
                 and t.device.type != "meta" and not bool(torch.isfinite(t.float() if t.element_size() == 1 else t).all()):
             raise ArmorInputError(f"layer {fqn!r}: stored {name} holds NaN or Inf; the checkpoint is corrupt "
                                   "(re-save or re-prune the model)")
-    indices = parts.get("indices")
-    values = parts.get("values")
+    for name, indices in parts.items():
+        if name == "indices" or name.endswith(".indices"):
+            _check_positions(fqn, pattern, name, indices, parts.get(name[: -len("indices")] + "values"))
+
+
+def _check_positions(fqn: str, pattern: Any, name: str, indices: Any, values: Any) -> None:
+    """The packed positions of one compact core: below M and strictly increasing within each group of N."""
     if not (isinstance(indices, torch.Tensor) and isinstance(values, torch.Tensor)) or indices.device.type == "meta":
         return
     # fused experts stack their parts on a leading dim: check their rows one after the other
@@ -324,7 +374,7 @@ def check_layer_values(fqn: str, pattern: Any, parts: Mapping[str, Any]) -> None
     if bool(bad.any()):
         row, group = (int(v) for v in bad.nonzero()[0])
         raise ArmorInputError(
-            f"layer {fqn!r}: compact indices of row {row}, group {group} are {groups[row, group].tolist()}, not "
+            f"layer {fqn!r}: compact {name} of row {row}, group {group} are {groups[row, group].tolist()}, not "
             f"{n} strictly increasing positions below {m}; the checkpoint is corrupt (re-save the model)")
 
 

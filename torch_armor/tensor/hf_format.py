@@ -31,13 +31,13 @@ from torch_armor._io import atomic_write
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import STORAGES, ArmorTensor
 from torch_armor.tensor.experts import ArmorExpertsTensor
-from torch_armor.tensor.file_checks import check_load_target, refuse_missing_keys
+from torch_armor.tensor.file_checks import INCOMPLETE_KEY, check_load_target, refuse_missing_keys
 from torch_armor.tensor.flatten import flatten_armor_state
 from torch_armor.tensor.layout import FORMAT_VERSION, dtype_name
 
 __all__ = ["QUANT_METHOD", "HF_INDEX_NAME", "quantization_pattern", "quantization_config_dict",
-           "nonpersistent_buffer_dtypes", "write_hf_config", "write_hf_index", "has_armor_quantization_config",
-           "attach_quantizer", "load_hf_quantized"]
+           "nonpersistent_buffer_dtypes", "write_hf_config", "mark_incomplete", "write_hf_index",
+           "has_armor_quantization_config", "attach_quantizer", "load_hf_quantized"]
 
 QUANT_METHOD = "armor"
 HF_INDEX_NAME = "model.safetensors.index.json"
@@ -73,10 +73,20 @@ def write_hf_config(path: Path, hf_config: Any, layers: Optional[Dict[str, Any]]
                     buffers: Optional[Dict[str, str]] = None) -> None:
     """Write ``config.json``; with converted ``layers`` it carries ``quantization_config`` (quant_method
     ``"armor"``), so ``AutoModelForCausalLM.from_pretrained`` loads the directory."""
-    quant = None
     dtypes = {layer.get("dtype") for layer in (layers or {}).values()}
-    if layers:
-        quant = quantization_config_dict(layers, buffers)
+    _write_config(path, hf_config, quantization_config_dict(layers, buffers) if layers else None, dtypes)
+
+
+def mark_incomplete(path: Path, hf_config: Any) -> None:
+    """Write a ``config.json`` whose ``quantization_config`` says the directory is being rewritten
+    (:data:`~torch_armor.tensor.file_checks.INCOMPLETE_KEY`): until :func:`write_hf_config` replaces it,
+    ``from_pretrained`` and ``load_pretrained`` refuse the directory instead of loading weights files of two saves."""
+    quant = {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION,
+             INCOMPLETE_KEY: f"process {os.getpid()}"}
+    _write_config(path, hf_config, quant, set())
+
+
+def _write_config(path: Path, hf_config: Any, quant: Optional[Dict[str, Any]], dtypes: set) -> None:
     if isinstance(hf_config, Mapping):
         data = dict(hf_config)
         if quant is not None:

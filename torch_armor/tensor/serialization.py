@@ -58,12 +58,12 @@ import transformers
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from torch_armor._io import atomic_write, file_sha256, fsync_dir
+from torch_armor._io import atomic_write, file_sha256, fsync_dir, stop_here_for_tests
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.flatten import flatten_armor_state, unflatten_armor_state
 from torch_armor.tensor.hf_format import (HF_INDEX_NAME, attach_quantizer, has_armor_quantization_config,
-                                          load_hf_quantized, nonpersistent_buffer_dtypes, write_hf_config,
-                                          write_hf_index)
+                                          load_hf_quantized, mark_incomplete, nonpersistent_buffer_dtypes,
+                                          write_hf_config, write_hf_index)
 from torch_armor.tensor.layout import ARMOR_CONFIG_NAME, FORMAT_NAME, FORMAT_VERSION, canonical_sha256
 from torch_armor.tensor.safetensors_io import HEADER_KEY, read_shard_metadata, save_shard
 
@@ -120,8 +120,10 @@ def assemble_checkpoint(
     dtypes of non-persistent buffers to restore on load), plus ``model.safetensors.index.json``
     for several files; ``armor_config.json`` (every file with its sha256,
     the merged description, ``model_class``) is written atomically LAST. An earlier
-    ``armor_config.json`` and stale weights files in ``directory`` are removed first, so an
-    interrupted assembly leaves a directory that does not load.
+    ``armor_config.json`` and stale weights files in ``directory`` are removed first, and with
+    ``hf_config`` a ``config.json`` saying the directory is half-written stands until the new one
+    is written, so an interrupted assembly leaves a directory that neither this loader nor
+    transformers' ``from_pretrained`` loads.
 
     Raises:
         ValueError: no shards, a shard missing or not written by :func:`save_shard`, a key in
@@ -168,23 +170,28 @@ def assemble_checkpoint(
         if dest_resolved.get(s, i) != i:
             raise ArmorInputError(f"shard {sources[i]} would be overwritten by another shard's destination; write shards elsewhere")
 
-    # 2. from here until armor_config.json is written the directory is not a checkpoint
+    # 2. from here until armor_config.json is written the directory is not a checkpoint, and until the new
+    #    config.json is written, the one there says it is half-written (transformers reads config.json alone)
     path.mkdir(parents=True, exist_ok=True)
     (path / ARMOR_CONFIG_NAME).unlink(missing_ok=True)
+    if hf_config is not None:
+        mark_incomplete(path, hf_config)
     for old in path.iterdir():
         if (old.name == WEIGHTS_NAME or _SHARD_RE.fullmatch(old.name)) and old.resolve() not in dest_resolved \
                 and old.resolve() not in src_resolved:
             old.unlink()
     fsync_dir(path)
-    for src, dst in zip(sources, dests):
+    for i, (src, dst) in enumerate(zip(sources, dests)):
         _move(src, dst)
+        if i == 0:
+            stop_here_for_tests("first-shard-moved")
     fsync_dir(path)
     files = [{"file": d.name, "sha256": file_sha256(d)} for d in dests]
     (path / HF_INDEX_NAME).unlink(missing_ok=True)
     if hf_config is not None:
-        write_hf_config(path, hf_config, merged["layers"], buffers)
         if total > 1:
             write_hf_index(path, dests, {k: v for (sec, k), v in owner.items() if sec == "tensors"}, sources)
+        write_hf_config(path, hf_config, merged["layers"], buffers)
     config = dict(merged)
     if total == 1:  # exactly the single-file layout older torch_armor versions read
         config["weights_file"], config["weights_sha256"] = files[0]["file"], files[0]["sha256"]
