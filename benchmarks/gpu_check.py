@@ -15,12 +15,14 @@ skipped with a row saying so):
    numerics, the policy on the real device, ``prune_model(device="cuda")``, ``from_pretrained``;
    the fake-CUDA traces): one ``PASS``/``FAIL``/``SKIP`` line each;
 3. Llama-3-8B layer shapes at 1, 16, 256, 2048 tokens: dense / plain 2:4 (same masks) / ARMOR bmm /
-   ARMOR fused, bf16, each checked against the dense product of its weights;
+   ARMOR fused, bf16, each checked against the dense product of its weights; at 16 and 2048 tokens also
+   int8 and fp8 (e4m3), each token quantized on the fly: the dense weight (``torch._int_mm`` /
+   ``torch._scaled_mm``), the plain 2:4 core (8-bit ``_cslt_sparse_mm``) and ARMOR's 8-bit core;
 4. an 8B-shaped model (``--layers`` decoder layers): prefill 2048, 128 decode steps at batch 1 and 16
    with the static cache, eager and from a CUDA graph, dense / plain 2:4 / ARMOR;
 5. the default prune of one 8B-shaped decoder block, projected to 8B and 70B;
 6. the targets: ARMOR >= 1.3x dense and >= 90% of plain 2:4's speed-up at prefill 2048; decode at
-   batch 1 with CUDA graphs >= 1.2x dense.
+   batch 1 with CUDA graphs >= 1.2x dense; ARMOR fp8 2:4 >= 1.3x fp8 dense at 2048 tokens.
 
 Exit status 0 only if no test failed and every row agrees with its dense reference; 2 without CUDA
 (unless ``--dry-run``, which runs the same steps on a CPU at tiny sizes: no number it prints means
@@ -51,7 +53,7 @@ QUICK_ESTIMATE_S = {"start": 20, "tests": 90, "layers": 40, "model": 60, "prune"
 
 LAYER_COLS = [("shape", "shape", ""), ("tokens", "tokens", ""), ("variant", "variant", ""), ("flushed ms", "ms", ".4f"),
               ("b2b ms", "b2b_ms", ".4f"), ("x dense", "x_dense", ".2f"), ("x 2:4", "x_24", ".2f"),
-              ("check", "check", ""), ("note", "note", "")]
+              ("x 8-bit dense", "x_8bit_dense", ".2f"), ("check", "check", ""), ("note", "note", "")]
 MODEL_COLS = [("variant", "variant", ""), ("workload", "workload", ""), ("ms", "ms", ".2f"), ("tokens/s", "tok_s", ".1f"),
               ("x dense", "x_dense", ".2f"), ("x 2:4", "x_24", ".2f"), ("check", "check", ""), ("note", "note", "")]
 PRUNE_COLS = [("what", "what", ""), ("seconds", "seconds", ".1f"), ("note", "note", "")]

@@ -36,7 +36,8 @@ import torch.nn.functional as F
 
 from inference_gpu import CHECK_TOL, Clock, armor_weight, median_ms, ratio, rel_error, sparse_weight
 from torch_armor.kernels import block_diag
-from torch_armor.tensor.eight_bit import quantize_core_8bit
+from torch_armor.kernels.quant8 import quantize_rows, scaled_core_mm_rows
+from torch_armor.tensor.eight_bit import TOKEN_MULTIPLE_8BIT, quantize_core_8bit
 
 Row = Dict[str, object]
 SHAPES_8B = ["4096x4096", "14336x4096", "4096x14336"]
@@ -44,7 +45,8 @@ TOKENS = [1, 16, 256, 2048]
 BLOCK_PARAMS_8B = 2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096
 BLOCK_PARAMS_70B = 2 * 8192 * 8192 + 2 * 1024 * 8192 + 3 * 28672 * 8192
 LAYER_VARIANTS = ["dense", "2:4", "armor bmm", "armor fused"]
-EIGHT_BIT_VARIANTS = ["armor int8", "armor fp8"]  # at 16 and 2048 tokens, where the GPU has the kernel
+# at 16 and 2048 tokens: the dense weight and the plain 2:4 core in the same 8 bits, then ARMOR's
+EIGHT_BIT_VARIANTS = ["int8 dense", "int8 2:4", "armor int8", "fp8 dense", "fp8 2:4", "armor fp8"]
 EIGHT_BIT_TOKENS = (16, 2048)
 
 
@@ -66,6 +68,33 @@ def _armor_call(w, fused: bool):
             return F.linear(x, w)
         finally:
             block_diag.FUSED_WRAPPERS = before
+    return call
+
+
+def eight_bit_baseline(weight: torch.Tensor, qdtype: str, sparse: bool, dry: bool):
+    """``F.linear`` with ``weight`` (dense, or a 2:4 core when ``sparse``) quantized per output channel and
+    each token quantized on the fly, as torch's own kernels run it: ``torch._int_mm`` / ``torch._scaled_mm``
+    (rowwise scales) dense, an 8-bit ``torch._cslt_sparse_mm`` for 2:4; the activations quantized by plain
+    torch ops (unfused, as an uncompiled torchao model runs them). On the dry run: the reference arithmetic."""
+    q_w, s_w = quantize_rows(weight.float(), qdtype)
+    if dry:
+        return lambda x: scaled_core_mm_rows(x, q_w, s_w, qdtype, x.dtype)
+    packed = torch._cslt_compress(q_w).view(q_w.shape[0], -1) if sparse else None  # as eight_bit.py keeps it
+
+    def call(x):
+        tokens = x.shape[0]
+        # cuSPARSELt's 8-bit kernels want a multiple of 16 tokens, torch._int_mm more than 16 rows
+        multiple = TOKEN_MULTIPLE_8BIT if sparse or qdtype == "fp8" else 8
+        rows = max(tokens + (-tokens) % multiple, 32 if qdtype == "int8" and not sparse else 0)
+        q_x, s_x = quantize_rows(F.pad(x, (0, 0, 0, rows - tokens)), qdtype)
+        if sparse:
+            sums = torch._cslt_sparse_mm(packed, q_x.t(), out_dtype=x.dtype, transpose_result=True)
+            out = sums.float() * s_x[:, None] * s_w[None, :]
+        elif qdtype == "int8":
+            out = torch._int_mm(q_x, q_w.t()).float() * s_x[:, None] * s_w[None, :]
+        else:
+            out = torch._scaled_mm(q_x, q_w.t(), scale_a=s_x[:, None], scale_b=s_w[None, :], out_dtype=x.dtype)
+        return out[:tokens].to(x.dtype)
     return call
 
 
@@ -92,6 +121,8 @@ def layer_rows(dry: bool, block_size: int, repeats: int = 20) -> Iterator[Row]:
         for qdtype, tol in (("int8", 0.05), ("fp8", 0.15)):  # activations are quantized too: a looser check
             q = quantize_core_8bit(w, qdtype)
             calls[f"armor {qdtype}"] = (lambda x, q=q: F.linear(x, q), q.dense_weight(), tol)
+            calls[f"{qdtype} dense"] = (eight_bit_baseline(dense, qdtype, False, dry), dense, tol)
+            calls[f"{qdtype} 2:4"] = (eight_bit_baseline(w.core_dense(), qdtype, True, dry), w.core_dense(), tol)
         for n in tokens:
             x = torch.randn(n, d_in, device=device, dtype=dtype, generator=gen)
             measured: Dict[str, Row] = {}
@@ -113,6 +144,9 @@ def layer_rows(dry: bool, block_size: int, repeats: int = 20) -> Iterator[Row]:
                 measured[variant] = row
                 row["x_dense"] = ratio(measured["dense"].get("ms"), row.get("ms"))
                 row["x_24"] = ratio(measured.get("2:4", {}).get("ms"), row.get("ms"))
+                fmt = next((f for f in ("int8", "fp8") if f in variant.split()), None)
+                if fmt:  # against the same 8 bits dense: what a user quantizing anyway gains from 2:4
+                    row["x_8bit_dense"] = ratio(measured.get(f"{fmt} dense", {}).get("ms"), row.get("ms"))
                 yield row
         del w, dense, plain
         if device == "cuda":
@@ -266,6 +300,12 @@ def targets(layers: List[Row], model: List[Row]) -> List[str]:
         return next((r for r in rows if all(r.get(k) == v for k, v in want.items())), None)
 
     lines = []
+    for shape in SHAPES_8B:
+        fp8 = find(layers, shape=shape, tokens=2048, variant="armor fp8")
+        x = (fp8 or {}).get("x_8bit_dense")
+        lines.append(f"{shape} at 2048 tokens, ARMOR fp8 2:4: {x:.2f}x fp8 dense (target >= 1.30: "
+                     f"{'met' if x >= 1.3 else 'missed'})" if isinstance(x, float)
+                     else f"{shape} at 2048 tokens, ARMOR fp8 2:4 vs fp8 dense: not measured")
     armor = next((r for r in model if str(r.get("variant", "")).startswith("armor") and r.get("workload") == "prefill b1"), None)
     plain = find(model, variant="2:4", workload="prefill b1")
     x_dense, x_plain = (armor or {}).get("x_dense"), (plain or {}).get("x_dense")
