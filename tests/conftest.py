@@ -34,6 +34,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items) -> None:
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _keep_thread_count():
+    """The CLI picks a thread count for the machine (``torch_armor.threads``); each test starts with the
+    session's."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def _require(package: str, hint: str) -> None:
     if importlib.util.find_spec(package) is None:
         pytest.skip(f"{package} is not installed ({hint})")

@@ -4,7 +4,7 @@
 Pure ``ast`` (nothing is imported or executed). Every module of the package sits on a floor;
 an import may point to the same floor or a lower one, never up:
 
-    0  errors, _io, progress              (no torch_armor imports besides each other)
+    0  errors, _io, progress, threads     (no torch_armor imports besides each other)
     1  core, kernels                      (pure math, sparsity patterns, the method configs; GPU kernels)
     2  calibration                        (hooks, statistics)
     3  tensor                             (ArmorTensor, storages; the save/load format)
@@ -53,6 +53,7 @@ FLOORS: Tuple[Tuple[str, int], ...] = (
     ("torch_armor._io", 0),
     ("torch_armor._quiet", 0),
     ("torch_armor.progress", 0),
+    ("torch_armor.threads", 0),
     ("torch_armor.core", 1),
     ("torch_armor.kernels", 1),
     ("torch_armor.config", 1),  # compatibility alias of torch_armor.core.config (users only)

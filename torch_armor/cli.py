@@ -111,7 +111,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=_positive_int, default=512, help="tokens per window (default 512)")
     p.add_argument("--batch-size", type=_positive_int, default=8, help="windows per forward pass (default 8)")
     p.add_argument("--threads", type=_positive_int, default=None,
-                   help="torch.set_num_threads (default: PyTorch's choice)")
+                   help="threads (default: one per physical core, fewer when the machine is busy; "
+                        "OMP_NUM_THREADS also sets it)")
     p.add_argument("--no-progress", action="store_true",
                    help="hide progress bars (also transformers' loading bar)")
     p.add_argument("--debug", action="store_true",

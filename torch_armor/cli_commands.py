@@ -38,6 +38,7 @@ from torch_armor.recipes.models import load_model, parse_dtype, pruning_source
 from torch_armor.recipes.quality import quality_table, run_quality
 from torch_armor.tensor.armor_tensor import ArmorTensor
 from torch_armor.tensor.finetune import checkpoint_size
+from torch_armor.threads import choose_threads, load_average, physical_cores
 
 __all__ = ["cmd_prune", "cmd_quantize", "cmd_eval", "cmd_demo", "demo_protocol", "log"]
 
@@ -52,6 +53,11 @@ def log(message: str) -> None:
 def setup(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
+    elif not os.environ.get("OMP_NUM_THREADS"):  # the user's own setting stands
+        threads, why = choose_threads(physical_cores(), load_average())
+        torch.set_num_threads(threads)
+        if why:
+            log(why)
     if args.no_progress or not is_interactive():
         quiet_third_party_progress()
 
