@@ -3,6 +3,7 @@ layers, tiny calibration), a local Hugging Face directory, argument errors, ``py
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -423,7 +424,8 @@ def test_quantize_writes_8bit_cores_that_load_back(tmp_path, capsys):
 
     model = make_converted_tiny_llama(iters=1)
     save_pretrained(model, tmp_path / "pruned")
-    assert main(["quantize", str(tmp_path / "pruned"), "--format", "int8", "--out", str(tmp_path / "int8")]) == 0
+    assert main(["quantize", str(tmp_path / "pruned"), "--format", "int8", "--smooth", "0", "--out",
+                 str(tmp_path / "int8")]) == 0
     assert "saved int8 2:4 cores" in capsys.readouterr().err
     loaded = load_pretrained(tmp_path / "int8")
     assert type(loaded.model.layers[0].mlp.down_proj.weight) is Int8ArmorTensor
@@ -440,3 +442,42 @@ def test_quantize_writes_8bit_cores_that_load_back(tmp_path, capsys):
         assert main(["quantize", *argv, "--format", "fp8"]) == 2
         err = [line for line in capsys.readouterr().err.splitlines() if "quantize:" in line]
         assert len(err) == 1 and message in err[0], err
+
+
+def test_quantize_int8_smooths_on_the_prunes_own_text_by_default(plain_prune, tmp_path, capsys):
+    """int8 moves the cores' input outliers into B first (SmoothQuant's alpha 0.5) on the calibration text
+    prune_report.json names: the same model as smooth_core_inputs + quantize_ in Python; a --calib that
+    does not exist is one line naming --calib, given before the model is loaded."""
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+    from torch_armor import load_pretrained
+    from torch_armor.recipes.data import calibration_windows
+    from torch_armor.recipes.models import load_tokenizer
+    from torch_armor.tensor.quant import ArmorCoreConfig
+    from torch_armor.tensor.smoothing import smooth_core_inputs
+
+    model_dir, pruned = plain_prune
+    text = model_dir.parent / "text.txt"
+    capsys.readouterr()
+    assert main(["quantize", str(pruned), "--format", "int8", "--n-calib", "3", "--out", str(tmp_path / "q")]) == 0
+    assert f"alpha 0.5) on 3x32 tokens of {text}" in capsys.readouterr().err
+    expected = load_pretrained(pruned)
+    windows = calibration_windows(str(text), load_tokenizer(pruned), n_windows=3, seq_len=32)
+    smooth_core_inputs(expected, windows.split(1), 0.5)
+    quantize_(expected, ArmorCoreConfig(Int8DynamicActivationInt8WeightConfig(set_inductor_config=False)))
+    ids = windows[:1]
+    with torch.no_grad():
+        assert torch.equal(load_pretrained(tmp_path / "q")(ids).logits, expected(ids).logits)
+    assert main(["quantize", str(pruned), "--format", "int8", "--calib", str(tmp_path / "nope.txt"), "--out",
+                 str(tmp_path / "q2")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "--calib" in err[0] and "nope.txt" in err[0], err
+
+
+def test_quantize_help_states_the_measured_smoothing_defaults():
+    from torch_armor.cli import build_parser
+    from torch_armor.tensor.smoothing import DEFAULT_ALPHA
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    smooth = next(a for a in sub.choices["quantize"]._actions if a.dest == "smooth")
+    assert f"default {DEFAULT_ALPHA['int8']:g} for int8, {DEFAULT_ALPHA['fp8']:g} for fp8" in smooth.help

@@ -70,6 +70,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _unit_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {value}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -206,6 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("model", metavar="MODEL", help="a directory written by 'prune'")
     q.add_argument("--format", choices=("int8", "fp8"), required=True, help="int8 or fp8 (e4m3) cores")
     q.add_argument("--out", required=True, help="output directory")
+    q.add_argument("--smooth", type=_unit_float, default=None, metavar="ALPHA",
+                   help="move the cores' input outliers into B before quantizing, SmoothQuant's alpha (0 = off; "
+                        "default 0.5 for int8, 0 for fp8)")
+    q.add_argument("--calib", default=None,
+                   help="text for --smooth's activation ranges (default: the prune's calibration text, "
+                        "from prune_report.json, else sotu)")
+    q.add_argument("--n-calib", type=_positive_int, default=8, help="windows of --calib for --smooth (default 8)")
     q.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
     q.add_argument("--no-progress", action="store_true", help="hide transformers' loading bar")
     q.add_argument("--debug", action="store_true",

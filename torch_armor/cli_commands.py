@@ -13,7 +13,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -34,13 +34,13 @@ from torch_armor.recipes.data import calibration_windows, check_window_memory, e
 from torch_armor.recipes.demo_runs import TABLE_MD, DemoRuns
 from torch_armor.recipes.evaluate import perplexity
 from torch_armor.recipes.harness import evaluate, parse_tasks, require_lm_eval, results_table, write_results
-from torch_armor.recipes.models import load_model, parse_dtype, pruning_source
+from torch_armor.recipes.models import load_model, load_tokenizer, parse_dtype, pruning_source
 from torch_armor.recipes.quality import quality_table, run_quality
 from torch_armor.tensor.armor_tensor import ArmorTensor
 from torch_armor.tensor.finetune import checkpoint_size
 from torch_armor.threads import choose_threads, load_average, physical_cores
 
-__all__ = ["cmd_prune", "cmd_quantize", "cmd_eval", "cmd_demo", "demo_protocol", "log"]
+__all__ = ["cmd_prune", "cmd_quantize", "cmd_eval", "cmd_demo", "demo_protocol", "log", "prune_calibration"]
 
 
 def log(message: str) -> None:
@@ -177,12 +177,23 @@ def _prune(args: argparse.Namespace, out: Path, run_dir: Path, config: Any) -> i
     return 0
 
 
+def prune_calibration(source: Path, calib: Optional[str] = None) -> Tuple[str, int]:
+    """``(text source, seq_len)`` for ``quantize --smooth``: ``--calib`` if given, else the prune's own."""
+    recorded: Dict[str, Any] = {}
+    try:
+        recorded = json.loads((source / REPORT_JSON).read_text()).get("calibration") or {}
+    except (OSError, ValueError, AttributeError):
+        pass
+    return calib or recorded.get("source") or "sotu", int(recorded.get("seq_len") or 512)
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
     from torchao.quantization import (Float8DynamicActivationFloat8WeightConfig,  # local: only this command needs them
                                       Int8DynamicActivationInt8WeightConfig, quantize_)
 
     from torch_armor.tensor.quant import ArmorCoreConfig  # local: as above
     from torch_armor.tensor.serialization import load_pretrained, save_pretrained  # local: as above
+    from torch_armor.tensor.smoothing import DEFAULT_ALPHA, smooth_core_inputs  # local: as above
 
     out = Path(args.out)
     if not str(args.out).strip():
@@ -192,6 +203,12 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if args.no_progress or not is_interactive():
         quiet_third_party_progress()
     source = Path(args.model)
+    alpha = args.smooth if args.smooth is not None else DEFAULT_ALPHA[args.format]
+    windows = None
+    if alpha > 0:  # the text and the tokenizer checked before the model loads
+        text, seq_len = prune_calibration(source, args.calib)
+        windows = from_text("--calib", text, calibration_windows, load_tokenizer(source), n_windows=args.n_calib,
+                            seq_len=seq_len)
     model = load_pretrained(source)
     storages = {m.weight.storage_format for m in model.modules() if isinstance(getattr(m, "weight", None), ArmorTensor)}
     if not storages:
@@ -201,6 +218,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                               "directory 'torch-armor prune' wrote")
     inner = {"int8": Int8DynamicActivationInt8WeightConfig, "fp8": Float8DynamicActivationFloat8WeightConfig}[args.format]
     before = checkpoint_size(source)
+    if windows is not None:
+        log(f"smoothing the cores' inputs (alpha {alpha}) on {windows.shape[0]}x{windows.shape[1]} tokens of {text}")
+        smooth_core_inputs(model, windows.split(1), alpha)
     quantize_(model, ArmorCoreConfig(inner(set_inductor_config=False)))
     save_pretrained(model, out)
     for pattern in ("tokenizer*", "special_tokens_map.json", "vocab.*", "merges.txt", "*.model", "chat_template*"):

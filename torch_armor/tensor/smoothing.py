@@ -10,8 +10,8 @@ divides channel ``j`` of ``z`` by ``s_j`` and multiplies column ``j`` of the cor
 * ``core · diag(s)`` scales columns of the core: the same zeros, so still 2:4.
 
 With ``s_j = max|z_j|^α / max_i |core_ij|^(1-α)`` (the SmoothQuant rule, applied to the operand of the
-2:4 GEMM instead of a dense weight's input) the activations and the core share the range:
-``α = 0`` leaves the activations as they are, ``α = 1`` flattens them entirely into the core.
+2:4 GEMM instead of a dense weight's input) the activations and the core share the range; the larger
+``α``, the more of it moves into the core (``α = 0``: nothing moves, smoothing is off).
 
 :func:`core_input_amax` runs calibration batches and records ``max|z_j|`` per ARMOR layer;
 :func:`smooth_core_inputs` folds the scales in (call it before ``quantize_(model, ArmorCoreConfig(
@@ -43,8 +43,10 @@ from torch_armor.tensor.eight_bit import EightBitArmorTensor
 
 __all__ = ["DEFAULT_ALPHA", "core_input_amax", "smoothing_scale", "fold_core_input_scale", "smooth_core_inputs"]
 
-#: chosen on held-out calibration text for SmolLM2-135M's int8 cores (docs/gpu.md, "8-bit 2:4 cores")
-DEFAULT_ALPHA = 0.5
+#: alpha per 8-bit format, chosen on held-out calibration text for SmolLM2-135M (docs/gpu.md, "Int8 and fp8
+#: 2:4 cores"): int8 0 / 0.35 / 0.5 / 0.65 / 0.8 gave 31.25 / 31.04 / 30.88 / 30.89 / 31.19 (bf16 30.71), fp8
+#: 0 / 0.5 gave 31.20 / 31.27: e4m3's exponent already spans the outliers
+DEFAULT_ALPHA = {"int8": 0.5, "fp8": 0.0}
 _SCALE_RANGE = (1e-4, 1e4)  # no channel is scaled beyond this: a dead channel or column keeps its range
 
 
@@ -85,9 +87,11 @@ def core_input_amax(model: nn.Module, batches: Iterable[torch.Tensor]) -> Dict[s
 
 def smoothing_scale(amax: torch.Tensor, weight: ArmorTensor, alpha: float) -> torch.Tensor:
     """``s (d_in,)`` with ``s_j = amax_j^α / max_i |core_ij|^(1-α)``, clamped to [1e-4, 1e4]; 1 where the
-    channel never fired or the core's column is empty."""
+    channel never fired or the core's column is empty, and everywhere for ``α = 0`` (smoothing off)."""
     if not 0.0 <= alpha <= 1.0:
         raise ArmorInputError(f"alpha must be in [0, 1], got {alpha!r}")
+    if alpha == 0:
+        return torch.ones(weight.shape[1], dtype=torch.float32, device=weight.device)
     col_max = weight.core_dense().float().abs().amax(dim=0)
     amax = amax.float().to(col_max.device)
     live = (amax > 0) & (col_max > 0)
@@ -116,10 +120,10 @@ def fold_core_input_scale(weight: ArmorTensor, scale: torch.Tensor) -> ArmorTens
 
 
 @torch.no_grad()
-def smooth_core_inputs(model: nn.Module, batches: Iterable[torch.Tensor],
-                       alpha: float = DEFAULT_ALPHA) -> Dict[str, torch.Tensor]:
+def smooth_core_inputs(model: nn.Module, batches: Iterable[torch.Tensor], alpha: float) -> Dict[str, torch.Tensor]:
     """Fold :func:`smoothing_scale` into every ARMOR layer of ``model`` (in place), from the B-pass outputs
-    seen on ``batches``; returns ``{module name: scale}``. ``alpha=0`` changes nothing."""
+    seen on ``batches``; returns ``{module name: scale}``. ``DEFAULT_ALPHA[format]`` is the measured choice
+    for an 8-bit format; ``alpha=0`` changes nothing."""
     amax = core_input_amax(model, batches)
     scales = {}
     for name, module in _armor_linears(model).items():
