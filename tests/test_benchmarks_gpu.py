@@ -180,8 +180,14 @@ def test_quick_rows_on_cpu():
     each checked against the dense product of its weights; CUDA-graph rows say why they did not run."""
     gpu_quick = _import_benchmark("gpu_quick")
     layers = list(gpu_quick.layer_rows(dry=True, block_size=16, repeats=1))
-    assert len(layers) == 2 * 2 * 6 and [r["variant"] for r in layers[:6]] == gpu_quick.LAYER_VARIANTS + gpu_quick.EIGHT_BIT_VARIANTS
+    variants = gpu_quick.LAYER_VARIANTS + gpu_quick.EIGHT_BIT_VARIANTS
+    assert len(layers) == 2 * 2 * len(variants) and [r["variant"] for r in layers[:len(variants)]] == variants
     assert all(r["check"].startswith("ok") for r in layers), layers
+    for row in layers:  # each 8-bit row against the same 8 bits dense, measured in the same step
+        fmt = next((f for f in ("int8", "fp8") if f in row["variant"].split()), None)
+        assert (row.get("x_8bit_dense") is not None) == (fmt is not None), row
+        if row["variant"] == f"{fmt} dense":
+            assert row["x_8bit_dense"] == 1.0
     model = list(gpu_quick.model_rows(dry=True, layers=1, block_size=16))
     assert len(model) == 15 and all(("ms" in r) != ("graph" in r["workload"]) for r in model), model
     assert all(r["check"].startswith("ok") for r in model if r["variant"] != "dense")
