@@ -230,7 +230,7 @@ def main() -> None:
             what = "prune"
             cmd = [sys.executable, "-m", "torch_armor", "prune", str(ckpt), "--out", str(out), "--iters", "1",
                    "--n-calib", str(args.n_calib), "--seq-len", str(args.seq_len), "--calib", "sotu",
-                   "--threads", str(args.threads), "--no-progress"] + shlex.split(args.prune_args)
+                   "--threads", str(args.threads), "--no-progress", "--stream"] + shlex.split(args.prune_args)
         print("child: " + " ".join(cmd[:2] + ["..."] + cmd[3:] if args.dry_run else cmd), file=sys.stderr)
         shutil.rmtree(out, ignore_errors=True)  # the prune refuses a non-empty --out
         r = run_child(cmd, args.work)

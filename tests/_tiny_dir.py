@@ -34,6 +34,7 @@ def save_tiny_model(folder: Path) -> Path:
 
 def fast_prune_args(folder: Path) -> list:
     """``torch-armor prune`` options that prune the model of :func:`save_tiny_model` in about a second: its
-    text, 2 windows of 32 tokens, block size 16, 2 sweeps, no refinement or reconstruction, one thread."""
+    text, 2 windows of 32 tokens, block size 16, 2 sweeps, no refinement or reconstruction, one thread,
+    streamed block by block (what a checkpoint too large for memory gets; the tiny one would load whole)."""
     return ["--calib", str(folder / "text.txt"), "--n-calib", "2", "--seq-len", "32", "--block-size", "16", "--iters",
-            "2", "--reconstruct-steps", "0", "--refine", "none", "--threads", "1", "--no-progress"]
+            "2", "--reconstruct-steps", "0", "--refine", "none", "--threads", "1", "--no-progress", "--stream"]

@@ -129,7 +129,7 @@ def _prune(args: argparse.Namespace, out: Path, run_dir: Path, config: Any) -> i
     setup(args)
     start = time.perf_counter()
     model, tokenizer = pruning_source(args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device,
-                                      log=log)
+                                      log=log, stream=args.stream)
     log(f"calibrating on {args.n_calib}×{args.seq_len} tokens of {args.calib}, "
         f"{'sequentially' if not args.one_shot else 'one-shot'}, one decoder block at a time")
     windows = from_text("--calib", args.calib, calibration_windows, tokenizer, n_windows=args.n_calib,

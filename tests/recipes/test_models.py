@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, strategies as st
 import torch
 from torch import nn
 
@@ -70,3 +71,55 @@ def test_load_model_dispatch(monkeypatch, tmp_path):
         load_model(str(tmp_path / "weights.gguf"))
     with pytest.raises(ValueError, match="unknown dtype"):
         load_model(str(tmp_path), dtype="int3")
+
+
+@given(model_gb=st.floats(0.001, 500), free_gb=st.floats(0.001, 2000), ranks=st.integers(1, 8))
+def test_a_checkpoint_streams_exactly_when_the_run_would_not_fit(model_gb, free_gb, ranks):
+    from torch_armor.recipes.models import RUN_ROOM, choose_streaming
+
+    model, free = int(model_gb * 1e9), int(free_gb * 1e9)
+    streamed, why = choose_streaming(model, free, None, world_size=ranks)
+    assert streamed == (ranks > 1 or RUN_ROOM * model > free)
+    assert why.startswith(f"{model / 1e9:.1f} GB in the run dtype")
+    for asked in (True, False):  # the user's choice wins, whatever fits
+        assert choose_streaming(model, free, asked, world_size=ranks) == (asked, why.split(",")[0] + ", asked for")
+    assert choose_streaming(model, None, None)[0]  # free memory unknown: stream, the safe side
+
+
+def test_checkpoint_parameters_reads_the_headers(tmp_path):
+    from safetensors.torch import load_file
+
+    from _tiny_dir import save_tiny_model
+    from torch_armor.recipes.models import checkpoint_parameters
+
+    model_dir = save_tiny_model(tmp_path)
+    tensors = load_file(model_dir / "model.safetensors")
+    assert checkpoint_parameters(model_dir) == sum(t.numel() for t in tensors.values()) > 0
+
+
+def test_prune_loads_a_small_local_checkpoint_whole_and_says_why(tmp_path, capsys):
+    """The CLI's default: a checkpoint whose run fits the free memory is loaded whole (so distillation can
+    run); --stream streams it; the log says which and why."""
+    from _tiny_dir import fast_prune_args, save_tiny_model
+    from torch_armor.cli import main
+
+    model_dir = save_tiny_model(tmp_path)
+    args = [a for a in fast_prune_args(tmp_path) if a != "--stream"]
+    assert main(["prune", str(model_dir), "--out", str(tmp_path / "whole"), *args]) == 0
+    err = capsys.readouterr().err
+    assert f"loading {model_dir} whole (0.0 GB in the run dtype, 3x of it fits the " in err
+    assert main(["prune", str(model_dir), "--out", str(tmp_path / "streamed"), *args, "--stream"]) == 0
+    err = capsys.readouterr().err
+    assert f"streaming {model_dir} block by block (0.0 GB in the run dtype, asked for)" in err
+    assert "end-to-end distillation is skipped when streamed" in err
+    assert (tmp_path / "streamed" / "model.safetensors.index.json").exists()  # streamed: a shard per block
+    assert not (tmp_path / "whole" / "model.safetensors.index.json").exists()
+
+
+def test_prune_help_states_the_run_room():
+    from torch_armor.cli import build_parser
+    from torch_armor.recipes.models import RUN_ROOM
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    stream = next(a for a in sub.choices["prune"]._actions if a.dest == "stream")
+    assert f"whole when {RUN_ROOM}x its size fits the free memory" in stream.help

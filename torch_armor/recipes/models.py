@@ -11,9 +11,11 @@ Example::
 from __future__ import annotations
 
 import difflib
-import socket
+import json
+import math
 import os
 import re
+import socket
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 from urllib.parse import urlparse
@@ -23,6 +25,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from torch_armor.calibration.selection import select_layers  # noqa: F401  (re-exported: a model recipe)
+from torch_armor.engine.checkpoint import LazyCheckpoint
+from torch_armor.engine.distributed import launched_world_size
 from torch_armor.engine.sources import is_streamable_checkpoint
 from torch_armor.errors import ArmorInputError, require_extra
 from torch_armor.recipes.assets import load_smollm2
@@ -31,7 +35,7 @@ from torch_armor.tensor.layout import ARMOR_CONFIG_NAME
 from torch_armor.tensor.serialization import load_pretrained
 
 __all__ = ["parse_dtype", "is_armor_checkpoint", "check_model_source", "load_model", "pruning_source", "load_tokenizer",
-           "select_layers"]
+           "select_layers", "checkpoint_parameters", "free_memory", "choose_streaming", "RUN_ROOM"]
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -218,12 +222,72 @@ def load_tokenizer(path: Union[str, os.PathLike]) -> Any:
         ) from None
 
 
+#: an in-memory prune holds the model, the dense teacher's block copies, distillation's gradients and
+#: optimizer state and the activations: a checkpoint is loaded whole when this many times its bytes fit
+RUN_ROOM = 3
+
+
+#: what skipping distillation costs, from the ablation in docs/results.md ("Each lever on alone and off alone")
+NO_DISTILL_COST = "on SmolLM2-135M the default without it measured 41.13 Wikipedia perplexity, with it 34.87"
+
+
+def checkpoint_parameters(path: Union[str, os.PathLike]) -> int:
+    """The number of values in a local checkpoint's ``*.safetensors`` files, read from their headers."""
+    total = 0
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+    return total
+
+
+def free_memory(device: Union[str, torch.device, None] = None) -> Optional[int]:
+    """Bytes free for a run on ``device``: the GPU's free memory on CUDA, ``MemAvailable`` on the CPU;
+    ``None`` where the system does not say."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type == "cuda":
+        return int(torch.cuda.mem_get_info(dev)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
+def choose_streaming(model_bytes: int, free_bytes: Optional[int], stream: Optional[bool],
+                     world_size: int = 1) -> Tuple[bool, str]:
+    """``(stream, why)`` for a local checkpoint: ``stream`` when given; streamed under ``torchrun``
+    (``world_size > 1``: every rank would hold the whole model, and distillation, the reason to load it
+    whole, runs in one process); else whole in memory when :data:`RUN_ROOM` times ``model_bytes`` fit
+    ``free_bytes``, streamed block by block when not (or when the free memory is unknown).
+
+    Example::
+
+        >>> choose_streaming(538_000_000, 20_000_000_000, None)
+        (False, '0.5 GB in the run dtype, 3x of it fits the 20.0 GB free')
+        >>> choose_streaming(32_000_000_000, 20_000_000_000, None)[0]
+        True
+    """
+    size = f"{model_bytes / 1e9:.1f} GB in the run dtype"
+    if stream is not None:
+        return stream, f"{size}, asked for"
+    if world_size > 1:
+        return True, f"{size}, {world_size} ranks: each holds one block at a time"
+    if free_bytes is None:
+        return True, f"{size}, the free memory is unknown"
+    fits = RUN_ROOM * model_bytes <= free_bytes
+    return not fits, f"{size}, {RUN_ROOM}x of it {'fits' if fits else 'does not fit'} the {free_bytes / 1e9:.1f} GB free"
+
+
 def pruning_source(model: str, gguf_file: Optional[str] = None, dtype: Union[str, torch.dtype, None] = None,
-                   device: Union[str, torch.device, None] = None,
-                   log: Optional[Callable[[str], None]] = None) -> Tuple[Union[str, nn.Module], Any]:
-    """What :func:`~torch_armor.prune_model` should get for ``MODEL``, and its tokenizer: the
-    directory itself when it streams (a local Hugging Face checkpoint with safetensors weights,
-    :func:`~torch_armor.engine.sources.is_streamable_checkpoint`), else the loaded model.
+                   device: Union[str, torch.device, None] = None, log: Optional[Callable[[str], None]] = None,
+                   stream: Optional[bool] = None) -> Tuple[Union[str, nn.Module], Any]:
+    """What :func:`~torch_armor.prune_model` should get for ``MODEL``, and its tokenizer: the directory
+    itself when it streams, else the loaded model. A local Hugging Face checkpoint with safetensors weights
+    (:func:`~torch_armor.engine.sources.is_streamable_checkpoint`) streams when ``stream=True``, or, with
+    ``stream=None``, when it does not fit the device's free memory with room for the run
+    (:func:`choose_streaming`): a streamed prune holds one block at a time but skips end-to-end
+    distillation. ``log`` gets one line saying which and why.
 
     Raises:
         ArmorInputError: ``MODEL`` cannot be loaded, or is already pruned (before anything slow).
@@ -234,7 +298,21 @@ def pruning_source(model: str, gguf_file: Optional[str] = None, dtype: Union[str
                               "prune the original dense checkpoint instead")
     say = log or (lambda _line: None)
     if gguf_file is None and is_streamable_checkpoint(model):
-        say(f"streaming {model} …")
-        return str(model), load_tokenizer(model)
+        run_dtype = parse_dtype(dtype) or torch.float32
+        streamed, why = choose_streaming(checkpoint_parameters(model) * run_dtype.itemsize, free_memory(device), stream,
+                                         launched_world_size())
+        if streamed:
+            say(f"streaming {model} block by block ({why}); end-to-end distillation is skipped when streamed "
+                f"({NO_DISTILL_COST}; --no-stream loads it whole)")
+            return str(model), load_tokenizer(model)
+        say(f"loading {model} whole ({why}) …")
+        try:
+            return load_model(model, dtype=dtype, device=device)
+        except ArmorInputError:
+            LazyCheckpoint(model)  # names the tensor that does not match config.json, where transformers does not
+            raise
+    if stream:
+        raise ArmorInputError(f"stream=True needs a local Hugging Face directory with safetensors weights; "
+                              f"{model!r} is not one")
     say(f"loading {model} …")
     return load_model(model, gguf_file=gguf_file, dtype=dtype, device=device)
