@@ -157,13 +157,12 @@ def _prune(args: argparse.Namespace, out: Path, run_dir: Path, config: Any) -> i
         log(f"skipped {REPORT_PNG}: {err}")
     total = time.perf_counter() - start
     print(f"pruned {len(report.layers)} linears of {args.model} with {args.method} {report.pattern}: "
-          f"mean relative proxy loss {report.mean_relative_proxy_loss:.4f} (NoWag-P = 1)"
-          + (f", mean relative output loss {report.mean_relative_output_loss:.4f}"
-             if report.mean_relative_output_loss is not None else "")
-          + (f", wrapper overhead {100 * report.overhead:.2f}%" if report.overhead else "")
-          + f", pruning {report.seconds:.1f} s, total {total:.1f} s")
-    if report.reconstruction_summary():
-        print(report.reconstruction_summary())
+          f"{report.loss_summary()}"
+          + (f"; wrapper overhead {100 * report.overhead:.2f}%" if report.overhead else "")
+          + f"; pruning {report.seconds:.1f} s, total {total:.1f} s")
+    for line in (report.reconstruction_summary(), report.distill_summary()):
+        if line:
+            print(line)
     size = checkpoint_size(out)
     print(f"size: {size.parameters:,} stored parameters, {size.parameter_bytes / 2**20:.1f} MiB of weights "
           f"(dense model: {size.dense_parameters:,} parameters, {size.dense_parameter_bytes / 2**20:.1f} MiB)")

@@ -401,7 +401,7 @@ class BlockPipeline:
 
     def _factorize_block(self, names, layers, stats, cfgs, bar) -> Dict[str, LayerSolution]:
         def done(fqn: str, factors) -> None:
-            bar.set_postfix_str(f"{fqn[-32:]} rel {factors.relative_loss:.3f}", refresh=False)
+            bar.set_postfix_str(f"{fqn[-32:]} {factors.loss_text()}", refresh=False)
 
         todo = {n: (layers[n].weight.detach(), stats[n]) for n in names}
         factors = distributed_factorize(todo, self.config, self.store, per_layer_overrides=cfgs,
