@@ -173,6 +173,7 @@ def load_model(
             kwargs["local_files_only"] = True  # the hub cache may still hold it; no retries either way
         if gguf_file:
             require_extra("gguf", f"--gguf-file {gguf_file}")
+            require_extra("accelerate", f"--gguf-file {gguf_file} (transformers' GGUF loader)")
         try:
             tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
             loaded = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype or torch.float32, **kwargs)
