@@ -118,3 +118,45 @@ def test_a_stage_left_early_says_where_it_stopped():
             break
     stream_text = stream.getvalue()
     assert re.fullmatch(r"stage: stopped at 2/5 block after [\d.]+ s\n", stream_text), stream_text
+
+
+@pytest.fixture
+def bars_on():
+    """transformers' bars on (as in a fresh interactive session), the previous state restored after."""
+    from transformers.utils import logging as hf_logging
+
+    before = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()
+    yield hf_logging
+    (hf_logging.enable_progress_bar if before else hf_logging.disable_progress_bar)()
+
+
+def test_library_loads_draw_no_transformers_bar_and_leave_its_state(capsys, tiny_dir, bars_on):
+    """The library's own from_pretrained calls hide "Loading weights" for the call only: a user's
+    own load afterwards still shows transformers' bar (no process-wide side effect)."""
+    from transformers import AutoModelForCausalLM
+
+    from torch_armor.recipes.models import load_model
+
+    capsys.readouterr()
+    load_model(str(tiny_dir))
+    assert "Loading weights" not in capsys.readouterr().err
+    assert bars_on.is_progress_bar_enabled()
+    AutoModelForCausalLM.from_pretrained(str(tiny_dir))
+    assert "Loading weights" in capsys.readouterr().err  # the check above can see the bar
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_bars_off_restores_either_state(before):
+    from huggingface_hub import utils as hub_utils
+    from transformers.utils import logging as hf_logging
+
+    was, hub_was = hf_logging.is_progress_bar_enabled(), hub_utils.are_progress_bars_disabled()
+    try:
+        (hf_logging.enable_progress_bar if before else hf_logging.disable_progress_bar)()
+        with progress_module.third_party_bars_off():
+            assert not hf_logging.is_progress_bar_enabled() and hub_utils.are_progress_bars_disabled()
+        assert hf_logging.is_progress_bar_enabled() is before and hub_utils.are_progress_bars_disabled() is not before
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
+        (hub_utils.disable_progress_bars if hub_was else hub_utils.enable_progress_bars)()

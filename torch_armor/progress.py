@@ -20,15 +20,17 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
 import time
-from typing import Any, Optional
+import warnings
+from typing import Any, Iterator, Optional
 
 from tqdm.auto import tqdm as _tqdm
 
-__all__ = ["tqdm", "is_interactive", "quiet_third_party_progress", "LOG_EVERY_S"]
+__all__ = ["tqdm", "is_interactive", "quiet_third_party_progress", "third_party_bars_off", "LOG_EVERY_S"]
 
 #: seconds between the progress lines of a long stage when stderr is not a terminal
 LOG_EVERY_S = 30.0
@@ -124,3 +126,41 @@ def quiet_third_party_progress() -> None:
         gguf_utils.tqdm = functools.partial(_tqdm, disable=True)
     except Exception:  # noqa: BLE001
         pass
+
+
+@contextlib.contextmanager
+def third_party_bars_off() -> Iterator[None]:
+    """transformers' own bars (``Loading weights``, ``Writing model shards``) and huggingface_hub's off
+    inside the block, each restored to its previous state after it: the library's own loads print
+    nothing unasked, and the caller's settings outlive the call.
+
+        >>> from transformers.utils import logging as hf_logging
+        >>> before = hf_logging.is_progress_bar_enabled()
+        >>> with third_party_bars_off():
+        ...     hf_logging.is_progress_bar_enabled()
+        False
+        >>> hf_logging.is_progress_bar_enabled() == before
+        True
+    """
+    try:
+        from transformers.utils import logging as hf_logging  # floor 0 stays free of transformers at import
+        from huggingface_hub import utils as hub_utils  # transformers' dependency, as above
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        yield
+        return
+    bars_on, hub_off = hf_logging.is_progress_bar_enabled(), hub_utils.are_progress_bars_disabled()
+    # the hub warns when HF_HUB_DISABLE_PROGRESS_BARS, set either way, overrides a call: nothing to say here
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf_logging.disable_progress_bar()  # transformers' and the hub's
+    try:
+        yield
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if bars_on:
+                hf_logging.enable_progress_bar()  # transformers' and the hub's
+            if hub_off:
+                hub_utils.disable_progress_bars()
+            elif not bars_on:
+                hub_utils.enable_progress_bars()

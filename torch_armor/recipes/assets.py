@@ -29,6 +29,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from torch_armor.errors import ArmorInputError, require_extra
+from torch_armor.progress import third_party_bars_off
 from torch_armor.recipes.needs import DEMO_INSTALL, SMOLLM2_INSTALL
 
 __all__ = [
@@ -129,7 +130,8 @@ def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, A
     path = smollm2_gguf_path()
     require_extra("gguf", "the embedded SmolLM2 (GGUF weights)")
     require_extra("accelerate", "the embedded SmolLM2 (transformers' GGUF loader)")
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    with third_party_bars_off():  # no "Loading weights" bar (nor a dequantizing one)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     model.eval()
     return model, smollm2_tokenizer()
 
