@@ -33,7 +33,7 @@ from torch_armor.progress import is_interactive, quiet_third_party_progress
 from torch_armor.recipes.data import calibration_windows, check_window_memory, eval_windows
 from torch_armor.recipes.demo_runs import TABLE_MD, DemoRuns
 from torch_armor.recipes.evaluate import perplexity
-from torch_armor.recipes.harness import evaluate, parse_tasks, require_lm_eval, results_table, write_results
+from torch_armor.recipes.harness import check_tasks, evaluate, results_table, write_results
 from torch_armor.recipes.models import load_model, parse_dtype, pruning_source
 from torch_armor.recipes.quality import quality_table, run_quality
 from torch_armor.tensor.armor_tensor import ArmorTensor
@@ -223,12 +223,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _eval_tasks(args: argparse.Namespace) -> int:
-
-
-    require_lm_eval()  # before loading a model: one line naming the extra
-    tasks = parse_tasks(args.tasks)
+    # before loading a model: the extra, the task names and their data (offline: one line saying what to do)
+    tasks = check_tasks(args.tasks, include_path=args.include_path)
     setup(args)
+    log(f"loading {args.model}")
     model, tokenizer = load_model(args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device)
+    log("lm-evaluation-harness: reading the task data and building its requests, then scoring them")
     t = time.perf_counter()
     results = evaluate(model, tokenizer, tasks, include_path=args.include_path, num_fewshot=args.num_fewshot,
                        limit=args.limit, batch_size=args.batch_size)
