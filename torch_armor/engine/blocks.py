@@ -373,6 +373,8 @@ class BlockPipeline:
         if self.method.factorizes:
             solutions = self._factorize_block(names, layers, stats, cfgs, bar)
             if recon is not None:
+                # the block's last stage, seconds on a real model: the bar says so (and a log line, when long)
+                bar.set_postfix_str(f"block {index}: reconstruction, {self.config.reconstruct.steps} steps")
                 solutions = self._reconstruct(index, block, layers, stats, solutions, cfgs, recon, report)
         else:
             solutions = {}
