@@ -225,7 +225,7 @@ class PruneReport:
         else:
             ax2.set_xlabel("layer (pruning order)")
         label = method_label(self.method)
-        ax1.set_title(title or f"{label} {self.pattern}, {len(xs)} linears: {self.loss_summary()}, {self.seconds:.0f} s",
+        ax1.set_title(title or f"{label} {self.pattern}, {len(xs)} linears, {self.seconds:.0f} s\n{self.loss_summary()}",
                       fontsize=9)
         fig.tight_layout()
         fig.savefig(path, dpi=110)

@@ -200,8 +200,8 @@ def missing_task_data(datasets: Dict[str, Tuple[str, Optional[str]]], online: bo
     file or cache (``cache_dirs``: the datasets and the hub caches), and how to run offline; ``None`` when
     every task's data is at hand.
 
-        >>> missing_task_data({"arc_easy": ("allenai/ai2_arc", "ARC-Easy")}, online=False, cache_dirs=[])[:60]
-        '--tasks arc_easy: its data (allenai/ai2_arc ARC-Easy) is not i'
+        >>> missing_task_data({"arc_easy": ("allenai/ai2_arc", "ARC-Easy")}, online=False, cache_dirs=[])[:53]
+        '--tasks arc_easy: its data (allenai/ai2_arc ARC-Easy)'
     """
     if online:
         return None
