@@ -1,13 +1,18 @@
 """End-to-end check of an installed torch_armor wheel without extras (run by .ci/wheel_check.sh).
 
+First, the embedded demo model without its extra: ``torch-armor prune smollm2 --out X`` must fail at
+once (seconds, against the ~80 s its model takes to load) with one line naming the one command that
+installs everything it needs. Then the job that needs no extra:
 Saves a tiny random Llama and a tokenizer trained here (tests/_tiny_dir.py: no hub), prunes it with
 the ``torch-armor`` command, loads the output with ``from_pretrained``, generates, and evaluates it
 with ``torch-armor eval``. Every step's exit code is checked; a failing step prints its stderr.
 """
 
+import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch_armor  # noqa: F401  (first: registers the "armor" quantization method with transformers)
@@ -24,8 +29,27 @@ def run(*args: str) -> str:
     return proc.stdout
 
 
+#: the most seconds the refusal may take: importing torch_armor is a few seconds, a model load ~80 s
+REFUSAL_LIMIT_S = 30.0
+
+
+def check_demo_refused_at_once(work: Path) -> None:
+    out = work / "X"
+    start = time.perf_counter()
+    proc = subprocess.run(["torch-armor", "prune", "smollm2", "--out", str(out)], capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    lines = proc.stderr.splitlines()
+    commands = re.findall(r"`([^`]*)`", proc.stderr)
+    assert proc.returncode != 0, f"prune smollm2 without the demo extra exited 0:\n{proc.stdout}"
+    assert len(lines) == 1, f"expected one line of error, got {len(lines)}:\n{proc.stderr}"
+    assert len(commands) == 1 and commands[0].startswith("pip install 'torch_armor[demo]'"), proc.stderr
+    assert seconds < REFUSAL_LIMIT_S and not out.exists(), f"refused after {seconds:.1f} s (out exists: {out.exists()})"
+    print(f"wheel smoke: prune smollm2 without extras refused in {seconds:.1f} s: {lines[0]}")
+
+
 def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="wheel_smoke_"))
+    check_demo_refused_at_once(work)
     dense, out, text = save_tiny_model(work), work / "pruned", work / "text.txt"
     run("prune", str(dense), "--out", str(out), "--calib", str(text), "--n-calib", "4", "--seq-len", "32",
         "--iters", "2", "--reconstruct-steps", "1")

@@ -58,7 +58,7 @@ def test_interrupted_demo_resumes_without_redoing_finished_rows(tmp_path, sotu_a
 
 
 @pytest.mark.parametrize("argv, methods, n_eval, run_dir", [
-    ([], ["dense", "sparsegpt", "armor"], 16, "runs/demo-quick"),
+    ([], ["dense", "nowag", "sparsegpt", "armor"], 16, "runs/demo-quick"),
     (["--full"], ["dense", "magnitude", "wanda", "sparsegpt", "nowag", "armor"], 64, "runs/demo-full"),
     (["--full", "--n-eval", "8", "--methods", "armor"], ["armor"], 8, "runs/demo-full"),
 ])

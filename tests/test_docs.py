@@ -183,14 +183,13 @@ def quick_start() -> str:
 
 
 def test_quick_start_python_blocks_run(tmp_path, monkeypatch, one_thread):
-    """The Python blocks of the quick start, exactly as written, one namespace, in a fresh directory;
-    then what their comments promise."""
+    """The Python blocks of the quick start, exactly as written, each alone in a fresh namespace, in
+    a fresh directory; then what their comments promise."""
     from torch_armor import ArmorTensor
 
     blocks = code_blocks(section(quick_start(), "Python"), "python")
     assert len(blocks) == 3, "the quick start's Python blocks changed: update the checks below"
     monkeypatch.chdir(tmp_path)
-    namespace: dict = {"__name__": "__quick_start__"}
 
     def decoder_weights(model):
         return [m.weight for name, m in model.named_modules()
@@ -199,12 +198,14 @@ def test_quick_start_python_blocks_run(tmp_path, monkeypatch, one_thread):
     warned = []
 
     def run(i):
+        namespace: dict = {"__name__": "__quick_start__"}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             exec(compile(blocks[i], f"README.md quick start block {i + 1}", "exec"), namespace)
         warned.extend(caught)
+        return namespace
 
-    run(0)
+    namespace = run(0)
     model, reloaded = namespace["model"], namespace["reloaded"]
     assert decoder_weights(model) and all(isinstance(w, ArmorTensor) for w in decoder_weights(model))
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -212,11 +213,9 @@ def test_quick_start_python_blocks_run(tmp_path, monkeypatch, one_thread):
         assert torch.equal(model(ids).logits, reloaded(ids).logits)  # "bit-identical"
     assert 0 < namespace["report"].overhead < 1
 
-    run(1)
-    assert "sparsegpt" in namespace["report"].method.lower()
+    assert "sparsegpt" in run(1)["report"].method.lower()
 
-    run(2)
-    loaded = namespace["model"]
+    loaded = run(2)["model"]
     assert type(loaded).__name__ == "LlamaForCausalLM"
     assert all(isinstance(w, ArmorTensor) for w in decoder_weights(loaded))
     assert (tmp_path / "runs" / "tiny-hf" / "config.json").exists()
@@ -224,6 +223,27 @@ def test_quick_start_python_blocks_run(tmp_path, monkeypatch, one_thread):
     deprecated = [f"{w.filename}:{w.lineno}: {w.message}" for w in warned
                   if issubclass(w.category, DeprecationWarning) and w.filename.startswith("README.md")]
     assert deprecated == []
+
+
+def _readme_python_blocks() -> list:
+    return code_blocks(README.read_text(encoding="utf-8"), "python")
+
+
+@pytest.mark.parametrize("index", range(len(_readme_python_blocks())), ids=lambda i: f"block{i + 1}")
+def test_every_readme_python_block_runs_alone_in_a_fresh_process(index, tmp_path):
+    """What a reader does: paste one block into a new Python. It runs without the others (no
+    NameError) and prints no import noise (torchao's, pytree's: ``torch_armor`` is imported first).
+    About 10 s a block."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", _readme_python_blocks()[index]], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    noise = [line for line in proc.stderr.splitlines() if re.search(r"torchao|pytree|Warning", line)]
+    assert noise == [], proc.stderr[-3000:]
 
 
 @pytest.fixture

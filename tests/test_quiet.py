@@ -118,3 +118,69 @@ def test_a_stage_left_early_says_where_it_stopped():
             break
     stream_text = stream.getvalue()
     assert re.fullmatch(r"stage: stopped at 2/5 block after [\d.]+ s\n", stream_text), stream_text
+
+
+@pytest.fixture
+def bars_on():
+    """transformers' bars on (as in a fresh interactive session), the previous state restored after."""
+    from transformers.utils import logging as hf_logging
+
+    before = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()
+    yield hf_logging
+    (hf_logging.enable_progress_bar if before else hf_logging.disable_progress_bar)()
+
+
+def test_library_loads_draw_no_transformers_bar_and_leave_its_state(capsys, tiny_dir, bars_on):
+    """The library's own from_pretrained calls hide "Loading weights" for the call only: a user's
+    own load afterwards still shows transformers' bar (no process-wide side effect)."""
+    from transformers import AutoModelForCausalLM
+
+    from torch_armor.recipes.models import load_model
+
+    capsys.readouterr()
+    load_model(str(tiny_dir))
+    assert "Loading weights" not in capsys.readouterr().err
+    assert bars_on.is_progress_bar_enabled()
+    AutoModelForCausalLM.from_pretrained(str(tiny_dir))
+    assert "Loading weights" in capsys.readouterr().err  # the check above can see the bar
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_bars_off_restores_either_state(before):
+    from huggingface_hub import utils as hub_utils
+    from transformers.utils import logging as hf_logging
+
+    was, hub_was = hf_logging.is_progress_bar_enabled(), hub_utils.are_progress_bars_disabled()
+    try:
+        (hf_logging.enable_progress_bar if before else hf_logging.disable_progress_bar)()
+        with progress_module.third_party_bars_off():
+            assert not hf_logging.is_progress_bar_enabled() and hub_utils.are_progress_bars_disabled()
+        assert hf_logging.is_progress_bar_enabled() is before and hub_utils.are_progress_bars_disabled() is not before
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
+        (hub_utils.disable_progress_bars if hub_was else hub_utils.enable_progress_bars)()
+
+
+def test_every_stage_of_an_in_memory_prune_reports_in_a_log(capsys, monkeypatch, tiny_llama, one_thread):
+    """Not a terminal (captured): sampling, the dense teacher, the block pass (its reconstruction named
+    as it starts) and distillation each report; with the interval at 0 s, every status is a line, as
+    a stage longer than LOG_EVERY_S does on a real model."""
+    from torch_armor import DistillConfig, PruneOptions, ReconstructConfig, prune_model
+
+    monkeypatch.setattr(progress_module, "LOG_EVERY_S", 0.0)
+    config = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=1), reconstruct=ReconstructConfig(steps=2),
+                         distill=DistillConfig(steps=2, eval_every=1, sampled_windows=2, sample_prompt_tokens=4))
+    capsys.readouterr()
+    prune_model(tiny_llama, torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(0)), config,
+                options=PruneOptions(progress=True, batch_size=4))
+    lines = capsys.readouterr().err.splitlines()
+    for stage in (r"distillation: sampling windows: 2/2 window in [\d.]+ s",
+                  r"distillation: dense top-64: \d+/\d+ window in [\d.]+ s",
+                  r"prune ARMOR: 0/2 block, \d+ s \(block 0: reconstruction, 2 steps\)",
+                  r"prune ARMOR: 2/2 block in [\d.]+ s",
+                  r"distillation: 1/2 step, \d+ s \(held-out KL [\d.]+\)",
+                  r"distillation: 2/2 step in [\d.]+ s"):
+        assert any(re.fullmatch(stage, line) for line in lines), (stage, lines)
+    assert any(re.fullmatch(r"distillation: sampling windows: 0/2 window, \d+ s \(token \d+/16\)", line)
+               for line in lines), lines

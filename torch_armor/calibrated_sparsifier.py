@@ -278,7 +278,7 @@ class CalibratedSparsifier(BaseSparsifier):
         sol = solve_layer(getattr(module, tensor_name), stats, self.config_for(fqn), fqn)
         self.state[fqn]["solution"] = sol
         label = self.method.label
-        result = f"relative proxy loss {sol.factors.relative_loss:.4f}" if sol.factors is not None else f"{label} pruned"
+        result = sol.factors.loss_text() if sol.factors is not None else f"{label} pruned"
         logger.info("%s: %s (%.1fs)", fqn, result, sol.seconds)
 
     def _after_layer(self, fqn: str) -> None:

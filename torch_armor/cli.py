@@ -29,7 +29,7 @@ import argparse
 import signal
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 # Only what the parser needs is imported here (no torchao or transformers), so that
 # `torch-armor --help` answers fast; a subcommand imports the rest when it runs (main).
@@ -42,6 +42,7 @@ from torch_armor.cli_names import (DEMO_METHODS, DENSE, FULL_PROTOCOL, HARNESS_J
                                    REPORT_PNG)
 from torch_armor.engine.methods import method_named, method_names
 from torch_armor.errors import CLEAR_ERRORS, ArmorError, debug_enabled
+from torch_armor.recipes.needs import Need, check_installed, needs_for
 
 __all__ = ["main", "build_parser", "QUICK_PROTOCOL", "FULL_PROTOCOL", "DEMO_METHODS", "DENSE", "REPORT_JSON",
            "REPORT_PNG", "HARNESS_JSON"]
@@ -300,6 +301,19 @@ def _interrupted(args: argparse.Namespace) -> str:
     return "interrupted"
 
 
+def job_needs(args: argparse.Namespace) -> List[Need]:
+    """The optional packages the parsed command needs (:mod:`torch_armor.recipes.needs`)."""
+    if args.command == "prune":
+        return needs_for(model=args.model, gguf_file=args.gguf_file, texts=[args.calib])
+    if args.command == "eval" and args.tasks is not None:
+        return needs_for(model=args.model, gguf_file=args.gguf_file, tasks=True)
+    if args.command == "eval":
+        return needs_for(model=args.model, gguf_file=args.gguf_file, texts=[args.data])
+    if args.command == "demo":
+        return needs_for(model="smollm2", texts=[args.calib, args.data])
+    return []
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``torch-armor``; returns the exit status (2 on a usage or input error).
 
@@ -312,6 +326,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(argv) if argv is not None else sys.argv[1:]
     args = parser.parse_args(argv)
     args.argv = argv
+    missing = check_installed(job_needs(args))  # every missing package at once, before anything loads
+    if missing:
+        print(f"torch-armor {args.command}: error: {missing}", file=sys.stderr)
+        return 2
     from torch_armor import cli_commands  # imports torchao and transformers: only now, so --help is fast
     from torch_armor.engine.interrupt import terminate_as_interrupt  # heavy, as above
 

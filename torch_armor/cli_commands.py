@@ -33,7 +33,7 @@ from torch_armor.progress import is_interactive, quiet_third_party_progress
 from torch_armor.recipes.data import calibration_windows, check_window_memory, eval_windows
 from torch_armor.recipes.demo_runs import TABLE_MD, DemoRuns
 from torch_armor.recipes.evaluate import perplexity
-from torch_armor.recipes.harness import evaluate, parse_tasks, require_lm_eval, results_table, write_results
+from torch_armor.recipes.harness import check_tasks, evaluate, results_table, write_results
 from torch_armor.recipes.models import load_model, load_tokenizer, parse_dtype, pruning_source
 from torch_armor.recipes.quality import quality_table, run_quality
 from torch_armor.tensor.armor_tensor import ArmorTensor
@@ -163,13 +163,12 @@ def _prune(args: argparse.Namespace, out: Path, run_dir: Path, config: Any) -> i
         log(f"skipped {REPORT_PNG}: {err}")
     total = time.perf_counter() - start
     print(f"pruned {len(report.layers)} linears of {args.model} with {args.method} {report.pattern}: "
-          f"mean relative proxy loss {report.mean_relative_proxy_loss:.4f} (NoWag-P = 1)"
-          + (f", mean relative output loss {report.mean_relative_output_loss:.4f}"
-             if report.mean_relative_output_loss is not None else "")
-          + (f", wrapper overhead {100 * report.overhead:.2f}%" if report.overhead else "")
-          + f", pruning {report.seconds:.1f} s, total {total:.1f} s")
-    if report.reconstruction_summary():
-        print(report.reconstruction_summary())
+          f"{report.loss_summary()}"
+          + (f"; wrapper overhead {100 * report.overhead:.2f}%" if report.overhead else "")
+          + f"; pruning {report.seconds:.1f} s, total {total:.1f} s")
+    for line in (report.reconstruction_summary(), report.distill_summary()):
+        if line:
+            print(line)
     size = checkpoint_size(out)
     print(f"size: {size.parameters:,} stored parameters, {size.parameter_bytes / 2**20:.1f} MiB of weights "
           f"(dense model: {size.dense_parameters:,} parameters, {size.dense_parameter_bytes / 2**20:.1f} MiB)")
@@ -250,12 +249,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _eval_tasks(args: argparse.Namespace) -> int:
-
-
-    require_lm_eval()  # before loading a model: one line naming the extra
-    tasks = parse_tasks(args.tasks)
+    # before loading a model: the extra, the task names and their data (offline: one line saying what to do)
+    tasks = check_tasks(args.tasks, include_path=args.include_path)
     setup(args)
+    log(f"loading {args.model}")
     model, tokenizer = load_model(args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device)
+    log("lm-evaluation-harness: reading the task data and building its requests, then scoring them")
     t = time.perf_counter()
     results = evaluate(model, tokenizer, tasks, include_path=args.include_path, num_fewshot=args.num_fewshot,
                        limit=args.limit, batch_size=args.batch_size)

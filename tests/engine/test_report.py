@@ -47,3 +47,47 @@ def test_wrapper_overhead_of_factors():
     assert wrapper_overhead(nn.Linear(4, 4)) == 0.0
     with pytest.raises(ValueError, match="ArmorFactors"):
         wrapper_overhead([torch.zeros(2)])
+
+
+def _report(method, proxy, output=None):
+    from torch_armor.engine.report import LayerResult, PruneReport
+
+    return PruneReport(method, "2:4", [LayerResult(f"model.layers.{i}.fc", (16, 32), p, 1.0, relative_output_loss=o)
+                                       for i, (p, o) in enumerate(zip(proxy, output or [None] * len(proxy)))])
+
+
+def test_the_summary_names_the_loss_minimised_last_and_the_gap_it_closes():
+    """After refinement the proxy rises above NoWag-P's while the output loss falls: the summary and
+    the plot show the output loss (what was minimised), never the proxy as if ARMOR had lost."""
+    refined = _report("armor", [1.2, 1.1], [0.3, 0.5])
+    assert refined.final_loss() == ("output", pytest.approx(0.4))
+    line = refined.loss_summary()
+    assert line == "layer output loss 0.4000 × NoWag-P's: closes 60.0% of the gap from NoWag-P to the dense layers"
+    assert "1.15" not in line and "proxy" not in line
+    assert [refined._final(layer) for layer in refined.layers] == [0.3, 0.5]
+
+    proxy_only = _report("armor", [0.8, 0.6])  # refine=None, reconstruct=None: the proxy is ARMOR's objective
+    assert proxy_only.loss_summary().startswith("proxy loss 0.7000 × NoWag-P's (the loss ARMOR minimised): closes 30.0%")
+    worse = _report("armor", [1.5])
+    assert "50.0% above NoWag-P" in worse.loss_summary() and "closes" not in worse.loss_summary()
+    baseline = _report("sparsegpt", [1.3])
+    assert "not SparseGPT's" in baseline.loss_summary() and "closes" not in baseline.loss_summary()
+
+
+def test_the_plot_axis_is_the_final_loss(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.axes
+
+    plotted = []
+    original = matplotlib.axes.Axes.scatter
+    monkeypatch.setattr(matplotlib.axes.Axes, "scatter", lambda self, x, y, *a, **k: plotted.append(list(y))
+                        or original(self, x, y, *a, **k))
+    _report("armor", [1.2, 1.1], [0.3, 0.5]).save_plot(tmp_path / "r.png")
+    assert plotted[0] == [0.3, 0.5]  # the output losses, not the proxy
+
+
+def test_distill_summary():
+    report = _report("armor", [1.0], [0.5])
+    assert report.distill_summary() is None
+    report.distill = {"before": 0.5, "after": 0.25, "best_step": 12}
+    assert report.distill_summary() == "distillation: held-out KL to the dense model 0.5000 -> 0.2500 (kept step 12)"

@@ -138,3 +138,51 @@ def test_cli_eval_tasks_without_lm_eval_is_one_line_exit_2(pruned_dir, capsys, m
     err = capsys.readouterr().err
     assert code == 2
     assert err.count("\n") == 1 and "pip install 'torch_armor[eval]'" in err and "Traceback" not in err, err
+
+
+# ---------------------------------------------------------------- offline: the task data checked first
+
+
+def test_missing_task_data_names_the_tasks_and_how_to_run_offline(tmp_path):
+    from torch_armor.recipes.harness import OFFLINE_HINT, missing_task_data
+
+    arc = {"arc_easy": ("allenai/ai2_arc", "ARC-Easy"), "boolq": ("aps/super_glue", "boolq")}
+    line = missing_task_data(arc, online=False, cache_dirs=[tmp_path])
+    assert line.startswith("--tasks arc_easy, boolq: their data (allenai/ai2_arc ARC-Easy, aps/super_glue boolq)")
+    assert line.endswith(OFFLINE_HINT) and "HF_DATASETS_OFFLINE=1" in line and "\n" not in line
+    assert missing_task_data(arc, online=True, cache_dirs=[]) is None  # the hub answers: it fetches them
+    (tmp_path / "allenai___ai2_arc").mkdir()  # the datasets cache's folder of a hub dataset
+    (tmp_path / "datasets--aps--super_glue").mkdir()  # the hub cache's
+    assert missing_task_data(arc, online=False, cache_dirs=[tmp_path]) is None
+    local = {"mine": ("json", None), "dir": (str(tmp_path), None)}  # local files never need the hub
+    assert missing_task_data(local, online=False, cache_dirs=[]) is None
+
+
+def test_task_datasets_expands_groups_and_tags():
+    from torch_armor.recipes.harness import _task_manager, task_datasets
+
+    manager = _task_manager(["arc_easy"], ())
+    assert task_datasets(manager, ["arc_easy"]) == {"arc_easy": ("allenai/ai2_arc", "ARC-Easy")}
+    assert task_datasets(manager, ["ai2_arc"]) == {"arc_easy": ("allenai/ai2_arc", "ARC-Easy"),
+                                                   "arc_challenge": ("allenai/ai2_arc", "ARC-Challenge")}
+    assert task_datasets(_task_manager(["tiny_mc"], (str(TASKS),)), ["tiny_mc"]) == {}  # its own loader
+
+
+def test_cli_eval_tasks_offline_fails_in_one_line_before_loading_the_model(tmp_path):
+    """No network, an empty cache: one line saying how to run offline, before the model is read (the
+    model directory here cannot even be loaded: its error would come first otherwise)."""
+    import os
+    import subprocess
+
+    broken = tmp_path / "model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
+               OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    env.pop("HF_DATASETS_CACHE", None), env.pop("HF_HUB_CACHE", None)
+    proc = subprocess.run([sys.executable, "-m", "torch_armor", "eval", str(broken), "--tasks", "arc_easy"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("torch-armor eval: error: --tasks arc_easy: its data (allenai/ai2_arc ARC-Easy)")
+    assert "HF_DATASETS_OFFLINE=1" in proc.stderr and "Retry" not in proc.stderr

@@ -54,7 +54,7 @@ def test_load_model_dispatch(monkeypatch, tmp_path):
     calls.clear()
     import torch_armor.recipes.models as models_module
 
-    monkeypatch.setattr(models_module, "_hub_reachable", lambda: True)  # as with network access
+    monkeypatch.setattr(models_module, "hub_reachable", lambda: True)  # as with network access
     load_model("org/some-model")
     assert calls[1] == ("model", "org/some-model", {"dtype": torch.float32})
 

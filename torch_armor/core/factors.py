@@ -71,6 +71,14 @@ class ArmorFactors:
         produced these factors: then ``history[-1]`` and ``relative_output_loss`` describe them."""
         return not math.isnan(self.relative_output_loss)
 
+    def loss_text(self) -> str:
+        """The loss these factors last minimised, relative to NoWag-P's: ``"output loss 0.4123 ×
+        NoWag-P"`` for refined factors, else ``"proxy loss 0.8000 × NoWag-P"`` (after refinement
+        the proxy is no longer what was minimised, and may exceed 1 while the output loss is lower)."""
+        if self.refined:
+            return f"output loss {self.relative_output_loss:.4f} × NoWag-P"
+        return f"proxy loss {self.relative_loss:.4f} × NoWag-P"
+
     def dense(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """Materialize ``W_hat = A · core · B`` as a dense ``(d_out, d_in)`` matrix."""
         dtype = dtype or self.core.dtype

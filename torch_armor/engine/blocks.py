@@ -373,6 +373,8 @@ class BlockPipeline:
         if self.method.factorizes:
             solutions = self._factorize_block(names, layers, stats, cfgs, bar)
             if recon is not None:
+                # the block's last stage, seconds on a real model: the bar says so (and a log line, when long)
+                bar.set_postfix_str(f"block {index}: reconstruction, {self.config.reconstruct.steps} steps")
                 solutions = self._reconstruct(index, block, layers, stats, solutions, cfgs, recon, report)
         else:
             solutions = {}
@@ -401,7 +403,7 @@ class BlockPipeline:
 
     def _factorize_block(self, names, layers, stats, cfgs, bar) -> Dict[str, LayerSolution]:
         def done(fqn: str, factors) -> None:
-            bar.set_postfix_str(f"{fqn[-32:]} rel {factors.relative_loss:.3f}", refresh=False)
+            bar.set_postfix_str(f"{fqn[-32:]} {factors.loss_text()}", refresh=False)
 
         todo = {n: (layers[n].weight.detach(), stats[n]) for n in names}
         factors = distributed_factorize(todo, self.config, self.store, per_layer_overrides=cfgs,

@@ -41,6 +41,7 @@ from torch_armor.core.factors import ArmorFactors
 from torch_armor.core.levers import DistillConfig
 from torch_armor.engine.reconstruct_data import set_scheduled_lr
 from torch_armor.errors import ArmorInputError
+from torch_armor.progress import tqdm
 from torch_armor.tensor.armor_tensor import ArmorTensor, armor_linear_from_factors
 
 __all__ = ["TopK", "Window", "windows_of", "distill_skip_reason", "dense_top_k", "coarse_kl", "sample_windows",
@@ -109,11 +110,11 @@ def _rest(log_probs: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def dense_top_k(model: nn.Module, windows: Sequence[Window], k: int) -> List[TopK]:
+def dense_top_k(model: nn.Module, windows: Sequence[Window], k: int, progress: bool = False) -> List[TopK]:
     """The model's top-``k`` next-token log-probabilities at every position of each window (run
-    it on the dense model, before pruning)."""
+    it on the dense model, before pruning; ``progress``: a bar per window)."""
     out = []
-    for window in windows:
+    for window in tqdm(windows, desc=f"distillation: dense top-{k}", unit="window", disable=not progress):
         log_probs = torch.log_softmax(_logits(model, window), dim=-1)
         top = log_probs.topk(min(k, log_probs.shape[-1]), dim=-1)
         out.append(TopK(top.values.cpu(), top.indices.to(torch.int32).cpu(), _rest(log_probs, top.indices).cpu()))
@@ -122,11 +123,12 @@ def dense_top_k(model: nn.Module, windows: Sequence[Window], k: int) -> List[Top
 
 @torch.no_grad()
 def sample_windows(model: nn.Module, prompts: Sequence[Window], count: int, seq_len: int, *, seed: int,
-                   batch_size: int = 32, prompt_tokens: int = 1) -> List[Window]:
+                   batch_size: int = 32, prompt_tokens: int = 1, progress: bool = False) -> List[Window]:
     """``count`` windows of ``seq_len`` tokens sampled from ``model`` (a transformers causal LM) at
     temperature 1 from its whole next-token distribution, the end-of-text token included (sampling
     goes on past it). Window ``i`` starts with the first ``prompt_tokens`` tokens of
-    ``prompts[i % len(prompts)]``; the draws come from one CPU generator seeded with ``seed``."""
+    ``prompts[i % len(prompts)]``; the draws come from one CPU generator seeded with ``seed``.
+    ``progress``: a bar per window, its status the token being sampled."""
     if not callable(getattr(model, "generate", None)):
         raise ArmorInputError(f"DistillConfig.sampled_windows: {type(model).__name__} is not a transformers causal LM "
                               "(no generate()), so windows cannot be sampled from it; set sampled_windows=0")
@@ -140,11 +142,13 @@ def sample_windows(model: nn.Module, prompts: Sequence[Window], count: int, seq_
     cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     gen = torch.Generator().manual_seed(seed)
     out: List[Window] = []
+    bar = tqdm(total=count, desc="distillation: sampling windows", unit="window", disable=not progress)
     for start in range(0, count, batch_size):
         n = min(batch_size, count - start)
         tokens = [torch.cat([prompts[(start + i) % len(prompts)][0][:, :prompt_tokens] for i in range(n)]).to(device)]
         step = model(tokens[0], use_cache=True)
         for position in range(tokens[0].shape[1], seq_len):
+            bar.set_postfix_str(f"token {position + 1}/{seq_len}", refresh=False)
             probs = torch.softmax(step.logits[:, -1].float(), dim=-1).cpu()
             tokens.append(torch.multinomial(probs, 1, generator=gen).to(device))
             if position < seq_len - 1:
@@ -152,6 +156,8 @@ def sample_windows(model: nn.Module, prompts: Sequence[Window], count: int, seq_
                 step = model(tokens[-1], **{cache_kwarg: cache}, use_cache=True)
         ids = torch.cat(tokens, dim=1).cpu()
         out.extend((ids[j:j + 1], None) for j in range(n))
+        bar.update(n)
+    bar.close()
     return out
 
 
@@ -211,8 +217,9 @@ def _armor_layers(model: nn.Module) -> Dict[str, nn.Module]:
 
 def distill_model(model: nn.Module, windows: Sequence[Window], teacher: Dict[int, TopK], config: DistillConfig, *,
                   seed: int = 0, storage: str = "dense", sampled: Sequence[Window] = (),
-                  log: Optional[Callable[[str], None]] = None) -> DistillResult:
-    """Adam on the ARMOR layers of ``model`` (pruned in place) towards ``teacher``.
+                  log: Optional[Callable[[str], None]] = None, progress: bool = False) -> DistillResult:
+    """Adam on the ARMOR layers of ``model`` (pruned in place) towards ``teacher`` (``progress``: a bar
+    per step, its status the last held-out KL).
 
     Args:
         model: a causal LM whose pruned linears hold :class:`ArmorTensor` weights.
@@ -273,6 +280,7 @@ def distill_model(model: nn.Module, windows: Sequence[Window], teacher: Dict[int
     def snapshot() -> Dict[str, List[torch.Tensor]]:
         return {name: [t.detach().clone() for t in ts] for name, ts in leaves.items()}
 
+    bar = tqdm(total=config.steps, desc="distillation", unit="step", disable=not progress)
     try:
         before = best = held_out_kl()
         kept, best_step = None, 0
@@ -295,14 +303,17 @@ def distill_model(model: nn.Module, windows: Sequence[Window], teacher: Dict[int
                 part.backward()
                 loss += float(part.detach())
             optimizer.step()
+            bar.update(1)
             if step % config.eval_every == 0 or step == config.steps:
                 kl = held_out_kl()
+                bar.set_postfix_str(f"held-out KL {kl:.5f}")
                 curve.append((step, kl))
                 (log or logger.info)(f"distillation step {step}/{config.steps}: train KL {loss:.5f}, "
                                      f"held-out KL {kl:.5f}")
                 if kl < best:
                     best, kept, best_step = kl, snapshot(), step
     finally:
+        bar.close()  # in a log: one line, or where it stopped
         for p in frozen:
             p.requires_grad_(True)
     if kept is not None:
@@ -363,8 +374,9 @@ class Distillation:
 
     def __init__(self, config: DistillConfig, batches: Sequence[Any], *, seed: int = 0,
                  run_dir: Optional[Path] = None, identity: str = "", storage: str = "dense",
-                 log: Optional[Callable[[str], None]] = None) -> None:
+                 log: Optional[Callable[[str], None]] = None, progress: bool = False) -> None:
         self.config, self.seed, self.storage, self.log = config, seed, storage, log or logger.info
+        self.progress = progress
         self.windows = windows_of(batches)
         self.needed = windows_needed(len(self.windows), config, seed, config.sampled_windows)  # checks held_out first
         self.sampled: List[Window] = []
@@ -389,7 +401,7 @@ class Distillation:
         if self._finished():
             return
         every = [*self.windows, *self.sampled]
-        tops = dense_top_k(model, [every[j] for j in self.needed], self.config.top_k)
+        tops = dense_top_k(model, [every[j] for j in self.needed], self.config.top_k, progress=self.progress)
         self.teacher = dict(zip(self.needed, tops))
         self.teacher_seconds = time.perf_counter() - start
         self.log(f"distillation: dense top-{self.config.top_k} cached on {len(self.needed)} windows "
@@ -405,7 +417,7 @@ class Distillation:
         _, train = held_out_split(len(self.windows), self.config)
         sampled = sample_windows(model, [self.windows[j] for j in train], self.config.sampled_windows,
                                  max(w[0].shape[1] for w in self.windows), seed=self.seed,
-                                 prompt_tokens=self.config.sample_prompt_tokens)
+                                 prompt_tokens=self.config.sample_prompt_tokens, progress=self.progress)
         self.log(f"distillation: {len(sampled)} windows sampled from the dense model "
                  f"({time.perf_counter() - start:.0f} s)")
         if path is not None:
@@ -435,7 +447,7 @@ class Distillation:
         if not self.teacher:
             raise ArmorInputError("distillation: Distillation.capture(dense model) must run before the block pass")
         result = distill_model(model, self.windows, self.teacher, self.config, seed=self.seed, storage=self.storage,
-                               sampled=self.sampled, log=self.log)
+                               sampled=self.sampled, log=self.log, progress=self.progress)
         result.teacher_seconds = self.teacher_seconds
         summary = {"before": result.before, "after": result.after, "best_step": result.best_step,
                    "curve": [list(c) for c in result.curve], "seconds": result.seconds,

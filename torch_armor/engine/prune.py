@@ -233,7 +233,7 @@ def prune_model(
                 distillation, block_batches, n_sampled = None, batches, 0
                 if distill is not None:
                     distillation = Distillation(distill, batches, seed=config.seed, run_dir=run_path, identity=identity,
-                                                storage=storage, log=options.log)
+                                                storage=storage, log=options.log, progress=options.progress)
                     distillation.capture(model)  # the dense teacher, before the block pass prunes in place
                     block_batches, n_sampled = distillation.block_pass_batches(batches, options.batch_size)
                 pipeline = BlockPipeline(

