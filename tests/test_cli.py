@@ -198,7 +198,7 @@ def test_interrupted_prune_resumes_from_run_dir(tmp_path, capsys, monkeypatch, t
                  "--out", str(tmp_path / "other"), "--run-dir", str(run_dir)])
     assert code == 2
     err = capsys.readouterr().err
-    assert "num_iters" in err and "run has 3, now 4" in err
+    assert "optimizer.iters: run has 3, now 4" in err
 
 
 @pytest.mark.parametrize("reconstruct", ["0", "2"])

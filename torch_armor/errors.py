@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import importlib
 import os
-import warnings
-from typing import Callable
 
 __all__ = ["ArmorError", "ArmorInputError", "ArmorNumericalError", "ArmorIOError", "RunMismatchError",
-           "ArmorRankError", "MissingExtraError", "require_extra", "ArmorDeprecationWarning", "deprecated",
-           "moved_names", "debug_enabled", "CLEAR_ERRORS"]
+           "ArmorRankError", "MissingExtraError", "require_extra", "debug_enabled",
+           "CLEAR_ERRORS"]
 
 
 class ArmorError(Exception):
@@ -56,29 +54,6 @@ class RunMismatchError(ArmorInputError):
 class ArmorRankError(ArmorError, RuntimeError):
     """Another rank of a distributed run failed; the message carries its error. Finished layers stay
     in the run directory: rerunning the same command resumes."""
-
-
-class ArmorDeprecationWarning(DeprecationWarning):
-    """A call form that still works for one release; the message names the new form."""
-
-
-def deprecated(message: str, stacklevel: int = 3) -> None:
-    """Warn with :class:`ArmorDeprecationWarning` at the caller of the deprecated function."""
-    warnings.warn(message, ArmorDeprecationWarning, stacklevel=stacklevel)
-
-
-def moved_names(alias: str, homes: "dict[str, object]") -> "Callable[[str], object]":
-    """The module ``__getattr__`` of a deprecated alias module: ``name`` is read from its new home
-    module (``homes[name]``), with a warning naming it."""
-
-    def __getattr__(name: str) -> object:
-        if name not in homes:
-            raise AttributeError(f"module {alias!r} has no attribute {name!r}")
-        home = homes[name]
-        deprecated(f"{alias} is deprecated: import {name} from {home.__name__}")
-        return getattr(home, name)
-
-    return __getattr__
 
 
 class MissingExtraError(ArmorError, ImportError):

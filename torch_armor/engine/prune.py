@@ -54,7 +54,6 @@ from torch_armor.engine.methods import method_for
 from torch_armor.engine.options import RUN_DIR_NAME, PathLike, PruneOptions, check_out, out_contents
 from torch_armor.engine.paths import (check_prune_paths, mark_run_target, mark_written, model_source_dirs,
                                       resumes_into)
-from torch_armor.engine.prune_compat import accept_legacy_call
 from torch_armor.engine.report import PruneReport
 from torch_armor.engine.runstore import RunStore
 from torch_armor.engine.sources import InMemory, ShardWriter, Streamed
@@ -120,7 +119,6 @@ def _save_output(write: Callable[[Path], None], out: Path, overwrite: bool, resu
                           "to replace what --out holds")
 
 
-@accept_legacy_call
 def prune_model(
     model_or_path: Union[nn.Module, PathLike],
     calibration: Any,

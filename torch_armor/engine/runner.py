@@ -31,7 +31,6 @@ from torch import nn
 
 from torch_armor.calibration.observer import LayerStatistics
 from torch_armor.core.factors import ArmorFactors
-from torch_armor.core.method_config import BaselineConfig  # noqa: F401  (deprecated: importable here for one release)
 from torch_armor.core.proxy import normalize_weight, nowag_prune, proxy_loss, relative_proxy_loss  # noqa: F401  (doctest)
 from torch_armor.engine.methods import method_for
 from torch_armor.errors import ArmorInputError
