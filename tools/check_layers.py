@@ -9,7 +9,7 @@ an import may point to the same floor or a lower one, never up:
     2  calibration                        (hooks, statistics)
     3  tensor                             (ArmorTensor, storages; the save/load format)
     4  engine                             (method registry, runner, pipeline, sources, run store, prune_model)
-    5  sparsifier, calibrated_sparsifier, sparsifier_state, hf, cli, recipes, __main__   (front ends)
+    5  sparsifier, calibrated_sparsifier, sparsifier_state, hf, cli, cli_flags, recipes, __main__   (front ends)
     6  torch_armor (the package's __init__: the public names)
 
 Violations (each printed on one line; exit status 1 if there is any):
@@ -64,6 +64,7 @@ FLOORS: Tuple[Tuple[str, int], ...] = (
     ("torch_armor.cli", 5),
     ("torch_armor.cli_commands", 5),
     ("torch_armor.cli_names", 5),
+    ("torch_armor.cli_flags", 5),
     ("torch_armor.recipes", 5),
     ("torch_armor.__main__", 5),
     ("torch_armor", 6),  # the package's __init__ only: a new top-level module must be placed

@@ -38,6 +38,7 @@ from torch_armor.core.config import ArmorConfig
 from torch_armor.core.levers import OPTIMIZERS
 from torch_armor.core.pattern import parse_pattern
 from torch_armor.core.presets import PRESETS
+from torch_armor.cli_flags import flags_that_do_not_apply
 from torch_armor.cli_names import (DEMO_METHODS, DENSE, FULL_PROTOCOL, HARNESS_JSON, QUICK_PROTOCOL, REPORT_JSON,
                                    REPORT_PNG)
 from torch_armor.engine.methods import method_named, method_names
@@ -131,9 +132,9 @@ def _add_armor(p: argparse.ArgumentParser) -> None:
     change single levers on top of it; an option not given keeps the preset's value."""
     default = ArmorConfig()
     g = p.add_argument_group("ARMOR")
-    g.add_argument("--preset", choices=tuple(PRESETS), default="default",
+    g.add_argument("--preset", choices=tuple(PRESETS), default=None,
                    help="a named set of ARMOR settings (torch_armor.core.presets: fast, default = ArmorConfig(), "
-                        "max); the options below change it")
+                        "max; default: default); the options below change it")
     g.add_argument("--block-size", type=_block_size, default=None,
                    help=f"wrapper block size d_b; 'auto': per layer, the largest d_b dividing both dimensions "
                         f"within --max-overhead; 'budget': one --max-overhead budget for the whole model, "
@@ -193,8 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--one-shot", action="store_true",
                    help="calibrate every block on the dense model's hidden states (default: sequentially, "
                         "on the outputs of the already-pruned blocks before it)")
-    p.add_argument("--sparsegpt-block-size", type=_positive_int, default=128, help="SparseGPT lazy block (128)")
-    p.add_argument("--damp", type=float, default=0.01, help="SparseGPT dampening (0.01)")
+    # default None: a flag counts as given only when the user gave it (cli_flags refuses those of other methods)
+    p.add_argument("--sparsegpt-block-size", type=_positive_int, default=None, help="SparseGPT lazy block (128)")
+    p.add_argument("--damp", type=float, default=None, help="SparseGPT dampening (0.01)")
     _add_common(p)
 
     q = sub.add_parser("quantize", help="give a pruned directory's 2:4 cores 8-bit values (int8 or fp8)",
@@ -290,6 +292,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(argv) if argv is not None else sys.argv[1:]
     args = parser.parse_args(argv)
     args.argv = argv
+    wrong = flags_that_do_not_apply(args, args.method) if args.command == "prune" else []
+    if wrong:  # before anything is imported or loaded
+        print(f"torch-armor prune: error: {'; '.join(wrong)}", file=sys.stderr)
+        return 2
     from torch_armor import cli_commands  # imports torchao and transformers: only now, so --help is fast
     from torch_armor.engine.interrupt import terminate_as_interrupt  # heavy, as above
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import json
 import shlex
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict
 
@@ -20,6 +20,7 @@ import torch
 import torch_armor._quiet  # noqa: F401  (first: silences torchao's known import noise)
 import torch_armor.hf  # noqa: F401  (registers quant_method "armor" with transformers)
 from torch_armor._io import RUN_DIR_NAME
+from torch_armor.cli_flags import method_fields
 from torch_armor.cli_names import DENSE, FULL_PROTOCOL, HARNESS_JSON, QUICK_PROTOCOL, REPORT_JSON, REPORT_PNG
 from torch_armor.core.config import ArmorConfig
 from torch_armor.core.levers import DEFAULT_RECONSTRUCT, DEFAULT_REFINE, OPTIMIZERS
@@ -58,7 +59,7 @@ def setup(args: argparse.Namespace) -> None:
 
 def armor_config(args: argparse.Namespace) -> ArmorConfig:
     """The ArmorConfig of ``--preset`` with the ARMOR options that were given applied on top."""
-    base = ArmorConfig.preset(args.preset)
+    base = ArmorConfig.preset(args.preset or "default")
     changes: Dict[str, Any] = {"pattern": args.pattern, "seed": args.seed}
     for key in ("block_size", "max_overhead"):
         if getattr(args, key) is not None:
@@ -77,24 +78,21 @@ def armor_config(args: argparse.Namespace) -> ArmorConfig:
     return dataclasses.replace(base, **changes)
 
 
-#: the command-line flag of each baseline config field
-_BASELINE_FLAGS = {"pattern": "--pattern", "block_size": "--sparsegpt-block-size", "damp": "--damp"}
-
-
 def method_config(args: argparse.Namespace) -> Any:
-    """The config of ``--method`` from the options that apply to it (an error names the flag)."""
+    """The config of ``--method`` from the flags given for it (:mod:`torch_armor.cli_flags`; an
+    error names the flag)."""
     kind = method_named(args.method).config_type
     if issubclass(kind, ArmorConfig):
         return armor_config(args)
-    given = {"pattern": args.pattern, "block_size": args.sparsegpt_block_size, "damp": args.damp}
-    fields = {f.name: given[f.name] for f in dataclasses.fields(kind) if f.name in given}
+    fields = method_fields(args, kind)
     try:
-        return kind(**fields)
+        return kind(**{name: value for name, (_, value) in fields.items()})
     except ArmorInputError as err:
         field = next((f for f in fields if str(err).startswith(f"{kind.__name__}.{f}")), None)
         if field is None:
             raise
-        raise ArmorInputError(f"{_BASELINE_FLAGS[field]} {fields[field]}: {err}") from None
+        flag, value = fields[field]
+        raise ArmorInputError(f"{flag} {value}: {err}") from None
 
 
 def from_text(flag: str, source: str, windows: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -132,12 +130,9 @@ def _prune(args: argparse.Namespace, out: Path, run_dir: Path, config: Any) -> i
         out=out, overwrite=args.overwrite, run_dir=run_dir,
         device=args.device, dtype=parse_dtype(args.dtype), storage=args.storage, sequential=not args.one_shot,
         batch_size=args.batch_size, progress=not args.no_progress, log=log)
-    if isinstance(model, (str, os.PathLike)) and getattr(config, "distill", None) is not None:
-        sampled = (" (and with it the windows it samples from the dense model)"
-                   if config.distill.sampled_windows else "")
-        log(f"end-to-end distillation needs the model in memory: off for this streamed prune{sampled}")
-        config = dataclasses.replace(config, distill=None)
-    report = prune_model(model, windows, config, layers=args.layers, options=options)
+    with warnings.catch_warnings():  # what the library skips and says why (e.g. distillation when streamed): a log line
+        warnings.showwarning = lambda message, *rest, **kw: log(str(message))
+        report = prune_model(model, windows, config, layers=args.layers, options=options)
     if report.rank != 0:
         return 0
     tokenizer.save_pretrained(str(out))

@@ -35,7 +35,7 @@ __all__ = ["DEMO_METHODS", "QualityRow", "QualityResult", "quality_table", "run_
 #: The unpruned model's row.
 DENSE = "dense"
 #: Rows of the demo table, in order.
-DEMO_METHODS = (DENSE, "magnitude", "wanda", "sparsegpt", "nowag", "armor")
+DEMO_METHODS = (DENSE,) + method_names()
 
 
 @dataclass
