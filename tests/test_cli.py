@@ -228,7 +228,7 @@ def test_torchrun_two_ranks_match_one_process(tmp_path, capsys, tiny_hf_dir, tex
 def test_baselines_refuse_torchrun(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(["prune", "smollm2", "--method", "wanda", "--out", str(tmp_path / "x")]) == 2
-    assert "only --method armor runs on several ranks" in capsys.readouterr().err
+    assert "only ArmorConfig (method 'armor') runs on several ranks" in capsys.readouterr().err
 
 
 def test_argument_errors(capsys):

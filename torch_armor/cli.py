@@ -18,9 +18,12 @@ Examples::
 Progress bars and phase messages go to stderr; results (perplexity, tables) to stdout. When stderr
 is not a terminal (a log file), each stage prints one line instead of a bar.
 
-Errors: a bad argument, model, file or a failed write prints one line
-``torch-armor CMD: error: …`` naming what is at fault and what to do, and exits with status 2;
-``--debug`` (or ``TORCH_ARMOR_DEBUG=1``) shows the traceback instead.
+Errors: a bad argument, model, file or a failed write (torch_armor's own error types,
+:mod:`torch_armor.errors`) prints one line ``torch-armor CMD: error: …`` naming what is at fault
+and what to do, with the library's parameter names as flags (``out=`` as ``--out``), and exits
+with status 2. Anything else is a bug: one line ``torch-armor CMD: internal error: …`` saying
+where its traceback was written, exit status 1. ``--debug`` (or ``TORCH_ARMOR_DEBUG=1``) shows the
+traceback instead.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import tempfile
+import traceback
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -38,11 +43,11 @@ from torch_armor.core.config import ArmorConfig
 from torch_armor.core.levers import OPTIMIZERS
 from torch_armor.core.pattern import parse_pattern
 from torch_armor.core.presets import PRESETS
-from torch_armor.cli_flags import flags_that_do_not_apply
+from torch_armor.cli_flags import flags_that_do_not_apply, with_flags
 from torch_armor.cli_names import (DEMO_METHODS, DENSE, FULL_PROTOCOL, HARNESS_JSON, QUICK_PROTOCOL, REPORT_JSON,
                                    REPORT_PNG)
 from torch_armor.engine.methods import method_named, method_names
-from torch_armor.errors import CLEAR_ERRORS, ArmorError, debug_enabled
+from torch_armor.errors import ArmorError, debug_enabled
 
 __all__ = ["main", "build_parser", "QUICK_PROTOCOL", "FULL_PROTOCOL", "DEMO_METHODS", "DENSE", "REPORT_JSON",
            "REPORT_PNG", "HARNESS_JSON"]
@@ -316,26 +321,35 @@ def _run(args: argparse.Namespace, command) -> int:
     try:
         check_device(getattr(args, "device", None), "--device")
         return command(args)
-    except CLEAR_ERRORS as err:
-        print(f"torch-armor {args.command}: error: {_one_line(err)}", file=sys.stderr)
+    except ArmorError as err:  # torch_armor's own errors: the input is at fault
+        print(f"torch-armor {args.command}: error: {_one_line(with_flags(str(err)) or type(err).__name__)}",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt as err:
         line = str(err) if isinstance(err, PruneInterrupted) and args.command == "prune" else _interrupted(args)
         print(f"torch-armor {args.command}: {line}", file=sys.stderr)
         return 128 + getattr(err, "signum", signal.SIGINT)
-    except Exception as err:  # noqa: BLE001 - anything else is a bug: one line, no traceback
-        print(f"torch-armor {args.command}: internal error: {type(err).__name__}: {_one_line(err)} "
-              "(rerun with --debug for the traceback, and please report it)", file=sys.stderr)
+    except Exception as err:  # noqa: BLE001 - anything else is a bug: one line, never an input error
+        where = _write_traceback()
+        print(f"torch-armor {args.command}: internal error: {type(err).__name__}: {_one_line(str(err))} — please "
+              f"report; full traceback {f'in {where} or ' if where else ''}with --debug", file=sys.stderr)
         return 1
 
 
-def _one_line(err: BaseException) -> str:
-    """The error's message on one line; an OSError names its file."""
-    if isinstance(err, OSError) and not isinstance(err, ArmorError) and err.strerror:
-        text = f"{err.strerror}: {err.filename}" if err.filename else err.strerror
-        text += "; free space or fix permissions, then rerun the same command (finished layers are kept)"
-    else:
-        text = str(err) or type(err).__name__
+def _write_traceback() -> str:
+    """The current exception's traceback in a new file of the temporary directory; its path
+    (``""`` if it cannot be written)."""
+    try:
+        with tempfile.NamedTemporaryFile("w", prefix="torch-armor-traceback-", suffix=".txt", delete=False,
+                                         encoding="utf-8") as fh:
+            fh.write(traceback.format_exc())
+        return fh.name
+    except OSError:
+        return ""
+
+
+def _one_line(text: str) -> str:
+    """``text`` on one line."""
     return " ".join(text.split())
 
 

@@ -20,7 +20,7 @@ import torch
 import torch_armor._quiet  # noqa: F401  (first: silences torchao's known import noise)
 import torch_armor.hf  # noqa: F401  (registers quant_method "armor" with transformers)
 from torch_armor._io import RUN_DIR_NAME
-from torch_armor.cli_flags import method_fields
+from torch_armor.cli_flags import method_fields, with_flags
 from torch_armor.cli_names import DENSE, FULL_PROTOCOL, HARNESS_JSON, QUICK_PROTOCOL, REPORT_JSON, REPORT_PNG
 from torch_armor.core.config import ArmorConfig
 from torch_armor.core.levers import DEFAULT_RECONSTRUCT, DEFAULT_REFINE, OPTIMIZERS
@@ -105,7 +105,7 @@ def from_text(flag: str, source: str, windows: Callable[..., torch.Tensor], *arg
 
 def cmd_prune(args: argparse.Namespace) -> int:
     out = Path(args.out)
-    check_prune_paths(model_source_dirs(args.model), out=out, run_dir=args.run_dir, out_flag="--out")  # first
+    check_prune_paths(model_source_dirs(args.model), out=out, run_dir=args.run_dir)  # first
     check_window_memory(args.n_calib, args.seq_len, ("--n-calib", "--seq-len"))
     config = method_config(args)  # the method's settings checked before the model is loaded
     # the run directory outlives prune_model (which holds its lock) until the tokenizer, report and plot
@@ -129,7 +129,7 @@ def _prune(args: argparse.Namespace, out: Path, run_dir: Path, config: Any) -> i
     options = PruneOptions(
         out=out, overwrite=args.overwrite, run_dir=run_dir,
         device=args.device, dtype=parse_dtype(args.dtype), storage=args.storage, sequential=not args.one_shot,
-        batch_size=args.batch_size, progress=not args.no_progress, log=log)
+        batch_size=args.batch_size, progress=not args.no_progress, log=lambda line: log(with_flags(line)))
     with warnings.catch_warnings():  # what the library skips and says why (e.g. distillation when streamed): a log line
         warnings.showwarning = lambda message, *rest, **kw: log(str(message))
         report = prune_model(model, windows, config, layers=args.layers, options=options)

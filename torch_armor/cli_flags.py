@@ -57,6 +57,9 @@ PARAMETER_FLAGS: Dict[str, str] = {
     "dtype": "--dtype",
     "storage": "--storage",
     "batch_size": "--batch-size",
+    "tasks": "--tasks",
+    "include_path": "--include-path",
+    "gguf_file": "--gguf-file",
 }
 
 
@@ -125,4 +128,8 @@ _PARAMETER = re.compile(r"(?<![\w(.])(?<!, )(" + "|".join(map(re.escape, PARAMET
 def with_flags(message: str) -> str:
     """A library message with its parameters spelled as flags: ``out=X`` as ``--out X``,
     ``overwrite=True`` as ``--overwrite``."""
-    return _PARAMETER.sub(lambda m: PARAMETER_FLAGS[m.group(1)] + ("" if m.group(2) else " "), message)
+    def flag(m: re.Match) -> str:
+        bare = m.group(2) or m.end() == len(message) or message[m.end()].isspace()
+        return PARAMETER_FLAGS[m.group(1)] + ("" if bare else " ")
+
+    return _PARAMETER.sub(flag, message)

@@ -3,16 +3,19 @@
 Every error torch_armor raises on purpose is one line that names the thing at fault (a layer, a
 file, an argument), the cause and the fix. Most are :class:`ValueError` (bad input: existing
 code catches them as such); the classes below refine that for callers that want to tell the
-kinds apart. The command line prints any of them as ``torch-armor CMD: error: …`` and exits
-with status 2; ``--debug`` (or ``TORCH_ARMOR_DEBUG=1``) shows the traceback instead.
+kinds apart. Library messages name API parameters (``out=``, ``layers=``), never command-line
+flags. The command line prints any of these types as ``torch-armor CMD: error: …`` (the
+parameters spelled as its flags) and exits with status 2; any other exception is a bug, reported
+as an internal error (exit status 1). ``--debug`` (or ``TORCH_ARMOR_DEBUG=1``) shows the traceback
+instead.
 
 Example::
 
     >>> try:
-    ...     raise ArmorInputError("--device cuda: this torch has no CUDA; use --device cpu")
+    ...     raise ArmorInputError("device='cuda': this torch has no CUDA; use device='cpu'")
     ... except ValueError as err:
     ...     print(err)
-    --device cuda: this torch has no CUDA; use --device cpu
+    device='cuda': this torch has no CUDA; use device='cpu'
 """
 
 from __future__ import annotations
@@ -21,8 +24,7 @@ import importlib
 import os
 
 __all__ = ["ArmorError", "ArmorInputError", "ArmorNumericalError", "ArmorIOError", "RunMismatchError",
-           "ArmorRankError", "MissingExtraError", "require_extra", "debug_enabled",
-           "CLEAR_ERRORS"]
+           "ArmorRankError", "MissingExtraError", "require_extra", "debug_enabled"]
 
 
 class ArmorError(Exception):
@@ -84,10 +86,6 @@ def require_extra(module: str, purpose: str):
         raise MissingExtraError(f"{purpose} needs {package}, which is not installed; "
                                 f"install it with `pip install 'torch_armor[{extra}]'` (or `pip install {package}`)"
                                 ) from None
-
-
-#: The exception types that count as a clear answer (the CLI prints their message, exit 2).
-CLEAR_ERRORS = (ArmorError, ValueError, FileNotFoundError, OSError)
 
 
 def debug_enabled() -> bool:

@@ -79,7 +79,7 @@ def test_harness_accuracy_matches_own_loglikelihoods(armor_llama, one_thread):
 
 def test_evaluate_errors(armor_llama, monkeypatch):
     model, tokenizer = armor_llama
-    with pytest.raises(ArmorInputError, match="knows no task no_such_task.*--include-path"):
+    with pytest.raises(ArmorInputError, match="knows no task no_such_task.*include_path="):
         evaluate(model, tokenizer, "tiny_mc,no_such_task", include_path=TASKS)
     with pytest.raises(ArmorInputError, match="names no task"):
         evaluate(model, tokenizer, " , ")

@@ -41,9 +41,10 @@ T = TypeVar("T", bound=type)
 def serializable(cls: T) -> T:
     """Register the frozen config dataclass ``cls`` (its name must be unique)."""
     if not dataclasses.is_dataclass(cls):
-        raise TypeError(f"{cls.__name__} is not a dataclass")
+        raise ArmorInputError(f"{cls.__name__} is not a dataclass: a config type must be one")
     if CONFIG_TYPES.get(cls.__name__, cls) is not cls:
-        raise TypeError(f"two config types are named {cls.__name__}")
+        raise ArmorInputError(f"two config types are named {cls.__name__}: rename one ({cls.__module__}."
+                              f"{cls.__qualname__}, {CONFIG_TYPES[cls.__name__].__module__})")
     CONFIG_TYPES[cls.__name__] = cls
     return cls
 

@@ -101,7 +101,7 @@ def _save_output(write: Callable[[Path], None], out: Path, overwrite: bool, resu
     since. Then this run's model goes to ``run_path/pruned`` instead, and an error says so (without
     ``overwrite``, another run's finished model in ``out`` is never replaced)."""
     try:
-        with output_lock(out, on_wait=lambda: log(f"waiting for --out {out}: another process is writing it")):
+        with output_lock(out, on_wait=lambda: log(f"waiting for out={out}: another process is writing it")):
             stop_here_for_tests("save")
             found = out_contents(out, allowed)
             if overwrite or not found or (resuming and resumes_into(run_path, out)):
@@ -114,9 +114,9 @@ def _save_output(write: Callable[[Path], None], out: Path, overwrite: bool, resu
         why = str(err)
     kept = run_path / KEPT_NAME
     write(kept)
-    raise ArmorInputError(f"--out {out}: {why}, so nothing of this run was written there; its pruned model is saved "
-                          f"in {kept} instead: move it where you want it, or rerun the same command with --overwrite "
-                          "to replace what --out holds")
+    raise ArmorInputError(f"out={out}: {why}, so nothing of this run was written there; its pruned model is saved "
+                          f"in {kept} instead: move it where you want it, or rerun the same call with overwrite=True "
+                          "to replace what out= holds")
 
 
 def prune_model(
@@ -158,7 +158,7 @@ def prune_model(
         raise ArmorInputError(f"options must be a PruneOptions, got {type(options).__name__}")
     world = launched_world_size()
     if world > 1 and not method.factorizes:
-        raise ArmorInputError(f"only --method armor runs on several ranks (WORLD_SIZE={world}): {method.label} "
+        raise ArmorInputError(f"only ArmorConfig (method 'armor') runs on several ranks (WORLD_SIZE={world}): {method.label} "
                               "keeps no per-layer run store to share out; run it without torchrun")
     batches = calibration_batches(calibration, options.batch_size)
     streamed = not isinstance(model_or_path, nn.Module)

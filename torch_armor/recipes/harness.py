@@ -46,7 +46,7 @@ def require_lm_eval() -> None:
         from lm_eval.models.huggingface import HFLM  # noqa: F401
     except ImportError as err:
         raise ArmorInputError(
-            f"--tasks needs lm-evaluation-harness, which is not installed ({err}); {INSTALL_HINT}"
+            f"evaluating tasks= needs lm-evaluation-harness, which is not installed ({err}); {INSTALL_HINT}"
         ) from None
 
 
@@ -61,7 +61,7 @@ def parse_tasks(tasks: Union[str, Sequence[str]]) -> list:
     names = tasks.split(",") if isinstance(tasks, str) else list(tasks)
     names = [str(t).strip() for t in names if str(t).strip()]
     if not names:
-        raise ArmorInputError("--tasks names no task; give harness task names, e.g. --tasks arc_easy,boolq")
+        raise ArmorInputError("tasks= names no task; give harness task names, e.g. tasks=arc_easy,boolq")
     return names
 
 
@@ -125,7 +125,7 @@ def evaluate(
     paths = [str(p) for p in include_path or ()]
     for p in paths:
         if not Path(p).is_dir():
-            raise ArmorInputError(f"--include-path {p}: not a directory of task YAMLs")
+            raise ArmorInputError(f"include_path={p}: not a directory of task YAMLs")
     # the harness's own index (thousands of YAMLs) takes seconds to build: skip it when the
     # include paths hold every task asked for
     manager = TaskManager(include_path=paths, include_defaults=False) if paths else None
@@ -134,8 +134,8 @@ def evaluate(
     unknown = [t for t in names if t not in manager.all_tasks and not Path(t).is_file()]
     if unknown:
         raise ArmorInputError(
-            f"--tasks: lm-evaluation-harness knows no task {', '.join(unknown)}; check the names "
-            "(lm-eval ls tasks) or add the directory of your task YAML with --include-path"
+            f"tasks={','.join(names)}: lm-evaluation-harness knows no task {', '.join(unknown)}; check the names "
+            "(lm-eval ls tasks) or add the directory of your task YAML to include_path="
         )
     with _quiet_wrapper_warning():
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)

@@ -80,7 +80,7 @@ def check_model_source(model: Union[str, os.PathLike], gguf_file: Optional[str] 
     A name that is not a local path is sent to the hub only if it is a valid hub id whose first
     component is not a local directory (``runs/typo`` with ``runs/`` present is a mistyped path,
     not a hub id: no network retries). A local directory must hold ``config.json`` (or a pruned
-    model's ``armor_config.json``, or a ``--gguf-file``).
+    model's ``armor_config.json``, or a GGUF file named by ``gguf_file``).
 
     Example::
 
@@ -97,7 +97,7 @@ def check_model_source(model: Union[str, os.PathLike], gguf_file: Optional[str] 
         return "smollm2"
     if path.is_file():
         raise ArmorInputError(f"MODEL {name!r} is a file; give the directory holding it "
-                              "(and --gguf-file NAME for GGUF weights)")
+                              "(and gguf_file=NAME for GGUF weights)")
     if path.is_dir():
         if is_armor_checkpoint(path):
             return "armor"
@@ -150,7 +150,7 @@ def load_model(
     check_model_source(name, gguf_file)
     if name == "smollm2" and not Path(name).exists():
         if gguf_file is not None:
-            raise ArmorInputError("--gguf-file does not apply to the embedded 'smollm2' model")
+            raise ArmorInputError("gguf_file= does not apply to the embedded 'smollm2' model")
         loaded, tokenizer = load_smollm2(torch_dtype or torch.float32)
     elif is_armor_checkpoint(name):
         loaded = load_pretrained(name, device=device)
@@ -165,14 +165,14 @@ def load_model(
             ) from err
     else:
         if Path(name).exists() and not Path(name).is_dir():
-            raise ArmorInputError(f"{name} is a file; give the directory holding it (and --gguf-file for GGUF weights)")
+            raise ArmorInputError(f"{name} is a file; give the directory holding it (and gguf_file= for GGUF weights)")
         if not Path(name).exists() and (Path(name).is_absolute() or name.startswith((".", "~"))):
             raise ArmorInputError(f"no such model directory: {name}")
         kwargs: Dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
         if not Path(name).exists() and not _hub_reachable():
             kwargs["local_files_only"] = True  # the hub cache may still hold it; no retries either way
         if gguf_file:
-            require_extra("gguf", f"--gguf-file {gguf_file}")
+            require_extra("gguf", f"gguf_file={gguf_file}")
         try:
             tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
             loaded = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype or torch.float32, **kwargs)
