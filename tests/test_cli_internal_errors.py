@@ -36,9 +36,7 @@ def _planted_bug(monkeypatch):
 
 
 def _wanda_args(folder: Path) -> list:
-    armor_only = {"--block-size", "--iters", "--reconstruct-steps", "--refine"}
-    args = fast_prune_args(folder)
-    return [a for i, a in enumerate(args) if a not in armor_only and (i == 0 or args[i - 1] not in armor_only)]
+    return fast_prune_args(folder, method="wanda")
 
 
 def test_a_valueerror_from_inside_torch_is_an_internal_error(tiny, tmp_path, capsys, monkeypatch):

@@ -1,6 +1,6 @@
 """Models and what to prune in them: ``load_model`` (``"smollm2"``, a pruned directory, a local
 Hugging Face directory or a hub id), ``pruning_source`` (what ``prune_model`` should get for a
-``MODEL`` argument), ``load_tokenizer``, ``select_layers``, ``parse_dtype``.
+``MODEL`` argument), ``load_tokenizer``, ``parse_dtype``.
 
 Example::
 
@@ -22,7 +22,6 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from torch_armor.calibration.selection import select_layers  # noqa: F401  (re-exported: a model recipe)
 from torch_armor.engine.sources import is_streamable_checkpoint
 from torch_armor.errors import ArmorInputError, require_extra
 from torch_armor.recipes.assets import load_smollm2
@@ -30,8 +29,7 @@ from torch_armor.tensor.hf_format import has_armor_quantization_config
 from torch_armor.tensor.layout import ARMOR_CONFIG_NAME
 from torch_armor.tensor.serialization import load_pretrained
 
-__all__ = ["parse_dtype", "is_armor_checkpoint", "check_model_source", "load_model", "pruning_source", "load_tokenizer",
-           "select_layers"]
+__all__ = ["parse_dtype", "is_armor_checkpoint", "check_model_source", "load_model", "pruning_source", "load_tokenizer"]
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
