@@ -5,6 +5,7 @@ runs (this module imports torchao and transformers), so ``torch-armor --help`` s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import shlex
@@ -13,7 +14,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Iterator
 
 import torch
 
@@ -29,7 +30,7 @@ from torch_armor.engine.methods import method_named
 from torch_armor.engine.options import PruneOptions
 from torch_armor.engine.paths import check_prune_paths, model_source_dirs
 from torch_armor.engine.prune import prune_model
-from torch_armor.errors import ArmorInputError, MissingExtraError
+from torch_armor.errors import ArmorError, ArmorInputError, MissingExtraError, write_failed
 from torch_armor.progress import is_interactive, quiet_third_party_progress
 from torch_armor.recipes.data import calibration_windows, check_window_memory, eval_windows
 from torch_armor.recipes.demo_runs import TABLE_MD, DemoRuns
@@ -103,6 +104,18 @@ def from_text(flag: str, source: str, windows: Callable[..., torch.Tensor], *arg
         raise ArmorInputError(f"{flag} {source!r}: {err}") from None
 
 
+@contextlib.contextmanager
+def _writes(run_dir: Path) -> Iterator[None]:
+    """A failed write (disk full, read-only) as torch_armor's own :class:`ArmorIOError`."""
+    try:
+        yield
+    except OSError as err:
+        if isinstance(err, ArmorError):
+            raise
+        raise write_failed(err, "free space or fix permissions, then rerun the same command (finished layers are "
+                                f"kept in {run_dir})") from err
+
+
 def cmd_prune(args: argparse.Namespace) -> int:
     out = Path(args.out)
     check_prune_paths(model_source_dirs(args.model), out=out, run_dir=args.run_dir)  # first
@@ -135,21 +148,22 @@ def _prune(args: argparse.Namespace, out: Path, run_dir: Path, config: Any) -> i
         report = prune_model(model, windows, config, layers=args.layers, options=options)
     if report.rank != 0:
         return 0
-    tokenizer.save_pretrained(str(out))
-    meta = {
-        "command": "torch-armor " + shlex.join(args.argv),
-        "model": args.model,
-        "ranks": report.world_size,
-        "calibration": {"source": args.calib, "n_windows": args.n_calib, "seq_len": args.seq_len,
-                        "seed": args.seed, "sequential": not args.one_shot},
-    }
-    report.save_json(out / REPORT_JSON, **meta)
-    saved = ["model", "tokenizer", REPORT_JSON]
-    try:
-        report.save_plot(out / REPORT_PNG, title=None)
-        saved.append(REPORT_PNG)
-    except MissingExtraError as err:
-        log(f"skipped {REPORT_PNG}: {err}")
+    with _writes(run_dir):
+        tokenizer.save_pretrained(str(out))
+        meta = {
+            "command": "torch-armor " + shlex.join(args.argv),
+            "model": args.model,
+            "ranks": report.world_size,
+            "calibration": {"source": args.calib, "n_windows": args.n_calib, "seq_len": args.seq_len,
+                            "seed": args.seed, "sequential": not args.one_shot},
+        }
+        report.save_json(out / REPORT_JSON, **meta)
+        saved = ["model", "tokenizer", REPORT_JSON]
+        try:
+            report.save_plot(out / REPORT_PNG, title=None)
+            saved.append(REPORT_PNG)
+        except MissingExtraError as err:
+            log(f"skipped {REPORT_PNG}: {err}")
     total = time.perf_counter() - start
     print(f"pruned {len(report.layers)} linears of {args.model} with {args.method} {report.pattern}: "
           f"mean relative proxy loss {report.mean_relative_proxy_loss:.4f} (NoWag-P = 1)"

@@ -24,7 +24,8 @@ import importlib
 import os
 
 __all__ = ["ArmorError", "ArmorInputError", "ArmorNumericalError", "ArmorIOError", "RunMismatchError",
-           "ArmorRankError", "MissingExtraError", "require_extra", "debug_enabled"]
+           "ArmorRankError", "MissingExtraError", "require_extra", "write_failed",
+           "debug_enabled"]
 
 
 class ArmorError(Exception):
@@ -46,6 +47,19 @@ class ArmorIOError(ArmorError, OSError):
 
     def __str__(self) -> str:  # the message alone, without OSError's "[Errno N]" prefix
         return self.strerror if isinstance(self.strerror, str) else super().__str__()
+
+
+def write_failed(err: OSError, advice: str) -> ArmorIOError:
+    """The :class:`ArmorIOError` of a failed write ``err`` (disk full, read-only): its cause and
+    file, then ``advice``.
+
+    Example::
+
+        >>> str(write_failed(OSError(28, "No space left on device", "out/model.safetensors"), "free space"))
+        'No space left on device: out/model.safetensors; free space'
+    """
+    where = f": {err.filename}" if err.filename else ""
+    return ArmorIOError(err.errno, f"{err.strerror or err}{where}; {advice}")
 
 
 class RunMismatchError(ArmorInputError):

@@ -57,7 +57,7 @@ from torch_armor.engine.paths import (check_prune_paths, mark_run_target, mark_w
 from torch_armor.engine.report import PruneReport
 from torch_armor.engine.runstore import RunStore
 from torch_armor.engine.sources import InMemory, ShardWriter, Streamed
-from torch_armor.errors import ArmorInputError
+from torch_armor.errors import ArmorError, ArmorInputError, write_failed
 from torch_armor.tensor.hf_format import attach_quantizer
 from torch_armor.tensor.serialization import save_pretrained
 
@@ -256,7 +256,14 @@ def prune_model(
                 if topo.rank == 0 and out is not None:
                     write = (partial(writer.finish, source, blocks_prefix) if streamed
                              else partial(save_pretrained, model))
-                    _save_output(write, out, options.overwrite, resuming, allowed, run_path, options.log or logger.info)
+                    try:
+                        _save_output(write, out, options.overwrite, resuming, allowed, run_path,
+                                     options.log or logger.info)
+                    except OSError as err:
+                        if isinstance(err, ArmorError):
+                            raise
+                        raise write_failed(err, f"free space or fix permissions, then prune again: the finished "
+                                                f"layers are kept in {run_path}") from err
                     if temp_run:
                         shutil.rmtree(run_path, ignore_errors=True)
                 return report
