@@ -14,7 +14,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator
+from typing import Any, Callable, Dict, Iterator, Optional
 
 import torch
 
@@ -105,15 +105,15 @@ def from_text(flag: str, source: str, windows: Callable[..., torch.Tensor], *arg
 
 
 @contextlib.contextmanager
-def _writes(run_dir: Path) -> Iterator[None]:
+def _writes(run_dir: Optional[Path] = None) -> Iterator[None]:
     """A failed write (disk full, read-only) as torch_armor's own :class:`ArmorIOError`."""
     try:
         yield
     except OSError as err:
         if isinstance(err, ArmorError):
             raise
-        raise write_failed(err, "free space or fix permissions, then rerun the same command (finished layers are "
-                                f"kept in {run_dir})") from err
+        kept = f" (finished layers are kept in {run_dir})" if run_dir is not None else ""
+        raise write_failed(err, f"free space or fix permissions, then rerun the same command{kept}") from err
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
@@ -205,10 +205,11 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     inner = {"int8": Int8DynamicActivationInt8WeightConfig, "fp8": Float8DynamicActivationFloat8WeightConfig}[args.format]
     before = checkpoint_size(source)
     quantize_(model, ArmorCoreConfig(inner(set_inductor_config=False)))
-    save_pretrained(model, out)
-    for pattern in ("tokenizer*", "special_tokens_map.json", "vocab.*", "merges.txt", "*.model", "chat_template*"):
-        for file in source.glob(pattern):
-            shutil.copy2(file, out / file.name)
+    with _writes():
+        save_pretrained(model, out)
+        for pattern in ("tokenizer*", "special_tokens_map.json", "vocab.*", "merges.txt", "*.model", "chat_template*"):
+            for file in source.glob(pattern):
+                shutil.copy2(file, out / file.name)
     log(f"saved {args.format} 2:4 cores to {out}: {checkpoint_size(out).bytes / 1e6:.1f} MB of tensors (was "
         f"{before.bytes / 1e6:.1f} MB)")
     return 0
@@ -247,7 +248,8 @@ def _eval_tasks(args: argparse.Namespace) -> int:
     if out is None and (Path(args.model) / REPORT_JSON).is_file():
         out = Path(args.model) / HARNESS_JSON
     if out is not None:
-        write_results(results, out)
+        with _writes():
+            write_results(results, out)
     if args.json:
         print(json.dumps({"model": args.model, "tasks": tasks, "results": results["results"], "seconds": seconds,
                           "json": None if out is None else str(out)}, default=str))
@@ -317,7 +319,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"total wall time {result.timings['total'] / 60:.1f} min (this run); table and rows also in "
           f"{Path(args.run_dir) / TABLE_MD}")
     if args.json:
-        with open(args.json, "w") as fh:
+        with _writes(), open(args.json, "w") as fh:
             json.dump(result.to_dict(), fh, indent=2, default=str)
     return 0
 
