@@ -38,7 +38,7 @@ from torch_armor.core.presets import PRESETS  # noqa: E402
 from torch_armor.engine.distill import Distillation  # noqa: E402
 from torch_armor.engine.reconstruct_data import split_windows  # noqa: E402
 from torch_armor.recipes.evaluate import perplexity  # noqa: E402
-from torch_armor.recipes.models import select_layers  # noqa: E402
+from torch_armor.calibration.selection import select_layers  # noqa: E402
 from torch_armor.recipes.quality import _materialize  # noqa: E402
 
 #: max's distillation before it took sampled windows: 48 steps at 2e-3 (``max-48``)

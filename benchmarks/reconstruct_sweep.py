@@ -43,7 +43,8 @@ from torch_armor.core.presets import PRESETS  # noqa: E402
 from torch_armor.engine.options import check_device  # noqa: E402
 from torch_armor.recipes.data import calibration_windows, eval_windows, load_text, tokenize_text  # noqa: E402
 from torch_armor.recipes.evaluate import perplexity  # noqa: E402
-from torch_armor.recipes.models import load_model, select_layers  # noqa: E402
+from torch_armor.calibration.selection import select_layers  # noqa: E402
+from torch_armor.recipes.models import load_model  # noqa: E402
 from torch_armor.recipes.quality import _materialize  # noqa: E402
 
 _R = ReconstructConfig()  # 32 steps of one window: the default's block pass before it moved to 64

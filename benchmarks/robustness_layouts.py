@@ -137,7 +137,9 @@ def register(case, cli_case, _cli, check, check_kept) -> None:  # noqa: C901 - a
             model_dir = _plain()[0]
             work = tmp_dir()
             argv = [e(work) if callable(e) else e for e in extra]
-            res = _cli(["prune", str(model_dir), "--out", str(work / "out"), *fast_prune_args(model_dir.parent), *argv])
+            method = argv[argv.index("--method") + 1] if "--method" in argv else "armor"
+            res = _cli(["prune", str(model_dir), "--out", str(work / "out"), *fast_prune_args(model_dir.parent, method),
+                        *argv])
             check(not (work / "out").exists() or res.code == 0, "a refused prune left --out behind")
             return res
 

@@ -32,9 +32,14 @@ def save_tiny_model(folder: Path) -> Path:
     return model_dir
 
 
-def fast_prune_args(folder: Path) -> list:
+def fast_prune_args(folder: Path, method: str = "armor") -> list:
     """``torch-armor prune`` options that prune the model of :func:`save_tiny_model` in about a second: its
     text, 2 windows of 32 tokens, block size 16, 2 sweeps, no refinement or reconstruction, one thread,
-    streamed block by block (what a checkpoint too large for memory gets; the tiny one would load whole)."""
-    return ["--calib", str(folder / "text.txt"), "--n-calib", "2", "--seq-len", "32", "--block-size", "16", "--iters",
-            "2", "--reconstruct-steps", "0", "--refine", "none", "--threads", "1", "--no-progress", "--stream"]
+    streamed block by block (what a checkpoint too large for memory gets; the tiny one would load whole)
+    (for another ``method``, without the ARMOR options: the command line refuses them)."""
+    from torch_armor.cli_flags import METHOD_FLAGS, applies_to
+
+    armor = {"--block-size": "16", "--iters": "2", "--reconstruct-steps": "0", "--refine": "none"}
+    given = [[flag, value] for flag, value in armor.items() if flag not in METHOD_FLAGS or method in applies_to(flag)]
+    return ["--calib", str(folder / "text.txt"), "--n-calib", "2", "--seq-len", "32", *sum(given, []), "--threads",
+            "1", "--no-progress", "--stream"]

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import tempfile
-import warnings
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,7 @@ from torch_armor import AdamConfig, ArmorConfig, BcdConfig, ReconstructConfig, R
 from torch_armor.core.factorize import factorize
 from torch_armor.core.levers import OPTIMIZERS
 from torch_armor.core.proxy import nowag_prune, proxy_loss
-from torch_armor.errors import ArmorDeprecationWarning, ArmorError
+from torch_armor.errors import ArmorError
 
 FAST = settings(max_examples=30, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -126,17 +125,12 @@ _VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.flo
 @FAST
 @given(st.dictionaries(st.sampled_from(_FIELDS), _VALUES, max_size=3))
 def test_armor_config_valid_or_names_the_field(kwargs):
-    legacy = any(isinstance(kwargs.get(k), str) for k in ("optimizer", "refine"))  # the deprecated spelling
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore" if legacy else "error", ArmorDeprecationWarning)
-            cfg = ArmorConfig(**kwargs)
+        cfg = ArmorConfig(**kwargs)
     except DOCUMENTED as err:
         assert any(field in str(err) for field in kwargs) or "pattern" in str(err), err
         return
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ArmorDeprecationWarning)
-        assert cfg == ArmorConfig(**kwargs)  # frozen, reproducible
+    assert cfg == ArmorConfig(**kwargs)  # frozen, reproducible
 
 
 @FAST

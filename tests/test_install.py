@@ -9,7 +9,7 @@ import pytest
 
 from _tiny_dir import save_tiny_model
 from torch_armor.cli import REPORT_JSON, REPORT_PNG, main
-from torch_armor.errors import CLEAR_ERRORS, MissingExtraError, _EXTRAS, require_extra
+from torch_armor.errors import ArmorError, MissingExtraError, _EXTRAS, require_extra
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def test_missing_extra_names_the_pip_command(module, monkeypatch):
         require_extra(module, "this feature")
     message = str(info.value)
     assert f"pip install 'torch_armor[{extra}]'" in message and f"pip install {package}" in message
-    assert "\n" not in message and isinstance(info.value, CLEAR_ERRORS)
+    assert "\n" not in message and isinstance(info.value, ArmorError)
 
 
 def test_require_extra_returns_an_installed_module():

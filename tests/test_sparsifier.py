@@ -19,7 +19,6 @@ import torch_armor.sparsifier as sparsifier_module
 from torch_armor.core import baselines
 from torch_armor import (AdamConfig, ArmorConfig, BcdConfig, MagnitudeConfig, SparseGPTConfig, WandaConfig,
                          config_for_method)
-from torch_armor.errors import ArmorDeprecationWarning
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.core.proxy import nowag_prune
 from torch_armor.sparsifier import ArmorSparsifier, PruningSparsifier
@@ -57,7 +56,7 @@ def calib_batches(seed: int = 1, dtype: torch.dtype = torch.float32) -> list[tor
 
 def per_sweep(cfg: ArmorConfig) -> int:
     """The sparse-core group updates per sweep a config's layer gets (derived from its block size)."""
-    return cfg.to_dict()["group_updates"]
+    return cfg.optimizer.group_updates_per_sweep(cfg.block_size)
 
 
 def prepared(model: nn.Module, calibrate: bool = True, config: ArmorConfig = FAST_CONFIG, **kwargs) -> ArmorSparsifier:
@@ -154,30 +153,17 @@ def test_prepare_twice_replaces_hooks():
 
 
 # --- configuration -----------------------------------------------------------------------------
-def test_kwargs_override_config():
-    """The deprecated keyword overrides of ArmorSparsifier(...) (one release): each warns."""
+def test_settings_only_in_the_config():
+    """ArmorSparsifier takes its settings in the config; keyword overrides are no call form."""
     cfg = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=50))
-    with pytest.warns(ArmorDeprecationWarning, match="put the settings in the config"):
-        sp = ArmorSparsifier(cfg, num_iters=3)
-    assert sp.armor_config.optimizer.iters == 3 and sp.armor_config.block_size == 16
-    assert cfg.optimizer.iters == 50  # the given config is not mutated
-    with pytest.raises(ValueError, match="unknown ArmorConfig fields \\['num_iter'\\]"):
-        ArmorSparsifier(cfg, num_iter=3)
-    with pytest.raises(ValueError, match="unknown ArmorConfig fields"):
-        ArmorSparsifier(progres=False)
+    with pytest.raises(TypeError, match="num_iters"):
+        ArmorSparsifier(cfg, num_iters=3)
+    with pytest.raises(TypeError, match="block_size"):
+        ArmorSparsifier(block_size=16)
     with pytest.raises(ValueError, match="storage"):
         ArmorSparsifier(storage="sparse")
-    # derived fields follow the overrides, not the defaults of ArmorConfig()
-    want = ArmorConfig(block_size=16, optimizer=AdamConfig())
-    with pytest.warns(ArmorDeprecationWarning):
-        sp = ArmorSparsifier(block_size=16, optimizer="adam")
-    assert (per_sweep(sp.armor_config), sp.armor_config.optimizer.iterations) == (per_sweep(want), want.optimizer.iterations)
-    with pytest.warns(ArmorDeprecationWarning):
-        sp = ArmorSparsifier(ArmorConfig(block_size=128, optimizer=BcdConfig()), block_size=16, optimizer="adam")
-    assert (per_sweep(sp.armor_config), sp.armor_config.optimizer.iterations) == (per_sweep(want), want.optimizer.iterations)
-    with pytest.warns(ArmorDeprecationWarning):
-        sp = ArmorSparsifier(ArmorConfig(block_size=128, optimizer=BcdConfig(group_updates=5)), block_size=16)
-    assert per_sweep(sp.armor_config) == 5  # explicit values stay
+    with pytest.raises(ValueError, match="config must be an ArmorConfig"):
+        ArmorSparsifier("armor")
 
 
 def test_per_layer_block_size_override():
@@ -374,7 +360,7 @@ def test_load_state_dict_errors(caplog):
     other_settings = prepared(make_mlp(), config=ArmorConfig(block_size=16, optimizer=BcdConfig(iters=3)))
     with caplog.at_level(logging.WARNING, logger="torch_armor"):
         other_settings.load_state_dict(state)
-    assert "0.weight: loaded result was computed with different settings {'num_iters': 2}" in caplog.text
+    assert "0.weight: loaded result was computed with different settings {'optimizer.iters': 2}" in caplog.text
     with pytest.raises(ValueError, match="prepare"):
         ArmorSparsifier(FAST_CONFIG, **FAST).load_state_dict(state)
     other = PruningSparsifier(WandaConfig(), progress=False)
@@ -428,9 +414,10 @@ def test_state_from_other_weights_is_refused(tmp_path):
 def test_state_without_hashes_is_refused():
     sp = prepared(make_mlp())
     state = sp.state_dict()
-    assert state["version"] == sparsifier_module.STATE_DICT_VERSION == 2
+    assert state["version"] == sparsifier_module.STATE_DICT_VERSION == 3
+    assert state["groups"][0]["config"] == FAST_CONFIG.to_dict()  # the one serialized form, nested
     old = {k: v for k, v in state.items() if k != "weight_hashes"}
-    for bad in ({**old, "version": 1}, old):
+    for bad in ({**old, "version": 1}, {**state, "version": 2}, old):  # earlier forms: refused
         fresh = prepared(make_mlp(), calibrate=False)
         with pytest.raises(ValueError, match="without weight hashes.*recompute"):
             fresh.load_state_dict(bad)
@@ -519,15 +506,11 @@ def test_sparsegpt_uses_collected_xtx_exactly():
 
 
 def test_pruning_options_and_resume(tmp_path):
-    # the deprecated string form checks its options (and fails before it warns)
-    with pytest.raises(ValueError, match="method must be one of"):
-        PruningSparsifier("random")
-    with pytest.raises(ValueError, match="unknown options \\['damp'\\]"):
-        PruningSparsifier("wanda", damp=0.1)
-    with pytest.raises(ValueError, match="compute_dtype is not an option.*sparsegpt_prune"):
-        PruningSparsifier("sparsegpt", compute_dtype=torch.float64)
-    with pytest.raises(ValueError, match="pattern"):
-        PruningSparsifier("wanda", pattern="4:2")
+    # the config's type is the method: a method name is no config
+    with pytest.raises(ValueError, match="config must be a method config"):
+        PruningSparsifier("wanda")
+    with pytest.raises(TypeError, match="damp"):
+        PruningSparsifier(WandaConfig(), damp=0.1)
     # magnitude needs no calibration
     model = make_mlp()
     sp = PruningSparsifier(MagnitudeConfig(), progress=False)

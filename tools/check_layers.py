@@ -9,7 +9,7 @@ an import may point to the same floor or a lower one, never up:
     2  calibration                        (hooks, statistics)
     3  tensor                             (ArmorTensor, storages; the save/load format)
     4  engine                             (method registry, runner, pipeline, sources, run store, prune_model)
-    5  sparsifier, calibrated_sparsifier, sparsifier_state, hf, cli, recipes, __main__   (front ends)
+    5  sparsifier, calibrated_sparsifier, sparsifier_state, hf, cli, cli_flags, recipes, __main__   (front ends)
     6  torch_armor (the package's __init__: the public names)
 
 Violations (each printed on one line; exit status 1 if there is any):
@@ -19,7 +19,6 @@ Violations (each printed on one line; exit status 1 if there is any):
   imports count: they only hide a cycle);
 * ``private``: a module imports another module's ``_private`` name (``from m import _x``, or
   ``m._x`` on an imported module ``m``);
-* ``alias``: torch_armor code imports a compatibility alias kept for users (``torch_armor.config``);
 * ``unplaced``: a module that the floors table does not place;
 * ``size``: a module longer than ``--max-lines`` (500) lines;
 * ``local-import``: a function-local import without a comment on its line saying why it is local.
@@ -56,7 +55,6 @@ FLOORS: Tuple[Tuple[str, int], ...] = (
     ("torch_armor.threads", 0),
     ("torch_armor.core", 1),
     ("torch_armor.kernels", 1),
-    ("torch_armor.config", 1),  # compatibility alias of torch_armor.core.config (users only)
     ("torch_armor.calibration", 2),
     ("torch_armor.tensor", 3),
     ("torch_armor.engine", 4),
@@ -67,22 +65,16 @@ FLOORS: Tuple[Tuple[str, int], ...] = (
     ("torch_armor.cli", 5),
     ("torch_armor.cli_commands", 5),
     ("torch_armor.cli_names", 5),
+    ("torch_armor.cli_flags", 5),
     ("torch_armor.recipes", 5),
     ("torch_armor.__main__", 5),
     ("torch_armor", 6),  # the package's __init__ only: a new top-level module must be placed
 )
 FLOOR_NAMES = {0: "base", 1: "core", 2: "calibration", 3: "tensor/format", 4: "engine", 5: "front end", 6: "package"}
 
-#: Modules kept only so that users' old imports work for one release: torch_armor itself must
-#: import the new place.
-ALIASES = {
-    "torch_armor.config": "torch_armor.core.config",
-    "torch_armor.recipes.prune": "torch_armor.engine.prune",
-}
-
 #: Modules being rewritten elsewhere (issue #21: one class per storage format, a storage policy),
 #: exempt from the ``size`` and ``local-import`` rules until that lands; the import rules (upward,
-#: cycle, private, alias) hold for them as for every module. Empty this when #21 is merged.
+#: cycle, private) hold for them as for every module. Empty this when #21 is merged.
 PENDING_REWRITE: Dict[str, str] = {}  # none: the tensor storages have landed
 
 
@@ -282,9 +274,6 @@ def check(package_dir: Path, max_lines: int = 500) -> List[str]:
             elif target not in modules:
                 problems.append(f"unplaced: {where}:{imp.line}: imports {target}, which is not a module of {PACKAGE}")
                 continue
-            if target in ALIASES and name not in ALIASES and name != PACKAGE:
-                problems.append(f"alias: {where}:{imp.line}: imports {target}, a compatibility alias for users; "
-                                f"import {ALIASES[target]}")
             t_floor = floor_of(target)
             if t_floor is not None and t_floor > floor:
                 problems.append(f"upward: {where}:{imp.line}: {name} ({FLOOR_NAMES[floor]}, floor {floor}) imports "

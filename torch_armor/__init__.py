@@ -47,7 +47,6 @@ _EXPORTS = {
     "ArmorSparsifier": "torch_armor.sparsifier",
     "ArmorTensor": "torch_armor.tensor.armor_tensor",
     "attach_quantizer": "torch_armor.hf",  # (registers quant_method "armor" with transformers)
-    "BaselineConfig": "torch_armor.core.method_config",  # deprecated: the method's own config (SparseGPTConfig, …)
     "BcdConfig": "torch_armor.core.config",
     "config_for_method": "torch_armor.engine.methods",
     "DistillConfig": "torch_armor.core.config",

@@ -13,24 +13,24 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import defaultdict
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
 from torch.ao.pruning import BaseSparsifier
 
 from torch_armor.calibration.observer import ActSqNormObserver, LayerStatistics, decoder_linear_names, set_token_mask
-from torch_armor.core.method_config import config_to_dict
+from torch_armor.core.config_format import config_changes, config_to_dict
 from torch_armor.engine.identity import hash_tensors
 from torch_armor.engine.methods import Method, method_for
 from torch_armor.engine.runner import LayerSolution, solve_layer
 from torch_armor.errors import ArmorInputError
-from torch_armor.sparsifier_state import (MODULE_KEYS, STATE_DICT_VERSION, plain, solution_from_state,
+from torch_armor.sparsifier_state import (MODULE_KEYS, STATE_DICT_VERSION, solution_from_state,
                                           solution_state)
 from torch_armor.tensor.armor_tensor import ArmorTensor
 from torch_armor.progress import tqdm
 
-__all__ = ["CalibratedSparsifier", "plain", "STATE_DICT_VERSION"]
+__all__ = ["CalibratedSparsifier", "STATE_DICT_VERSION"]
 
 logger = logging.getLogger("torch_armor")
 
@@ -41,14 +41,13 @@ class CalibratedSparsifier(BaseSparsifier):
     Args:
         base_config: the method config of every layer (its type is the method).
         progress: a progress bar in :meth:`step`.
-        extra_keys: per-layer keys accepted besides the config's fields (passed to the config).
     """
 
-    def __init__(self, base_config: Any, progress: bool = True, extra_keys: Sequence[str] = ()) -> None:
+    def __init__(self, base_config: Any, progress: bool = True) -> None:
         self.method: Method = method_for(base_config)
         self._base_config = base_config
         fields = tuple(f.name for f in dataclasses.fields(base_config))
-        self._options = fields + tuple(k for k in extra_keys if k not in fields)
+        self._options = fields
         super().__init__(defaults={k: getattr(base_config, k) for k in fields})
         self.progress = bool(progress)
         self._observers: Dict[str, ActSqNormObserver] = {}
@@ -362,8 +361,8 @@ class CalibratedSparsifier(BaseSparsifier):
 
     # -- save / resume -----------------------------------------------------------------------
     def _group_state(self, fqn: str) -> Dict[str, Any]:
-        """A layer's settings as saved: its config (per-layer overrides applied) in the flat form."""
-        return {"tensor_fqn": fqn, **plain(config_to_dict(self._group_configs[fqn]))}
+        """A layer's settings as saved: its config (per-layer overrides applied), serialized."""
+        return {"tensor_fqn": fqn, "config": config_to_dict(self._group_configs[fqn])}
 
     def _identity(self) -> Dict[str, Any]:
         return {"sparsifier": type(self).__name__, "method": self.method.name,
@@ -373,8 +372,8 @@ class CalibratedSparsifier(BaseSparsifier):
         """Statistics, finished layers and weight hashes, as tensors, strings and numbers only.
 
         ``torch.save`` it and read it back with ``torch.load(path, weights_only=True)``.
-        Layout: ``{"version", "sparsifier", "method", "config", "groups" (each layer's settings in the
-        flat form of ``config_to_dict``), "weight_hashes":
+        Layout: ``{"version", "sparsifier", "method", "config", "groups" (each layer's
+        ``{"tensor_fqn", "config"}``, the config as ``config_to_dict`` writes it), "weight_hashes":
         {tensor_fqn: sha256 of the dense weight at prepare()}, "state": {tensor_fqn:
         {"act_sq_norm", "num_tokens", ["xtx"], [result...]}}}``; an ARMOR result is
         ``"factors"`` (:meth:`ArmorFactors.to_tensors`) and ``"factor_metadata"``, a baseline's
@@ -471,8 +470,8 @@ class CalibratedSparsifier(BaseSparsifier):
                     self._observers[fqn].reset()  # the loaded statistics replace what was seen
             if sol is not None:
                 self.state[fqn]["solution"] = sol
-                now = self._group_state(fqn)
-                diff = sorted(k for k in now if k in saved_groups.get(fqn, {}) and saved_groups[fqn][k] != now[k])
+                saved = saved_groups.get(fqn, {}).get("config")
+                diff = config_changes(saved, self._group_state(fqn)["config"]) if isinstance(saved, dict) else {}
                 if diff:
                     logger.warning("%s: loaded result was computed with different settings %s; kept as is",
-                                   fqn, {k: saved_groups[fqn][k] for k in diff})
+                                   fqn, {k: old for k, (old, _) in diff.items()})

@@ -18,9 +18,12 @@ Examples::
 Progress bars and phase messages go to stderr; results (perplexity, tables) to stdout. When stderr
 is not a terminal (a log file), each stage prints one line instead of a bar.
 
-Errors: a bad argument, model, file or a failed write prints one line
-``torch-armor CMD: error: …`` naming what is at fault and what to do, and exits with status 2;
-``--debug`` (or ``TORCH_ARMOR_DEBUG=1``) shows the traceback instead.
+Errors: a bad argument, model, file or a failed write (torch_armor's own error types,
+:mod:`torch_armor.errors`) prints one line ``torch-armor CMD: error: …`` naming what is at fault
+and what to do, with the library's parameter names as flags (``out=`` as ``--out``), and exits
+with status 2. Anything else is a bug: one line ``torch-armor CMD: internal error: …`` saying
+where its traceback was written, exit status 1. ``--debug`` (or ``TORCH_ARMOR_DEBUG=1``) shows the
+traceback instead.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import tempfile
+import traceback
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -38,10 +43,11 @@ from torch_armor.core.config import ArmorConfig
 from torch_armor.core.levers import OPTIMIZERS
 from torch_armor.core.pattern import parse_pattern
 from torch_armor.core.presets import PRESETS
+from torch_armor.cli_flags import flags_that_do_not_apply, with_flags
 from torch_armor.cli_names import (DEMO_METHODS, DENSE, FULL_PROTOCOL, HARNESS_JSON, QUICK_PROTOCOL, REPORT_JSON,
                                    REPORT_PNG)
 from torch_armor.engine.methods import method_named, method_names
-from torch_armor.errors import CLEAR_ERRORS, ArmorError, debug_enabled
+from torch_armor.errors import ArmorError, debug_enabled
 from torch_armor.recipes.needs import Need, check_installed, needs_for
 
 __all__ = ["main", "build_parser", "QUICK_PROTOCOL", "FULL_PROTOCOL", "DEMO_METHODS", "DENSE", "REPORT_JSON",
@@ -143,9 +149,9 @@ def _add_armor(p: argparse.ArgumentParser) -> None:
     change single levers on top of it; an option not given keeps the preset's value."""
     default = ArmorConfig()
     g = p.add_argument_group("ARMOR")
-    g.add_argument("--preset", choices=tuple(PRESETS), default="default",
+    g.add_argument("--preset", choices=tuple(PRESETS), default=None,
                    help="a named set of ARMOR settings (torch_armor.core.presets: fast, default = ArmorConfig(), "
-                        "max); the options below change it")
+                        "max; default: default); the options below change it")
     g.add_argument("--block-size", type=_block_size, default=None,
                    help=f"wrapper block size d_b; 'auto': per layer, the largest d_b dividing both dimensions "
                         f"within --max-overhead; 'budget': one --max-overhead budget for the whole model, "
@@ -209,8 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--one-shot", action="store_true",
                    help="calibrate every block on the dense model's hidden states (default: sequentially, "
                         "on the outputs of the already-pruned blocks before it)")
-    p.add_argument("--sparsegpt-block-size", type=_positive_int, default=128, help="SparseGPT lazy block (128)")
-    p.add_argument("--damp", type=float, default=0.01, help="SparseGPT dampening (0.01)")
+    # default None: a flag counts as given only when the user gave it (cli_flags refuses those of other methods)
+    p.add_argument("--sparsegpt-block-size", type=_positive_int, default=None, help="SparseGPT lazy block (128)")
+    p.add_argument("--damp", type=float, default=None, help="SparseGPT dampening (0.01)")
     _add_common(p)
 
     q = sub.add_parser("quantize", help="give a pruned directory's 2:4 cores 8-bit values (int8 or fp8)",
@@ -326,9 +333,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(argv) if argv is not None else sys.argv[1:]
     args = parser.parse_args(argv)
     args.argv = argv
+    wrong = flags_that_do_not_apply(args, args.method) if args.command == "prune" else []
+    if wrong:  # before anything is imported or loaded
+        print(f"torch-armor prune: error: {'; '.join(wrong)}", file=sys.stderr)
+        return 2
     missing = check_installed(job_needs(args))  # every missing package at once, before anything loads
     if missing:
-        print(f"torch-armor {args.command}: error: {missing}", file=sys.stderr)
+        print(f"torch-armor {args.command}: error: {with_flags(missing)}", file=sys.stderr)
         return 2
     from torch_armor import cli_commands  # imports torchao and transformers: only now, so --help is fast
     from torch_armor.engine.interrupt import terminate_as_interrupt  # heavy, as above
@@ -350,26 +361,35 @@ def _run(args: argparse.Namespace, command) -> int:
     try:
         check_device(getattr(args, "device", None), "--device")
         return command(args)
-    except CLEAR_ERRORS as err:
-        print(f"torch-armor {args.command}: error: {_one_line(err)}", file=sys.stderr)
+    except ArmorError as err:  # torch_armor's own errors: the input is at fault
+        print(f"torch-armor {args.command}: error: {_one_line(with_flags(str(err)) or type(err).__name__)}",
+              file=sys.stderr)
         return 2
     except KeyboardInterrupt as err:
         line = str(err) if isinstance(err, PruneInterrupted) and args.command == "prune" else _interrupted(args)
         print(f"torch-armor {args.command}: {line}", file=sys.stderr)
         return 128 + getattr(err, "signum", signal.SIGINT)
-    except Exception as err:  # noqa: BLE001 - anything else is a bug: one line, no traceback
-        print(f"torch-armor {args.command}: internal error: {type(err).__name__}: {_one_line(err)} "
-              "(rerun with --debug for the traceback, and please report it)", file=sys.stderr)
+    except Exception as err:  # noqa: BLE001 - anything else is a bug: one line, never an input error
+        where = _write_traceback()
+        print(f"torch-armor {args.command}: internal error: {type(err).__name__}: {_one_line(str(err))} — please "
+              f"report; full traceback {f'in {where} or ' if where else ''}with --debug", file=sys.stderr)
         return 1
 
 
-def _one_line(err: BaseException) -> str:
-    """The error's message on one line; an OSError names its file."""
-    if isinstance(err, OSError) and not isinstance(err, ArmorError) and err.strerror:
-        text = f"{err.strerror}: {err.filename}" if err.filename else err.strerror
-        text += "; free space or fix permissions, then rerun the same command (finished layers are kept)"
-    else:
-        text = str(err) or type(err).__name__
+def _write_traceback() -> str:
+    """The current exception's traceback in a new file of the temporary directory; its path
+    (``""`` if it cannot be written)."""
+    try:
+        with tempfile.NamedTemporaryFile("w", prefix="torch-armor-traceback-", suffix=".txt", delete=False,
+                                         encoding="utf-8") as fh:
+            fh.write(traceback.format_exc())
+        return fh.name
+    except OSError:
+        return ""
+
+
+def _one_line(text: str) -> str:
+    """``text`` on one line."""
     return " ".join(text.split())
 
 

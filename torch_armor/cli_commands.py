@@ -5,21 +5,24 @@ runs (this module imports torchao and transformers), so ``torch-armor --help`` s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
-import os
 import json
+import os
 import shlex
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 
 import torch_armor._quiet  # noqa: F401  (first: silences torchao's known import noise)
 import torch_armor.hf  # noqa: F401  (registers quant_method "armor" with transformers)
 from torch_armor._io import RUN_DIR_NAME
+from torch_armor.cli_flags import method_fields, with_flags
 from torch_armor.cli_names import DENSE, FULL_PROTOCOL, HARNESS_JSON, QUICK_PROTOCOL, REPORT_JSON, REPORT_PNG
 from torch_armor.core.config import ArmorConfig
 from torch_armor.core.levers import DEFAULT_RECONSTRUCT, DEFAULT_REFINE, OPTIMIZERS
@@ -28,7 +31,7 @@ from torch_armor.engine.methods import method_named
 from torch_armor.engine.options import PruneOptions
 from torch_armor.engine.paths import check_prune_paths, model_source_dirs
 from torch_armor.engine.prune import prune_model
-from torch_armor.errors import ArmorInputError, MissingExtraError
+from torch_armor.errors import ArmorError, ArmorInputError, MissingExtraError, write_failed
 from torch_armor.progress import is_interactive, quiet_third_party_progress
 from torch_armor.recipes.data import calibration_windows, check_window_memory, eval_windows
 from torch_armor.recipes.demo_runs import TABLE_MD, DemoRuns
@@ -64,7 +67,7 @@ def setup(args: argparse.Namespace) -> None:
 
 def armor_config(args: argparse.Namespace) -> ArmorConfig:
     """The ArmorConfig of ``--preset`` with the ARMOR options that were given applied on top."""
-    base = ArmorConfig.preset(args.preset)
+    base = ArmorConfig.preset(args.preset or "default")
     changes: Dict[str, Any] = {"pattern": args.pattern, "seed": args.seed}
     for key in ("block_size", "max_overhead"):
         if getattr(args, key) is not None:
@@ -83,24 +86,21 @@ def armor_config(args: argparse.Namespace) -> ArmorConfig:
     return dataclasses.replace(base, **changes)
 
 
-#: the command-line flag of each baseline config field
-_BASELINE_FLAGS = {"pattern": "--pattern", "block_size": "--sparsegpt-block-size", "damp": "--damp"}
-
-
 def method_config(args: argparse.Namespace) -> Any:
-    """The config of ``--method`` from the options that apply to it (an error names the flag)."""
+    """The config of ``--method`` from the flags given for it (:mod:`torch_armor.cli_flags`; an
+    error names the flag)."""
     kind = method_named(args.method).config_type
     if issubclass(kind, ArmorConfig):
         return armor_config(args)
-    given = {"pattern": args.pattern, "block_size": args.sparsegpt_block_size, "damp": args.damp}
-    fields = {f.name: given[f.name] for f in dataclasses.fields(kind) if f.name in given}
+    fields = method_fields(args, kind)
     try:
-        return kind(**fields)
+        return kind(**{name: value for name, (_, value) in fields.items()})
     except ArmorInputError as err:
         field = next((f for f in fields if str(err).startswith(f"{kind.__name__}.{f}")), None)
         if field is None:
             raise
-        raise ArmorInputError(f"{_BASELINE_FLAGS[field]} {fields[field]}: {err}") from None
+        flag, value = fields[field]
+        raise ArmorInputError(f"{flag} {value}: {err}") from None
 
 
 def from_text(flag: str, source: str, windows: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -111,9 +111,21 @@ def from_text(flag: str, source: str, windows: Callable[..., torch.Tensor], *arg
         raise ArmorInputError(f"{flag} {source!r}: {err}") from None
 
 
+@contextlib.contextmanager
+def _writes(run_dir: Optional[Path] = None) -> Iterator[None]:
+    """A failed write (disk full, read-only) as torch_armor's own :class:`ArmorIOError`."""
+    try:
+        yield
+    except OSError as err:
+        if isinstance(err, ArmorError):
+            raise
+        kept = f" (finished layers are kept in {run_dir})" if run_dir is not None else ""
+        raise write_failed(err, f"free space or fix permissions, then rerun the same command{kept}") from err
+
+
 def cmd_prune(args: argparse.Namespace) -> int:
     out = Path(args.out)
-    check_prune_paths(model_source_dirs(args.model), out=out, run_dir=args.run_dir, out_flag="--out")  # first
+    check_prune_paths(model_source_dirs(args.model), out=out, run_dir=args.run_dir)  # first
     check_window_memory(args.n_calib, args.seq_len, ("--n-calib", "--seq-len"))
     config = method_config(args)  # the method's settings checked before the model is loaded
     # the run directory outlives prune_model (which holds its lock) until the tokenizer, report and plot
@@ -137,30 +149,28 @@ def _prune(args: argparse.Namespace, out: Path, run_dir: Path, config: Any) -> i
     options = PruneOptions(
         out=out, overwrite=args.overwrite, run_dir=run_dir,
         device=args.device, dtype=parse_dtype(args.dtype), storage=args.storage, sequential=not args.one_shot,
-        batch_size=args.batch_size, progress=not args.no_progress, log=log)
-    if isinstance(model, (str, os.PathLike)) and getattr(config, "distill", None) is not None:
-        sampled = (" (and with it the windows it samples from the dense model)"
-                   if config.distill.sampled_windows else "")
-        log(f"end-to-end distillation needs the model in memory: off for this streamed prune{sampled}")
-        config = dataclasses.replace(config, distill=None)
-    report = prune_model(model, windows, config, layers=args.layers, options=options)
+        batch_size=args.batch_size, progress=not args.no_progress, log=lambda line: log(with_flags(line)))
+    with warnings.catch_warnings():  # what the library skips and says why (e.g. distillation when streamed): a log line
+        warnings.showwarning = lambda message, *rest, **kw: log(str(message))
+        report = prune_model(model, windows, config, layers=args.layers, options=options)
     if report.rank != 0:
         return 0
-    tokenizer.save_pretrained(str(out))
-    meta = {
-        "command": "torch-armor " + shlex.join(args.argv),
-        "model": args.model,
-        "ranks": report.world_size,
-        "calibration": {"source": args.calib, "n_windows": args.n_calib, "seq_len": args.seq_len,
-                        "seed": args.seed, "sequential": not args.one_shot},
-    }
-    report.save_json(out / REPORT_JSON, **meta)
-    saved = ["model", "tokenizer", REPORT_JSON]
-    try:
-        report.save_plot(out / REPORT_PNG, title=None)
-        saved.append(REPORT_PNG)
-    except MissingExtraError as err:
-        log(f"skipped {REPORT_PNG}: {err}")
+    with _writes(run_dir):
+        tokenizer.save_pretrained(str(out))
+        meta = {
+            "command": "torch-armor " + shlex.join(args.argv),
+            "model": args.model,
+            "ranks": report.world_size,
+            "calibration": {"source": args.calib, "n_windows": args.n_calib, "seq_len": args.seq_len,
+                            "seed": args.seed, "sequential": not args.one_shot},
+        }
+        report.save_json(out / REPORT_JSON, **meta)
+        saved = ["model", "tokenizer", REPORT_JSON]
+        try:
+            report.save_plot(out / REPORT_PNG, title=None)
+            saved.append(REPORT_PNG)
+        except MissingExtraError as err:
+            log(f"skipped {REPORT_PNG}: {err}")
     total = time.perf_counter() - start
     print(f"pruned {len(report.layers)} linears of {args.model} with {args.method} {report.pattern}: "
           f"{report.loss_summary()}"
@@ -221,10 +231,11 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         log(f"smoothing the cores' inputs (alpha {alpha}) on {windows.shape[0]}x{windows.shape[1]} tokens of {text}")
         smooth_core_inputs(model, windows.split(1), alpha)
     quantize_(model, ArmorCoreConfig(inner(set_inductor_config=False)))
-    save_pretrained(model, out)
-    for pattern in ("tokenizer*", "special_tokens_map.json", "vocab.*", "merges.txt", "*.model", "chat_template*"):
-        for file in source.glob(pattern):
-            shutil.copy2(file, out / file.name)
+    with _writes():
+        save_pretrained(model, out)
+        for pattern in ("tokenizer*", "special_tokens_map.json", "vocab.*", "merges.txt", "*.model", "chat_template*"):
+            for file in source.glob(pattern):
+                shutil.copy2(file, out / file.name)
     log(f"saved {args.format} 2:4 cores to {out}: {checkpoint_size(out).bytes / 1e6:.1f} MB of tensors (was "
         f"{before.bytes / 1e6:.1f} MB)")
     return 0
@@ -263,7 +274,8 @@ def _eval_tasks(args: argparse.Namespace) -> int:
     if out is None and (Path(args.model) / REPORT_JSON).is_file():
         out = Path(args.model) / HARNESS_JSON
     if out is not None:
-        write_results(results, out)
+        with _writes():
+            write_results(results, out)
     if args.json:
         print(json.dumps({"model": args.model, "tasks": tasks, "results": results["results"], "seconds": seconds,
                           "json": None if out is None else str(out)}, default=str))
@@ -333,7 +345,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"total wall time {result.timings['total'] / 60:.1f} min (this run); table and rows also in "
           f"{Path(args.run_dir) / TABLE_MD}")
     if args.json:
-        with open(args.json, "w") as fh:
+        with _writes(), open(args.json, "w") as fh:
             json.dump(result.to_dict(), fh, indent=2, default=str)
     return 0
 

@@ -3,28 +3,29 @@
 Every error torch_armor raises on purpose is one line that names the thing at fault (a layer, a
 file, an argument), the cause and the fix. Most are :class:`ValueError` (bad input: existing
 code catches them as such); the classes below refine that for callers that want to tell the
-kinds apart. The command line prints any of them as ``torch-armor CMD: error: …`` and exits
-with status 2; ``--debug`` (or ``TORCH_ARMOR_DEBUG=1``) shows the traceback instead.
+kinds apart. Library messages name API parameters (``out=``, ``layers=``), never command-line
+flags. The command line prints any of these types as ``torch-armor CMD: error: …`` (the
+parameters spelled as its flags) and exits with status 2; any other exception is a bug, reported
+as an internal error (exit status 1). ``--debug`` (or ``TORCH_ARMOR_DEBUG=1``) shows the traceback
+instead.
 
 Example::
 
     >>> try:
-    ...     raise ArmorInputError("--device cuda: this torch has no CUDA; use --device cpu")
+    ...     raise ArmorInputError("device='cuda': this torch has no CUDA; use device='cpu'")
     ... except ValueError as err:
     ...     print(err)
-    --device cuda: this torch has no CUDA; use --device cpu
+    device='cuda': this torch has no CUDA; use device='cpu'
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-import warnings
-from typing import Callable
 
 __all__ = ["ArmorError", "ArmorInputError", "ArmorNumericalError", "ArmorIOError", "RunMismatchError",
-           "ArmorRankError", "MissingExtraError", "require_extra", "ArmorDeprecationWarning", "deprecated",
-           "moved_names", "debug_enabled", "CLEAR_ERRORS"]
+           "ArmorRankError", "MissingExtraError", "require_extra", "write_failed",
+           "debug_enabled"]
 
 
 class ArmorError(Exception):
@@ -48,6 +49,19 @@ class ArmorIOError(ArmorError, OSError):
         return self.strerror if isinstance(self.strerror, str) else super().__str__()
 
 
+def write_failed(err: OSError, advice: str) -> ArmorIOError:
+    """The :class:`ArmorIOError` of a failed write ``err`` (disk full, read-only): its cause and
+    file, then ``advice``.
+
+    Example::
+
+        >>> str(write_failed(OSError(28, "No space left on device", "out/model.safetensors"), "free space"))
+        'No space left on device: out/model.safetensors; free space'
+    """
+    where = f": {err.filename}" if err.filename else ""
+    return ArmorIOError(err.errno, f"{err.strerror or err}{where}; {advice}")
+
+
 class RunMismatchError(ArmorInputError):
     """A run directory (or a sparsifier state) belongs to another run: other settings, weights or
     calibration data; the message names what differs. Nothing of the other run is mixed in."""
@@ -56,29 +70,6 @@ class RunMismatchError(ArmorInputError):
 class ArmorRankError(ArmorError, RuntimeError):
     """Another rank of a distributed run failed; the message carries its error. Finished layers stay
     in the run directory: rerunning the same command resumes."""
-
-
-class ArmorDeprecationWarning(DeprecationWarning):
-    """A call form that still works for one release; the message names the new form."""
-
-
-def deprecated(message: str, stacklevel: int = 3) -> None:
-    """Warn with :class:`ArmorDeprecationWarning` at the caller of the deprecated function."""
-    warnings.warn(message, ArmorDeprecationWarning, stacklevel=stacklevel)
-
-
-def moved_names(alias: str, homes: "dict[str, object]") -> "Callable[[str], object]":
-    """The module ``__getattr__`` of a deprecated alias module: ``name`` is read from its new home
-    module (``homes[name]``), with a warning naming it."""
-
-    def __getattr__(name: str) -> object:
-        if name not in homes:
-            raise AttributeError(f"module {alias!r} has no attribute {name!r}")
-        home = homes[name]
-        deprecated(f"{alias} is deprecated: import {name} from {home.__name__}")
-        return getattr(home, name)
-
-    return __getattr__
 
 
 class MissingExtraError(ArmorError, ImportError):
@@ -110,10 +101,6 @@ def require_extra(module: str, purpose: str):
         raise MissingExtraError(f"{purpose} needs {package}, which is not installed; "
                                 f"install it with `pip install 'torch_armor[{extra}]'` (or `pip install {package}`)"
                                 ) from None
-
-
-#: The exception types that count as a clear answer (the CLI prints their message, exit 2).
-CLEAR_ERRORS = (ArmorError, ValueError, FileNotFoundError, OSError)
 
 
 def debug_enabled() -> bool:

@@ -32,26 +32,20 @@ recalibrating or recomputing; a state from other weights is refused.
 
 from __future__ import annotations
 
-import dataclasses
-import warnings
 from typing import Any, Callable, Dict, Optional
 
 from torch import nn
 
 from torch_armor.calibrated_sparsifier import CalibratedSparsifier
 from torch_armor.core.config import ArmorConfig
-from torch_armor.core.config_compat import LEGACY_KEYWORDS, short_repr
 from torch_armor.core.factors import ArmorFactors
-from torch_armor.engine.methods import METHODS, method_for, method_named
-from torch_armor.errors import ArmorInputError, deprecated
+from torch_armor.engine.methods import method_for
+from torch_armor.errors import ArmorInputError
 from torch_armor.sparsifier_state import STATE_DICT_VERSION
 from torch_armor.tensor.armor_tensor import STORAGES
 from torch_armor.tensor.hf_format import attach_quantizer
 
 __all__ = ["ArmorSparsifier", "PruningSparsifier", "STATE_DICT_VERSION"]
-
-_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(ArmorConfig))
-
 
 class ArmorSparsifier(CalibratedSparsifier):
     """ARMOR sparsifier following the ``torch.ao.pruning`` protocol.
@@ -64,8 +58,6 @@ class ArmorSparsifier(CalibratedSparsifier):
         on_layer_done: called as ``on_layer_done(tensor_fqn, factors)`` after each layer is
             factorized in :meth:`step` (the factors are already stored), e.g. to checkpoint
             ``sparsifier.state_dict()``.
-        **overrides: deprecated: ``ArmorConfig`` fields (also the flat ones of earlier releases,
-            ``num_iters=``…) applied to ``config``; write them into the config.
 
     Per-layer overrides in ``prepare(model, [{"tensor_fqn": ..., "block_size": 16}, ...])`` may
     set any :class:`ArmorConfig` field. Derived defaults follow: a layer overriding
@@ -96,7 +88,6 @@ class ArmorSparsifier(CalibratedSparsifier):
         storage: str = "auto",
         progress: bool = True,
         on_layer_done: Optional[Callable[[str, ArmorFactors], None]] = None,
-        **overrides: Any,
     ) -> None:
         if config is not None and not isinstance(config, ArmorConfig):
             raise ArmorInputError(f"config must be an ArmorConfig or None, got {type(config).__name__}")
@@ -105,10 +96,8 @@ class ArmorSparsifier(CalibratedSparsifier):
         if on_layer_done is not None and not callable(on_layer_done):
             raise ArmorInputError("on_layer_done must be a callable (tensor_fqn, factors) -> None")
         config = config or ArmorConfig()
-        if overrides:
-            config = _with_overrides(config, overrides)
         self.armor_config = config
-        super().__init__(config, progress=progress, extra_keys=tuple(sorted(LEGACY_KEYWORDS)))
+        super().__init__(config, progress=progress)
         self.storage = storage
         self.on_layer_done = on_layer_done
 
@@ -135,21 +124,6 @@ class ArmorSparsifier(CalibratedSparsifier):
         return attach_quantizer(model)  # model.save_pretrained writes the ARMOR format
 
 
-def _with_overrides(config: ArmorConfig, overrides: Dict[str, Any]) -> ArmorConfig:
-    """``config`` with the deprecated keyword overrides of ``ArmorSparsifier(...)`` applied (one warning)."""
-    unknown = set(overrides) - set(_CONFIG_FIELDS) - LEGACY_KEYWORDS
-    if unknown:
-        raise ArmorInputError(f"ArmorSparsifier: unknown ArmorConfig fields {sorted(unknown)}; valid: "
-                              f"{list(_CONFIG_FIELDS)}")
-    with warnings.catch_warnings():  # one warning, for the sparsifier call, not one per flat keyword
-        warnings.simplefilter("ignore", DeprecationWarning)
-        new = dataclasses.replace(config, **overrides)
-    given = ", ".join(f"{k}={v!r}" for k, v in overrides.items())
-    deprecated(f"ArmorSparsifier(..., {given}) is deprecated: put the settings in the config, "
-               f"ArmorSparsifier({short_repr(new)})", stacklevel=4)
-    return new
-
-
 class PruningSparsifier(CalibratedSparsifier):
     """Baseline pruning in the same shell: the config's type is the method
     (:class:`~torch_armor.core.method_config.MagnitudeConfig`, ``WandaConfig``, ``NoWagConfig``,
@@ -163,8 +137,6 @@ class PruningSparsifier(CalibratedSparsifier):
         config: the baseline's config; its fields may be overridden per layer in ``prepare``
             (e.g. ``"pattern"``).
         progress: show a progress bar in :meth:`step`.
-        pattern, **options: deprecated, with a method name as ``config``
-            (``PruningSparsifier("sparsegpt", pattern="2:4", damp=0.1)``): the config's fields.
 
     Example::
 
@@ -180,13 +152,7 @@ class PruningSparsifier(CalibratedSparsifier):
         0.5
     """
 
-    def __init__(self, config: Any, pattern: Optional[str] = None, *, progress: bool = True,
-                 **options: Any) -> None:
-        if isinstance(config, str):
-            config = _baseline_from_name(config, pattern, options)
-        elif pattern is not None or options:
-            raise ArmorInputError("PruningSparsifier(config): give the settings in the config, e.g. "
-                                  "PruningSparsifier(SparseGPTConfig(pattern='2:4', damp=0.1))")
+    def __init__(self, config: Any, *, progress: bool = True) -> None:
         if method_for(config).factorizes:
             raise ArmorInputError(f"PruningSparsifier runs the baselines; for {type(config).__name__} use "
                                   "ArmorSparsifier")
@@ -196,27 +162,3 @@ class PruningSparsifier(CalibratedSparsifier):
     def convert(self, module: Optional[nn.Module] = None, *, inplace: bool = True) -> nn.Module:
         """Write every pruned weight into its layer, in place (runs :meth:`step` if needed); returns the model."""
         return self._convert(module, inplace, "dense")
-
-
-def _baseline_from_name(name: str, pattern: Optional[str], options: Dict[str, Any]) -> Any:
-    """The config of the deprecated ``PruningSparsifier("wanda", pattern=..., **options)`` (one warning)."""
-    method = method_named(name)
-    if method.factorizes:
-        baselines = tuple(m.name for m in METHODS.values() if not m.factorizes)
-        raise ArmorInputError(f"method must be one of {baselines}, got {name!r}")
-    if "compute_dtype" in options:
-        raise ArmorInputError(
-            "PruningSparsifier: compute_dtype is not an option: layers are solved by "
-            "torch_armor.engine.runner.solve_layer, whose SparseGPTConfig has pattern, block_size and damp; "
-            "for a float64 SparseGPT call torch_armor.core.baselines.sparsegpt_prune(..., compute_dtype=...)"
-        )
-    valid = [f.name for f in dataclasses.fields(method.config_type) if f.name != "pattern"]
-    unknown = set(options) - set(valid)
-    if unknown:
-        raise ArmorInputError(f"PruningSparsifier({name!r}): unknown options {sorted(unknown)}; "
-                              f"valid: {valid or 'none'}")
-    config = method.config_type(pattern=pattern or "2:4", **options)
-    deprecated(f"PruningSparsifier({name!r}, ...) is deprecated: the config's type is the method, "
-               f"write PruningSparsifier({config!r})", stacklevel=4)
-    return config
-

@@ -134,8 +134,8 @@ def test_factorize_refines_only_with_xtx_and_config():
     assert not factorize(w, xtx.diagonal().clone(), cfg).refined
     assert factorize(w, xtx.diagonal().clone(), cfg, xtx=xtx).refined
     assert not factorize(w, xtx.diagonal().clone(), ArmorConfig(block_size=8, refine=None, optimizer=BcdConfig(iters=2)), xtx=xtx).refined
-    with pytest.raises(ValueError, match="refine must be one of"):
-        ArmorConfig(refine="input")  # the deprecated string form: refused before it warns
+    with pytest.raises(ValueError, match="ArmorConfig.refine must be RefineConfig"):
+        ArmorConfig(refine="input")
 
 
 def _correlated_layer(seed: int):
@@ -173,7 +173,7 @@ def test_core_steps_through_the_config_and_its_checks():
     cfg = ArmorConfig(block_size=8, optimizer=BcdConfig(iters=3), refine=RefineConfig(core_steps=16))
     moved = factorize(w, xtx.diagonal().clone(), cfg, xtx=xtx)
     assert moved.relative_output_loss < fixed.relative_output_loss
-    assert cfg.to_dict()["refine_core_steps"] == 16 and "refine_core_steps" not in base.to_dict()
+    assert cfg.to_dict()["refine"]["core_steps"] == 16 and base.to_dict()["refine"]["core_steps"] == 0
     for bad in (-1, 1.5, True):
         with pytest.raises(ArmorInputError, match="core_steps"):
             RefineConfig(core_steps=bad)

@@ -255,10 +255,10 @@ def test_config_validation_names_the_field(field, value):
         DistillConfig(**{field: value})
 
 
-def test_armor_config_serializes_distillation_only_when_changed():
-    assert not any(k.startswith("distill") for k in ArmorConfig().to_dict())  # on by default: the earlier form
-    assert ArmorConfig(distill=None).to_dict()["distill_steps"] == 0
-    assert ArmorConfig(distill=DistillConfig(steps=8)).to_dict()["distill_steps"] == 8
-    assert ArmorConfig(distill=DistillConfig(lr=1e-2, train_core=True)).to_dict()["distill_train_core"] is True
+def test_armor_config_serializes_distillation_nested():
+    assert ArmorConfig().to_dict()["distill"] == {"type": "DistillConfig", **dataclasses.asdict(DistillConfig())}
+    assert ArmorConfig(distill=None).to_dict()["distill"] is None
+    assert ArmorConfig(distill=DistillConfig(steps=8)).to_dict()["distill"]["steps"] == 8
+    assert ArmorConfig(distill=DistillConfig(lr=1e-2, train_core=True)).to_dict()["distill"]["train_core"] is True
     with pytest.raises(ArmorInputError, match="ArmorConfig.distill"):
         ArmorConfig(distill=8)

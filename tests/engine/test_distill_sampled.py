@@ -141,7 +141,7 @@ def test_sampled_windows_in_the_block_pass_calibrate_it_as_leading_calibration_w
         _BLOCK_PASS, distill=dataclasses.replace(_IN_PASS, sampled_in_block_pass=False)), options=opts)
     assert _losses(got) == _losses(by_hand)
     assert _losses(got) != _losses(without)
-    assert got.settings["distill_sampled_in_block_pass"] is True
+    assert got.settings["config"]["distill"]["sampled_in_block_pass"] is True
 
 
 def test_block_reconstruction_holds_out_calibration_windows_only(monkeypatch):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from torch_armor import ArmorConfig, BcdConfig
+from torch_armor.core.config_format import config_from_dict
 from torch_armor.engine.layers import factorize_layers
 from torch_armor.engine.runstore import MANIFEST_NAME, RunMismatchError, RunStore
 
@@ -140,7 +141,8 @@ def test_other_per_layer_settings_are_refused(tmp_path):
     store = RunStore(tmp_path, CFG, "m", stats_hash(layers))
     factorize_layers(layers, CFG, store, progress=False, per_layer_overrides={"model.layers.1.proj": {"block_size": 32}})
     assert store.load("model.layers.1.proj").block_size == 32
-    assert store.layer_info("model.layers.1.proj")["config"]["group_updates"] == 16  # derived for 32
+    stored = config_from_dict(store.layer_info("model.layers.1.proj")["config"])  # the config, read back
+    assert stored.block_size == 32 and stored.optimizer.group_updates_per_sweep(32) == 16  # derived for 32
     with pytest.raises(RunMismatchError, match=r"'model.layers.1.proj'.*\n.*block_size: run has 32, now 16"):
         factorize_layers(layers, CFG, RunStore(tmp_path, CFG, "m", stats_hash(layers)), progress=False)
 

@@ -125,7 +125,7 @@ def test_other_config_is_refused_naming_the_fields(tmp_path):
         RunStore(tmp_path, other, "synthetic", stats_hash(layers))
     message = str(info.value)
     assert "block_size: run has 16, now 32" in message and "seed: run has 0, now 1" in message
-    assert "num_iters" not in message and "new run directory" in message
+    assert "optimizer.iters" not in message and "new run directory" in message
     # the device may change between resumes
     RunStore(tmp_path, ArmorConfig(block_size=16, device="cpu", optimizer=BcdConfig(iters=20)), "synthetic",
              stats_hash(layers))

@@ -79,7 +79,7 @@ def test_harness_accuracy_matches_own_loglikelihoods(armor_llama, one_thread):
 
 def test_evaluate_errors(armor_llama, monkeypatch):
     model, tokenizer = armor_llama
-    with pytest.raises(ArmorInputError, match="knows no task no_such_task.*--include-path"):
+    with pytest.raises(ArmorInputError, match="knows no task no_such_task.*include_path="):
         evaluate(model, tokenizer, "tiny_mc,no_such_task", include_path=TASKS)
     with pytest.raises(ArmorInputError, match="names no task"):
         evaluate(model, tokenizer, " , ")
@@ -148,7 +148,7 @@ def test_missing_task_data_names_the_tasks_and_how_to_run_offline(tmp_path):
 
     arc = {"arc_easy": ("allenai/ai2_arc", "ARC-Easy"), "boolq": ("aps/super_glue", "boolq")}
     line = missing_task_data(arc, online=False, cache_dirs=[tmp_path])
-    assert line.startswith("--tasks arc_easy, boolq: their data (allenai/ai2_arc ARC-Easy, aps/super_glue boolq)")
+    assert line.startswith("tasks=arc_easy, boolq: their data (allenai/ai2_arc ARC-Easy, aps/super_glue boolq)")
     assert line.endswith(OFFLINE_HINT) and "HF_DATASETS_OFFLINE=1" in line and "\n" not in line
     assert missing_task_data(arc, online=True, cache_dirs=[]) is None  # the hub answers: it fetches them
     (tmp_path / "allenai___ai2_arc").mkdir()  # the datasets cache's folder of a hub dataset

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from torch_armor.calibration.observer import decoder_linear_names
-from torch_armor.recipes.models import load_model, select_layers
+from torch_armor.calibration.selection import select_layers
+from torch_armor.recipes.models import load_model
 
 
 def test_select_layers(tiny_llama):

@@ -138,8 +138,8 @@ def test_prune_model_block_size_auto_and_errors(tiny_llama_factory):
         prune_model(model, CALIB, ArmorConfig(block_size=24, optimizer=BcdConfig(iters=1)), options=PruneOptions(progress=False))
     with pytest.raises(ValueError, match="no block size fits"):
         prune_model(model, CALIB, ArmorConfig(block_size="auto", max_overhead=0.01, optimizer=BcdConfig(iters=1)), options=PruneOptions(progress=False))
-    with pytest.raises(ValueError, match="method must be one of"):
-        prune_model(model, CALIB, "dense", progress=False)  # the deprecated string form, refused before it warns
+    with pytest.raises(ValueError, match="config must be a method config"):
+        prune_model(model, CALIB, "dense")  # a method name is no config
     for bad in (CALIB.float(), CALIB[:0], CALIB[0], [], [CALIB.float()], None):
         with pytest.raises(ValueError, match="calibration must be"):
             prune_model(model, bad, WandaConfig(), options=PruneOptions(progress=False))
@@ -194,7 +194,7 @@ def test_block_size_budget_spends_one_model_wide_overhead(tiny_llama_factory):
     extra = sum(layer.block_size * sum(layer.shape) for layer in report.layers)
     total = sum(layer.shape[0] * layer.shape[1] for layer in report.layers)
     assert extra <= 0.25 * total
-    assert dict(report.settings["block_sizes"]) == sizes  # the allocation is in the report's settings
+    assert dict(report.settings["config"]["block_sizes"]) == sizes  # the allocation is in the report's settings
     by_kind = {}
     for name, size in sizes.items():
         by_kind.setdefault(layer_kind(name), set()).add(size)

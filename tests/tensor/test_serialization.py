@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from torch_armor.core.factors import ArmorFactors
+from torch_armor.errors import ArmorInputError
 from torch_armor.tensor import serialization
 from torch_armor.tensor.serialization import (
     ARMOR_CONFIG_NAME,
@@ -505,14 +506,14 @@ def test_legacy_single_file_checkpoint_loads(tmp_path):
         assert torch.equal(load_pretrained(tmp_path, make_sequential())(x), model(x))
 
 
-def test_legacy_a_blocks_keys_still_load():
-    """Files written before ``a_blocks`` moved under the weight's own key keep loading."""
+def test_an_earlier_layout_of_a_blocks_is_refused_in_one_line():
+    """Files written before ``a_blocks`` moved under the weight's own key (never released) are refused."""
     model = converted_sequential()
     tensors, meta = flatten_armor_state(model)
     old = {("0.weight.a_blocks" if k == "0.weight" else "2.weight.a_blocks" if k == "2.weight" else k): v
            for k, v in tensors.items()}
     meta = dict(meta, tensors={("0.weight.a_blocks" if k == "0.weight" else "2.weight.a_blocks" if k == "2.weight" else k): v
                                for k, v in meta["tensors"].items()})
-    loaded = unflatten_armor_state(make_sequential(), old, meta)
-    x = torch.randn(3, 64)
-    assert torch.equal(loaded(x), model(x))
+    with pytest.raises(ArmorInputError) as info:
+        unflatten_armor_state(make_sequential(), old, meta)
+    assert "\n" not in str(info.value) and "0.weight" in str(info.value)

@@ -99,14 +99,14 @@ def select_layers(model: Union[nn.Module, Sequence[str]], layers: LayerSelection
             if hi_i < lo_i:
                 raise ArmorInputError(f"layer range {part.strip()!r} is empty (end before start)")
             wanted.update(range(lo_i, hi_i + 1))
-        chosen, what = [n for n in names if block_index(n) in wanted], f"--layers {layers!r}"
+        chosen, what = [n for n in names if block_index(n) in wanted], f"layers={layers!r}"
     else:
         try:
             regex = re.compile(layers)
         except re.error as err:
-            raise ArmorInputError(f"--layers {layers!r} is neither indices like '0-1' nor a valid regular expression: "
+            raise ArmorInputError(f"layers={layers!r} is neither indices like '0-1' nor a valid regular expression: "
                                   f"{err}") from None
-        chosen, what = [n for n in names if regex.search(n)], f"--layers {layers!r}"
+        chosen, what = [n for n in names if regex.search(n)], f"layers={layers!r}"
     if not chosen:
         sample = ", ".join(names[:3])
         raise ArmorInputError(f"{what} selects none of the {len(names)} prunable linears (e.g. {sample})")

@@ -9,27 +9,24 @@
 
 Every config is frozen and checked in ``__post_init__``; fields hold what was given and derived
 values are read-only properties, so ``dataclasses.replace(cfg, refine=None)`` turns refinement
-off and ``dataclasses.replace(cfg, block_size=32)`` gets block 32's defaults. The flat keyword
-arguments of earlier releases (``num_iters=``, ``optimizer="adam"``, ``refine_rounds=``, …) still
-work for one release, with an :class:`~torch_armor.errors.ArmorDeprecationWarning` naming the
-new form (:mod:`torch_armor.core.config_compat`); :meth:`ArmorConfig.to_dict` keeps the flat
-serialized form, so run directories and reports written before stay readable.
+off and ``dataclasses.replace(cfg, block_size=32)`` gets block 32's defaults.
+:meth:`ArmorConfig.to_dict` writes the nested form of :mod:`torch_armor.core.config_format`
+(the levers nested in it), which ``config_from_dict`` reads back to an equal config.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import functools
 from dataclasses import KW_ONLY, dataclass
-from typing import Any, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Mapping, Optional, Tuple, Union
 
 import torch
 
-from torch_armor.core import config_compat
+from torch_armor.core.config_format import serializable
 from torch_armor.core.levers import (DEFAULT_RECONSTRUCT, DEFAULT_REFINE, SELECTIONS, AdamConfig, BcdConfig,
                                      DistillConfig, Optimizer, ReconstructConfig, RefineConfig)
-from torch_armor.core.method_config import MethodConfig, normalized_pattern, plain_value
+from torch_armor.core.method_config import MethodConfig, normalized_pattern
 from torch_armor.core.pattern import auto_block_size, candidate_block_sizes, check_layer_shape
 from torch_armor.core.presets import preset_changes
 from torch_armor.errors import ArmorInputError
@@ -58,6 +55,7 @@ def _block_sizes(value: Any) -> Tuple[Tuple[str, int], ...]:
 _Block = Union[int, str]
 
 
+@serializable
 @dataclass(frozen=True)
 class ArmorConfig(MethodConfig):
     """ARMOR's settings, for one layer (:func:`torch_armor.factorize`) or a whole model
@@ -87,7 +85,8 @@ class ArmorConfig(MethodConfig):
             seed gives bit-identical factors on CPU.
         dtype: optimization dtype, ``torch.float32`` (default) or ``torch.float64``; half-precision
             weights are optimized in it and returned in their own dtype.
-        device: where to optimize (``None``: the weight's device).
+        device: where to optimize (``None``: the weight's device); a ``torch.device`` is kept as
+            its string (``"cuda:0"``).
         optimizer: :class:`BcdConfig` (default) or :class:`AdamConfig`.
         refine: :class:`RefineConfig` (default) or ``None``: no output-space refinement.
         reconstruct: :class:`ReconstructConfig` (default) or ``None``: no block reconstruction.
@@ -131,6 +130,8 @@ class ArmorConfig(MethodConfig):
                           or self.block_size < 1):
             raise ArmorInputError(f"block_size must be a positive integer, 'auto' or 'budget', got {self.block_size!r}")
         object.__setattr__(self, "pattern", normalized_pattern("ArmorConfig", self.pattern))
+        if isinstance(self.device, torch.device):  # one spelling, so that the serialized form reads back equal
+            object.__setattr__(self, "device", str(self.device))
         sparsity = self.sparsity
         if not named and sparsity.structured and self.block_size % sparsity.m != 0:
             raise ArmorInputError(
@@ -153,9 +154,6 @@ class ArmorConfig(MethodConfig):
             if not isinstance(getattr(self, key), kinds):
                 names = " or ".join("None" if k is type(None) else f"{k.__name__}()" for k in kinds)
                 raise ArmorInputError(f"ArmorConfig.{key} must be {names}, got {getattr(self, key)!r}")
-
-    def __getattr__(self, name: str) -> Any:  # flat attributes of earlier releases, deprecated
-        return config_compat.legacy_attribute(self, name)
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "ArmorConfig":
@@ -240,24 +238,3 @@ class ArmorConfig(MethodConfig):
                     "size in block_sizes")
             return
         self.for_layer(d_out, d_in, name)
-
-    # -- serialized form -----------------------------------------------------------------------
-    def to_dict(self) -> Dict[str, Any]:
-        """The flat, JSON-ready form (run-store identity, report settings, sparsifier states), the
-        same keys and values as before the levers were nested: ``num_iters`` is the optimizer's
-        iterations, ``group_updates`` the updates per sweep (``None`` while the block size is
-        ``"auto"``/``"budget"``), ``selection`` the rule; a lever that is off keeps its defaults with
-        ``refine=None`` / ``reconstruct_steps=0``. A field that later releases add to a lever
-        appears (as ``"<lever>_<field>"``) only when it differs from its default, so earlier run
-        directories keep resuming.
-
-        Example::
-
-            >>> d = ArmorConfig(block_size=32).to_dict()
-            >>> d["block_size"], d["dtype"], d["num_iters"], d["group_updates"], d["refine"]
-            (32, 'torch.float32', 20, 16, 'output')
-        """
-        return config_compat.flat_dict(self, plain_value)
-
-
-ArmorConfig.__init__ = functools.wraps(ArmorConfig.__init__)(config_compat.accept_flat_keywords(ArmorConfig.__init__))

@@ -6,8 +6,8 @@
 * end-to-end distillation: :class:`DistillConfig` (the default; ``ArmorConfig(distill=None)``: off).
 
 A new setting of a lever is a new field with a default here; :meth:`ArmorConfig.to_dict
-<torch_armor.core.config.ArmorConfig.to_dict>` serializes it as ``"<lever>_<field>"`` when it
-differs from that default.
+<torch_armor.core.config.ArmorConfig.to_dict>` serializes the levers nested
+(:mod:`torch_armor.core.config_format`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar, Optional, Union
 
+from torch_armor.core.config_format import serializable
 from torch_armor.core.method_config import check_count, check_fraction
 from torch_armor.errors import ArmorInputError
 
@@ -60,6 +61,7 @@ class _Loop:
         return self.selection if self.selection is not None else self.default_selection
 
 
+@serializable
 @dataclass(frozen=True)
 class BcdConfig(_Loop):
     """Exact block-coordinate sweeps (the default optimizer): closed-form ``A`` and ``B``,
@@ -112,6 +114,7 @@ class BcdConfig(_Loop):
         return max(1, block_size // 2)
 
 
+@serializable
 @dataclass(frozen=True)
 class AdamConfig(_Loop):
     """The paper's optimizer: one joint Adam step on ``A``, ``B``, ``W'`` and one sparse-core group
@@ -142,6 +145,7 @@ class AdamConfig(_Loop):
 
 
 
+@serializable
 @dataclass(frozen=True)
 class RefineConfig:
     """Output-space refinement after the optimizer: ``A``, the kept core values and ``B`` (mask
@@ -177,6 +181,7 @@ DECAYS = ("cosine", "linear", "constant")
 RECONSTRUCT_TARGETS = ("block", "model")
 
 
+@serializable
 @dataclass(frozen=True)
 class ReconstructConfig:
     """Block reconstruction in :func:`~torch_armor.prune_model` (the sparsifiers, which see no
@@ -244,6 +249,7 @@ def _positive_int(owner: str, name: str, value: object, minimum: int = 1, hint: 
         raise ArmorInputError(f"{owner}.{name} must be an integer >= {minimum}, got {value!r}{hint}")
 
 
+@serializable
 @dataclass(frozen=True)
 class DistillConfig:
     """End-to-end distillation in :func:`~torch_armor.prune_model` (in-memory models only): after

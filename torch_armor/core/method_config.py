@@ -18,28 +18,16 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 import torch
 
+from torch_armor.core.config_format import config_to_dict, serializable
 from torch_armor.core.pattern import SparsityPattern, check_layer_shape, parse_pattern
-from torch_armor.errors import ArmorInputError, deprecated
+from torch_armor.errors import ArmorInputError
 
-__all__ = ["MethodConfig", "MagnitudeConfig", "WandaConfig", "NoWagConfig", "SparseGPTConfig", "BaselineConfig",
-           "config_to_dict", "plain_value"]
-
-
-def plain_value(value: Any) -> Any:
-    """``value`` as JSON: dtypes and devices as strings, tuples as lists."""
-    if isinstance(value, (torch.dtype, torch.device)):
-        return str(value)
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (tuple, list)):
-        return [plain_value(v) for v in value]
-    return str(value)
+__all__ = ["MethodConfig", "MagnitudeConfig", "WandaConfig", "NoWagConfig", "SparseGPTConfig"]
 
 
 def check_count(owner: str, key: str, value: Any, minimum: int = 0) -> None:
@@ -91,9 +79,16 @@ class MethodConfig:
         self.for_layer(d_out, d_in, name)
 
     def to_dict(self) -> Dict[str, Any]:
-        """The serialized form (report settings, sparsifier states): the baselines keep the flat
-        ``{pattern, block_size, damp}`` of the former ``BaselineConfig``."""
-        return {"pattern": self.pattern, "block_size": _SPARSEGPT_BLOCK, "damp": _SPARSEGPT_DAMP}
+        """The serialized form (report settings, run directories, sparsifier states): its own
+        fields, nested, with ``"type"`` and ``"version"``
+        (:func:`~torch_armor.core.config_format.config_to_dict`); :func:`config_from_dict` reads it back.
+
+        Example::
+
+            >>> WandaConfig().to_dict()
+            {'type': 'WandaConfig', 'version': 1, 'pattern': '2:4'}
+        """
+        return config_to_dict(self)
 
 
 _SPARSEGPT_BLOCK = 128
@@ -110,21 +105,25 @@ class _PatternOnly(MethodConfig):
         object.__setattr__(self, "pattern", normalized_pattern(type(self).__name__, self.pattern))
 
 
+@serializable
 @dataclass(frozen=True)
 class MagnitudeConfig(_PatternOnly):
     """Magnitude pruning: keep the largest ``|W_ij|`` (:func:`~torch_armor.core.baselines.magnitude_prune`)."""
 
 
+@serializable
 @dataclass(frozen=True)
 class WandaConfig(_PatternOnly):
     """Wanda: keep the largest ``|W_ij|·‖x_j‖`` (:func:`~torch_armor.core.baselines.wanda_prune`)."""
 
 
+@serializable
 @dataclass(frozen=True)
 class NoWagConfig(_PatternOnly):
     """NoWag-P: keep the largest normalized ``W̄_ij²·h_j`` (:func:`~torch_armor.core.proxy.nowag_prune`)."""
 
 
+@serializable
 @dataclass(frozen=True)
 class SparseGPTConfig(MethodConfig):
     """SparseGPT (:func:`~torch_armor.core.baselines.sparsegpt_prune`).
@@ -148,44 +147,3 @@ class SparseGPTConfig(MethodConfig):
             raise ArmorInputError(f"SparseGPTConfig.block_size={self.block_size} is not a multiple of M={group} of "
                                   f"pattern '{self.pattern}': an N:M group must not straddle two lazy blocks; use a "
                                   f"multiple of {group} such as {_SPARSEGPT_BLOCK}")
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {"pattern": self.pattern, "block_size": self.block_size, "damp": self.damp}
-
-
-@dataclass(frozen=True)
-class BaselineConfig:
-    """Deprecated: the settings of every baseline, used beside a method string. Use the method's
-    own config (:class:`SparseGPTConfig`, :class:`WandaConfig`, :class:`NoWagConfig`,
-    :class:`MagnitudeConfig`); the engine converts this one for one release."""
-
-    pattern: str = "2:4"
-    block_size: int = _SPARSEGPT_BLOCK
-    damp: float = _SPARSEGPT_DAMP
-
-    def __post_init__(self) -> None:
-        deprecated("BaselineConfig is deprecated: the config's type is the method; use "
-                   "SparseGPTConfig(pattern=..., block_size=..., damp=...), WandaConfig(pattern=...), "
-                   "NoWagConfig(pattern=...) or MagnitudeConfig(pattern=...)", stacklevel=4)
-        object.__setattr__(self, "pattern", normalized_pattern("BaselineConfig", self.pattern))
-        check_count("BaselineConfig", "block_size", self.block_size, minimum=1)
-        check_fraction("BaselineConfig", "damp", self.damp)
-
-    def fields_for(self, config_type: type) -> Dict[str, Any]:
-        """The fields ``config_type`` takes (``pattern``; SparseGPT also ``block_size``, ``damp``)."""
-        names = {f.name for f in dataclasses.fields(config_type)}
-        return {k: v for k, v in dataclasses.asdict(self).items() if k in names}
-
-
-def config_to_dict(config: Any) -> Dict[str, Any]:
-    """The serialized form of a method config (run-store identity, report settings, sparsifier
-    states): flat JSON-ready keys, unchanged from before the configs were nested.
-
-    Example::
-
-        >>> config_to_dict(SparseGPTConfig(damp=0.1))
-        {'pattern': '2:4', 'block_size': 128, 'damp': 0.1}
-    """
-    if not isinstance(config, MethodConfig):
-        raise ArmorInputError(f"expected a method config (ArmorConfig, SparseGPTConfig, …), got {type(config).__name__}")
-    return config.to_dict()

@@ -134,7 +134,7 @@ def auto_block_size(d_out: int, d_in: int, max_overhead: float = 0.05, multiple_
         cost = smallest * (d_in + d_out) / (d_in * d_out)
         raise ArmorInputError(
             f"no block size fits a ({d_out}, {d_in}) layer within {max_overhead:.1%} wrapper overhead: "
-            f"the smallest valid one, {smallest}, costs {cost:.1%}; raise max_overhead (--max-overhead) or give an integer block size"
+            f"the smallest valid one, {smallest}, costs {cost:.1%}; raise max_overhead or give an integer block size"
         )
     return fitting[-1]
 

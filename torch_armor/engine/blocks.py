@@ -34,7 +34,7 @@ from torch import nn
 
 from torch_armor._io import atomic_write
 from torch_armor.calibration.blocks import BlockInput, block_statistics, capture_block_inputs, run_block
-from torch_armor.core.method_config import config_to_dict
+from torch_armor.core.config_format import config_to_dict
 from torch_armor.core.pattern import candidate_block_sizes
 from torch_armor.core.refine import with_losses
 from torch_armor.engine.allocate import allocate_block_sizes, loss_curves
@@ -148,7 +148,7 @@ class BlockPipeline:
         by_block = self._names_by_block()
         if self.config.needs_allocation:
             self.config = self._allocate(inputs, by_block)
-        report = PruneReport(method=method.name, pattern=self.config.pattern, settings=config_to_dict(self.config),
+        report = PruneReport(method=method.name, pattern=self.config.pattern, settings={"config": config_to_dict(self.config)},
                              rank=self.rank, world_size=self.world_size)
         if self.hidden_dir is not None:
             for j, inp in enumerate(inputs):

@@ -40,7 +40,6 @@ import torch
 
 from torch_armor.calibration.experts import split_expert_name
 from torch_armor.core.config import ArmorConfig
-from torch_armor.core.config_compat import LEGACY_KEYWORDS
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.engine.identity import act_sq_norm_of
 from torch_armor.engine.methods import armor_experts
@@ -70,12 +69,12 @@ def _layer_config(base: ArmorConfig, override: Any, fqn: str, shape: Optional[Se
     elif isinstance(override, ArmorConfig):
         cfg = override
     elif isinstance(override, Mapping):
-        unknown = set(override) - {f.name for f in dataclasses.fields(ArmorConfig)} - LEGACY_KEYWORDS  # those warn
+        unknown = set(override) - {f.name for f in dataclasses.fields(ArmorConfig)}
         if unknown:
             raise ArmorInputError(f"layer {fqn!r}: unknown ArmorConfig fields in per_layer_overrides: {sorted(unknown)}")
         try:
             cfg = dataclasses.replace(base, **override)
-        except ValueError as err:
+        except ArmorInputError as err:
             raise ArmorInputError(f"layer {fqn!r}: invalid per-layer setting: {err}") from None
     else:
         raise ArmorInputError(

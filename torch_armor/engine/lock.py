@@ -75,7 +75,7 @@ def run_lock(directory: Union[str, "os.PathLike[str]"]) -> Iterator[Path]:
             os.close(fd)
             raise RunDirectoryBusy(
                 f"run directory {root} is in use by {_holder(path)} (lock {path}); wait for it to finish, "
-                "or give this run another --run-dir / out"
+                "or give this run another run_dir= / out="
             ) from None
         try:
             same = os.fstat(fd).st_ino == os.stat(path).st_ino

@@ -6,8 +6,9 @@ Example::
 
     >>> layer_filename("model.layers.0.mlp.up_proj")
     'model.layers.0.mlp.up_proj.safetensors'
-    >>> config_diff({"block_size": 16, "device": "cpu"}, {"block_size": 32, "device": "cuda"})
-    ['block_size: run has 16, now 32']
+    >>> config_diff({"block_size": 16, "device": "cpu", "optimizer": {"type": "BcdConfig", "iters": 2}},
+    ...             {"block_size": 32, "device": "cuda", "optimizer": {"type": "BcdConfig", "iters": 5}})
+    ['block_size: run has 16, now 32', 'optimizer.iters: run has 2, now 5']
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from urllib.parse import quote
 
 import torch
 
+from torch_armor.core.config_format import config_changes
 from torch_armor.errors import ArmorInputError, RunMismatchError
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_NAME", "LAYERS_DIR", "SHARD_PREFIX", "NOT_IDENTITY",
            "STATUS_RANK", "config_diff", "read_manifest", "layer_filename", "default_rank", "identity_diff"]
 
 FORMAT_NAME = "torch_armor.run"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: configs in the nested form of torch_armor.core.config_format
 MANIFEST_NAME = "manifest.json"
 LAYERS_DIR = "layers"
 SHARD_PREFIX = "manifest.rank-"
@@ -37,9 +39,9 @@ NOT_IDENTITY = ("device",)
 STATUS_RANK = {"pending": 0, "failed": 1, "done": 2}
 
 def config_diff(stored: Mapping[str, Any], current: Mapping[str, Any]) -> List[str]:
-    keys = sorted((set(stored) | set(current)) - set(NOT_IDENTITY))
-    return [f"{k}: run has {stored.get(k)!r}, now {current.get(k)!r}" for k in keys
-            if stored.get(k) != current.get(k)]
+    changes = config_changes({k: v for k, v in stored.items() if k not in NOT_IDENTITY},
+                             {k: v for k, v in current.items() if k not in NOT_IDENTITY})
+    return [f"{k}: run has {old!r}, now {new!r}" for k, (old, new) in changes.items()]
 
 
 # --------------------------------------------------------------------------- manifest files

@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -30,6 +31,7 @@ import torch
 
 from torch_armor.core import baselines
 from torch_armor.core.config import ArmorConfig
+from torch_armor.core.config_format import serializable
 from torch_armor.core.factorize import factorize
 from torch_armor.core.factorize_batched import factorize_batched
 from torch_armor.core.factors import ArmorFactors
@@ -102,6 +104,8 @@ def register_method(config_type: type, *, label: Optional[str] = None, name: Opt
 
     ``name`` (the command line's and the reports' name) defaults to the type's name without
     ``Config``, lower case (``SparseGPTConfig`` -> ``"sparsegpt"``); ``label`` (tables) to ``name``.
+    A dataclass ``config_type`` is also registered as serializable
+    (:func:`~torch_armor.core.config_format.serializable`): reports and run directories hold it.
     """
     name = name or config_type.__name__.removesuffix("Config").lower()
     label = label or name
@@ -110,6 +114,8 @@ def register_method(config_type: type, *, label: Optional[str] = None, name: Opt
         taken = [m for m in METHODS.values() if m.name == name and m.config_type is not config_type]
         if taken:
             raise ArmorInputError(f"method name {name!r} is already registered for {taken[0].config_type.__name__}")
+        if dataclasses.is_dataclass(config_type):
+            serializable(config_type)
         METHODS[config_type] = Method(config_type, name, label, solve, needs_statistics, _as_rule(needs_xtx),
                                       _as_rule(reconstructs), factorizes, describe or (lambda config: ""))
         return solve

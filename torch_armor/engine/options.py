@@ -32,7 +32,7 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 def check_device(device: Union[str, torch.device, None], label: str = "device") -> None:
     """Refuse a device this torch cannot run on, before anything is loaded (``label`` names the
-    argument in the message, e.g. ``"--device"``)."""
+    argument in the message, e.g. ``"PruneOptions.device"``)."""
     if device is None:
         return
     try:
@@ -148,12 +148,11 @@ def check_out(out: Path, overwrite: bool, allowed: Sequence[str] = ()) -> None:
     """``out`` must be a new or empty directory (``allowed`` entries and ``overwrite`` aside) and
     hold no pickle weights a checkpoint cannot sit beside."""
     if out.exists() and not out.is_dir():
-        raise ArmorInputError(f"--out {out} exists and is not a directory")
+        raise ArmorInputError(f"out={out} exists and is not a directory")
     leftovers = out_contents(out, allowed)
     if leftovers and not overwrite:
-        raise ArmorInputError(f"--out {out} is not empty; pass --overwrite (PruneOptions(overwrite=True)) to write "
-                              "into it")
+        raise ArmorInputError(f"out={out} is not empty; pass overwrite=True to write into it")
     pickles = sorted(p.name for p in leftovers if p.is_file() and p.suffix.lower() in PICKLE_SUFFIXES)
     if pickles:
-        raise ArmorInputError(f"--out {out} holds pickle weights {pickles} that a torch_armor checkpoint cannot sit "
-                              "beside (the loader refuses the directory); remove them or choose another --out")
+        raise ArmorInputError(f"out={out} holds pickle weights {pickles} that a torch_armor checkpoint cannot sit "
+                              "beside (the loader refuses the directory); remove them, or give another directory as out=")

@@ -12,7 +12,7 @@ Example::
     ...     try:
     ...         check_prune_paths(inputs=[d], out=d)
     ...     except ValueError as err:
-    ...         print(str(err).split()[0])
+    ...         print(str(err).split("=")[0])
     out
 """
 
@@ -53,23 +53,22 @@ def _within(inner: Path, outer: Path) -> bool:
 
 
 def check_prune_paths(inputs: Iterable[PathLike] = (), out: Optional[PathLike] = None,
-                      run_dir: Optional[PathLike] = None, hidden_dir: Optional[PathLike] = None,
-                      out_flag: str = "out") -> None:
+                      run_dir: Optional[PathLike] = None, hidden_dir: Optional[PathLike] = None) -> None:
     """Refuse an output that is (or holds) an input, and an existing file given as a directory."""
     sources = [Path(p).expanduser().resolve() for p in inputs]
-    for flag, target in ((out_flag, out), ("run_dir", run_dir), ("hidden_dir", hidden_dir)):
+    for flag, target in (("out", out), ("run_dir", run_dir), ("hidden_dir", hidden_dir)):
         if target is None:
             continue
         path = Path(target).expanduser()
         if path.exists() and not path.is_dir():
-            raise ArmorInputError(f"{flag} {path} exists and is not a directory; give a directory path")
+            raise ArmorInputError(f"{flag}={path} exists and is not a directory; give a directory path")
         resolved = path.resolve()
         for src in sources:
             if _within(src, resolved):
                 what = "is" if src == resolved else "contains"
                 raise ArmorInputError(
-                    f"{flag} {path} {what} the input checkpoint {src}: writing there would replace the model "
-                    f"being pruned (also with --overwrite); choose another directory"
+                    f"{flag}={path} {what} the input checkpoint {src}: writing there would replace the model "
+                    f"being pruned (also with overwrite=True); choose another directory"
                 )
 
 

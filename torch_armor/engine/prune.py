@@ -54,11 +54,10 @@ from torch_armor.engine.methods import method_for
 from torch_armor.engine.options import RUN_DIR_NAME, PathLike, PruneOptions, check_out, out_contents
 from torch_armor.engine.paths import (check_prune_paths, mark_run_target, mark_written, model_source_dirs,
                                       resumes_into)
-from torch_armor.engine.prune_compat import accept_legacy_call
 from torch_armor.engine.report import PruneReport
 from torch_armor.engine.runstore import RunStore
 from torch_armor.engine.sources import InMemory, ShardWriter, Streamed
-from torch_armor.errors import ArmorInputError
+from torch_armor.errors import ArmorError, ArmorInputError, write_failed
 from torch_armor.tensor.hf_format import attach_quantizer
 from torch_armor.tensor.serialization import save_pretrained
 
@@ -102,7 +101,7 @@ def _save_output(write: Callable[[Path], None], out: Path, overwrite: bool, resu
     since. Then this run's model goes to ``run_path/pruned`` instead, and an error says so (without
     ``overwrite``, another run's finished model in ``out`` is never replaced)."""
     try:
-        with output_lock(out, on_wait=lambda: log(f"waiting for --out {out}: another process is writing it")):
+        with output_lock(out, on_wait=lambda: log(f"waiting for out={out}: another process is writing it")):
             stop_here_for_tests("save")
             found = out_contents(out, allowed)
             if overwrite or not found or (resuming and resumes_into(run_path, out)):
@@ -115,12 +114,11 @@ def _save_output(write: Callable[[Path], None], out: Path, overwrite: bool, resu
         why = str(err)
     kept = run_path / KEPT_NAME
     write(kept)
-    raise ArmorInputError(f"--out {out}: {why}, so nothing of this run was written there; its pruned model is saved "
-                          f"in {kept} instead: move it where you want it, or rerun the same command with --overwrite "
-                          "to replace what --out holds")
+    raise ArmorInputError(f"out={out}: {why}, so nothing of this run was written there; its pruned model is saved "
+                          f"in {kept} instead: move it where you want it, or rerun the same call with overwrite=True "
+                          "to replace what out= holds")
 
 
-@accept_legacy_call
 def prune_model(
     model_or_path: Union[nn.Module, PathLike],
     calibration: Any,
@@ -160,7 +158,7 @@ def prune_model(
         raise ArmorInputError(f"options must be a PruneOptions, got {type(options).__name__}")
     world = launched_world_size()
     if world > 1 and not method.factorizes:
-        raise ArmorInputError(f"only --method armor runs on several ranks (WORLD_SIZE={world}): {method.label} "
+        raise ArmorInputError(f"only ArmorConfig (method 'armor') runs on several ranks (WORLD_SIZE={world}): {method.label} "
                               "keeps no per-layer run store to share out; run it without torchrun")
     batches = calibration_batches(calibration, options.batch_size)
     streamed = not isinstance(model_or_path, nn.Module)
@@ -258,7 +256,14 @@ def prune_model(
                 if topo.rank == 0 and out is not None:
                     write = (partial(writer.finish, source, blocks_prefix) if streamed
                              else partial(save_pretrained, model))
-                    _save_output(write, out, options.overwrite, resuming, allowed, run_path, options.log or logger.info)
+                    try:
+                        _save_output(write, out, options.overwrite, resuming, allowed, run_path,
+                                     options.log or logger.info)
+                    except OSError as err:
+                        if isinstance(err, ArmorError):
+                            raise
+                        raise write_failed(err, f"free space or fix permissions, then prune again: the finished "
+                                                f"layers are kept in {run_path}") from err
                     if temp_run:
                         shutil.rmtree(run_path, ignore_errors=True)
                 return report

@@ -51,7 +51,7 @@ class PruneReport:
         pattern: the sparsity pattern, e.g. ``"2:4"``.
         layers: one :class:`LayerResult` per pruned linear, in pruning order.
         seconds: total wall time of the pruning (per-layer times plus bookkeeping).
-        settings: method settings (ARMOR config, SparseGPT block size and damping).
+        settings: ``{"config": the method config as ``config_to_dict`` writes it, "sequential": bool}``.
         block_errors: with block reconstruction, ``{block index: (before, after)}``: the relative
             output error ``‖Y − Y_dense‖² / ‖Y_dense‖²`` of the block on held-out calibration data.
         dense_weights: ``{name pattern: (count, why)}``: every weight the prune left dense (routers,

@@ -31,7 +31,6 @@ from torch import nn
 
 from torch_armor.calibration.observer import LayerStatistics
 from torch_armor.core.factors import ArmorFactors
-from torch_armor.core.method_config import BaselineConfig  # noqa: F401  (deprecated: importable here for one release)
 from torch_armor.core.proxy import normalize_weight, nowag_prune, proxy_loss, relative_proxy_loss  # noqa: F401  (doctest)
 from torch_armor.engine.methods import method_for
 from torch_armor.errors import ArmorInputError
@@ -91,10 +90,9 @@ def solve_layer(weight: torch.Tensor, stats: Optional[Statistics], config: Any, 
     with torch.no_grad():
         try:
             result = method.solve(weight.detach(), stats, config, name)
-        except ValueError as err:  # name the layer (our errors and torch's alike)
+        except ArmorInputError as err:  # name the layer; any other error (torch's own) passes as it is
             if name and name not in str(err):
-                kind = type(err) if isinstance(err, ArmorInputError) else ArmorInputError
-                raise kind(f"layer {name!r}: {err}") from err
+                raise type(err)(f"layer {name!r}: {err}") from err
             raise
     seconds = time.perf_counter() - start
     if isinstance(result, ArmorFactors):

@@ -62,7 +62,7 @@ from safetensors import safe_open
 from torch_armor._io import TMP_MARK, atomic_write, file_sha256
 from torch_armor.core.config import ArmorConfig
 from torch_armor.core.factors import ArmorFactors
-from torch_armor.core.method_config import config_to_dict
+from torch_armor.core.config_format import config_to_dict
 from torch_armor.engine.manifest import (FORMAT_NAME, FORMAT_VERSION, LAYERS_DIR, MANIFEST_NAME, SHARD_PREFIX,
                                          STATUS_RANK, config_diff, default_rank, identity_diff, layer_filename,
                                          read_manifest)
@@ -72,7 +72,6 @@ from torch_armor.tensor.safetensors_io import write_safetensors
 __all__ = [
     "RunStore",
     "RunMismatchError",
-    "config_to_dict",
     "MANIFEST_NAME",
 ]
 
@@ -122,7 +121,7 @@ class RunStore:
         ...     except RunMismatchError as err:
         ...         print(str(err).splitlines()[1])
         (True, 'fc.safetensors', torch.Size([16, 32]))
-          num_iters: run has 2, now 5
+          optimizer.iters: run has 2, now 5
     """
 
     def __init__(

@@ -49,7 +49,7 @@ def require_lm_eval() -> None:
         from lm_eval.models.huggingface import HFLM  # noqa: F401
     except ImportError as err:
         raise ArmorInputError(
-            f"--tasks needs lm-evaluation-harness, which is not installed ({err}); {INSTALL_HINT}"
+            f"evaluating tasks= needs lm-evaluation-harness, which is not installed ({err}); {INSTALL_HINT}"
         ) from None
 
 
@@ -64,7 +64,7 @@ def parse_tasks(tasks: Union[str, Sequence[str]]) -> list:
     names = tasks.split(",") if isinstance(tasks, str) else list(tasks)
     names = [str(t).strip() for t in names if str(t).strip()]
     if not names:
-        raise ArmorInputError("--tasks names no task; give harness task names, e.g. --tasks arc_easy,boolq")
+        raise ArmorInputError("tasks= names no task; give harness task names, e.g. tasks=arc_easy,boolq")
     return names
 
 
@@ -138,7 +138,7 @@ def _include_paths(include_path: Union[str, Path, Sequence[Union[str, Path]], No
     paths = tuple(str(p) for p in include_path or ())
     for p in paths:
         if not Path(p).is_dir():
-            raise ArmorInputError(f"--include-path {p}: not a directory of task YAMLs")
+            raise ArmorInputError(f"include_path={p}: not a directory of task YAMLs")
     return paths
 
 
@@ -150,8 +150,8 @@ def _task_manager(names: Sequence[str], paths: Tuple[str, ...]) -> Any:
     unknown = [t for t in names if t not in manager.all_tasks and not Path(t).is_file()]
     if unknown:
         raise ArmorInputError(
-            f"--tasks: lm-evaluation-harness knows no task {', '.join(unknown)}; check the names "
-            "(lm-eval ls tasks) or add the directory of your task YAML with --include-path"
+            f"tasks={','.join(names)}: lm-evaluation-harness knows no task {', '.join(unknown)}; check the names "
+            "(lm-eval ls tasks) or add the directory of your task YAML to include_path="
         )
     return manager
 
@@ -171,7 +171,7 @@ _LOCAL_BUILDERS = frozenset({"json", "csv", "parquet", "text", "arrow", "pandas"
 
 OFFLINE_HINT = ("run it once where the Hugging Face hub can be reached (that fills the cache), then offline "
                 "with HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1, or copy a filled ~/.cache/huggingface here "
-                "(HF_HOME=DIR points at it), or give your own task YAMLs with local data_files (--include-path)")
+                "(HF_HOME=DIR points at it), or give your own task YAMLs with local data_files (include_path=)")
 
 
 def task_datasets(manager: Any, names: Sequence[str]) -> Dict[str, Tuple[str, Optional[str]]]:
@@ -200,8 +200,8 @@ def missing_task_data(datasets: Dict[str, Tuple[str, Optional[str]]], online: bo
     file or cache (``cache_dirs``: the datasets and the hub caches), and how to run offline; ``None`` when
     every task's data is at hand.
 
-        >>> missing_task_data({"arc_easy": ("allenai/ai2_arc", "ARC-Easy")}, online=False, cache_dirs=[])[:53]
-        '--tasks arc_easy: its data (allenai/ai2_arc ARC-Easy)'
+        >>> missing_task_data({"arc_easy": ("allenai/ai2_arc", "ARC-Easy")}, online=False, cache_dirs=[])[:51]
+        'tasks=arc_easy: its data (allenai/ai2_arc ARC-Easy)'
     """
     if online:
         return None
@@ -218,7 +218,7 @@ def missing_task_data(datasets: Dict[str, Tuple[str, Optional[str]]], online: bo
     names = ", ".join(sorted(missing))
     data = ", ".join(sorted({" ".join(p for p in d if p) for d in missing.values()}))
     its = "its data" if len(missing) == 1 else "their data"
-    return (f"--tasks {names}: {its} ({data}) is not in the local cache and the Hugging Face hub cannot be "
+    return (f"tasks={names}: {its} ({data}) is not in the local cache and the Hugging Face hub cannot be "
             f"reached from here; {OFFLINE_HINT}")
 
 

@@ -1,6 +1,6 @@
 """Models and what to prune in them: ``load_model`` (``"smollm2"``, a pruned directory, a local
 Hugging Face directory or a hub id), ``pruning_source`` (what ``prune_model`` should get for a
-``MODEL`` argument), ``load_tokenizer``, ``select_layers``, ``parse_dtype``.
+``MODEL`` argument), ``load_tokenizer``, ``parse_dtype``.
 
 Example::
 
@@ -24,7 +24,6 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from torch_armor.calibration.selection import select_layers  # noqa: F401  (re-exported: a model recipe)
 from torch_armor.engine.checkpoint import LazyCheckpoint
 from torch_armor.engine.distributed import launched_world_size
 from torch_armor.engine.sources import is_streamable_checkpoint
@@ -36,7 +35,7 @@ from torch_armor.tensor.layout import ARMOR_CONFIG_NAME
 from torch_armor.tensor.serialization import load_pretrained
 
 __all__ = ["parse_dtype", "is_armor_checkpoint", "check_model_source", "load_model", "pruning_source", "load_tokenizer",
-           "select_layers", "hub_reachable", "checkpoint_parameters", "free_memory", "choose_streaming", "RUN_ROOM"]
+           "hub_reachable", "checkpoint_parameters", "free_memory", "choose_streaming", "RUN_ROOM"]
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -85,7 +84,7 @@ def check_model_source(model: Union[str, os.PathLike], gguf_file: Optional[str] 
     A name that is not a local path is sent to the hub only if it is a valid hub id whose first
     component is not a local directory (``runs/typo`` with ``runs/`` present is a mistyped path,
     not a hub id: no network retries). A local directory must hold ``config.json`` (or a pruned
-    model's ``armor_config.json``, or a ``--gguf-file``).
+    model's ``armor_config.json``, or a GGUF file named by ``gguf_file``).
 
     Example::
 
@@ -102,7 +101,7 @@ def check_model_source(model: Union[str, os.PathLike], gguf_file: Optional[str] 
         return "smollm2"
     if path.is_file():
         raise ArmorInputError(f"MODEL {name!r} is a file; give the directory holding it "
-                              "(and --gguf-file NAME for GGUF weights)")
+                              "(and gguf_file=NAME for GGUF weights)")
     if path.is_dir():
         if is_armor_checkpoint(path):
             return "armor"
@@ -155,7 +154,7 @@ def load_model(
     check_model_source(name, gguf_file)
     if name == "smollm2" and not Path(name).exists():
         if gguf_file is not None:
-            raise ArmorInputError("--gguf-file does not apply to the embedded 'smollm2' model")
+            raise ArmorInputError("gguf_file= does not apply to the embedded 'smollm2' model")
         loaded, tokenizer = load_smollm2(torch_dtype or torch.float32)
     elif is_armor_checkpoint(name):
         loaded = load_pretrained(name, device=device)
@@ -170,15 +169,15 @@ def load_model(
             ) from err
     else:
         if Path(name).exists() and not Path(name).is_dir():
-            raise ArmorInputError(f"{name} is a file; give the directory holding it (and --gguf-file for GGUF weights)")
+            raise ArmorInputError(f"{name} is a file; give the directory holding it (and gguf_file= for GGUF weights)")
         if not Path(name).exists() and (Path(name).is_absolute() or name.startswith((".", "~"))):
             raise ArmorInputError(f"no such model directory: {name}")
         kwargs: Dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
         if not Path(name).exists() and not hub_reachable():
             kwargs["local_files_only"] = True  # the hub cache may still hold it; no retries either way
         if gguf_file:
-            require_extra("gguf", f"--gguf-file {gguf_file}")
-            require_extra("accelerate", f"--gguf-file {gguf_file} (transformers' GGUF loader)")
+            require_extra("gguf", f"gguf_file={gguf_file}")
+            require_extra("accelerate", f"gguf_file={gguf_file} (transformers' GGUF loader)")
         try:
             with third_party_bars_off():  # no "Loading weights" bar
                 tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
@@ -306,7 +305,7 @@ def pruning_source(model: str, gguf_file: Optional[str] = None, dtype: Union[str
                                          launched_world_size())
         if streamed:
             say(f"streaming {model} block by block ({why}); end-to-end distillation is skipped when streamed "
-                f"({NO_DISTILL_COST}; --no-stream loads it whole)")
+                f"({NO_DISTILL_COST}; loaded whole, it would run)")
             return str(model), load_tokenizer(model)
         say(f"loading {model} whole ({why}) …")
         try:

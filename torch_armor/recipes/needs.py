@@ -67,11 +67,11 @@ def needs_for(model: Union[str, Path, None] = None, gguf_file: Optional[str] = N
     if is_embedded_model(model):
         needs += _smollm2("the embedded SmolLM2")
     elif gguf_file:
-        needs += [Need("gguf", "gguf", f"--gguf-file {gguf_file}", "gguf"),
-                  Need("accelerate", "accelerate", f"--gguf-file {gguf_file}", "gguf")]
+        needs += [Need("gguf", "gguf", f"gguf_file={gguf_file}", "gguf"),
+                  Need("accelerate", "accelerate", f"gguf_file={gguf_file}", "gguf")]
     needs += [_TEXTS[text] for text in dict.fromkeys(t for t in texts if isinstance(t, str)) if text in _TEXTS]
     if tasks:
-        needs.append(Need("lm_eval", "lm-eval", "--tasks", "eval"))
+        needs.append(Need("lm_eval", "lm-eval", "tasks=", "eval"))
     return needs
 
 

@@ -27,7 +27,8 @@ from torch_armor.engine.report import PruneReport
 from torch_armor.errors import ArmorInputError
 from torch_armor.recipes.data import calibration_windows, eval_windows
 from torch_armor.recipes.evaluate import perplexity
-from torch_armor.recipes.models import load_model, select_layers
+from torch_armor.calibration.selection import select_layers
+from torch_armor.recipes.models import load_model
 from torch_armor.tensor.armor_tensor import ArmorTensor
 
 __all__ = ["DEMO_METHODS", "QualityRow", "QualityResult", "quality_table", "run_quality"]
@@ -35,7 +36,7 @@ __all__ = ["DEMO_METHODS", "QualityRow", "QualityResult", "quality_table", "run_
 #: The unpruned model's row.
 DENSE = "dense"
 #: Rows of the demo table, in order.
-DEMO_METHODS = (DENSE, "magnitude", "wanda", "sparsegpt", "nowag", "armor")
+DEMO_METHODS = (DENSE,) + method_names()
 
 
 @dataclass

@@ -114,20 +114,6 @@ def flatten_state(
 # ------------------------------------------------------------------------ unflatten
 
 
-def _upgrade_legacy_keys(tensors: Dict[str, torch.Tensor], metadata: Any) -> Tuple[Dict[str, torch.Tensor], Any]:
-    """Files written before ``a_blocks`` moved to the weight's own key hold it as ``"{fqn}.a_blocks"``."""
-    if not isinstance(metadata, dict) or not isinstance(metadata.get("layers"), dict) \
-            or not isinstance(metadata.get("tensors"), dict):
-        return tensors, metadata
-    old = {f"{fqn}.a_blocks": fqn for fqn in metadata["layers"]
-           if f"{fqn}.a_blocks" in tensors and fqn not in tensors}
-    if not old:
-        return tensors, metadata
-    tensors = {old.get(k, k): v for k, v in tensors.items()}
-    metadata = dict(metadata, tensors={old.get(k, k): v for k, v in metadata["tensors"].items()})
-    return tensors, metadata
-
-
 def unflatten_armor_state(
     model: nn.Module,
     tensors: Dict[str, torch.Tensor],
@@ -158,7 +144,6 @@ def unflatten_armor_state(
         >>> torch.equal(dst.weight, src.weight)
         True
     """
-    tensors, metadata = _upgrade_legacy_keys(tensors, metadata)
     validate_metadata(metadata, tensors)
     if storage is not None and storage not in STORAGES + ("auto",):
         raise ArmorInputError(f"storage must be one of {STORAGES + ('auto',)} or None, got {storage!r}")
