@@ -484,3 +484,17 @@ def test_quantize_help_states_the_measured_smoothing_defaults():
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     smooth = next(a for a in sub.choices["quantize"]._actions if a.dest == "smooth")
     assert f"default {DEFAULT_ALPHA['int8']:g} for int8, {DEFAULT_ALPHA['fp8']:g} for fp8" in smooth.help
+
+
+def test_version_names_the_package_and_torch(capsys):
+    import tomllib
+
+    import torch_armor
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out.strip()
+    assert out == f"torch-armor {torch_armor.__version__}, torch {torch.__version__}"
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert project["version"] == torch_armor.__version__  # the two places the version is written agree

@@ -29,6 +29,7 @@ traceback instead.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import signal
 import sys
 import tempfile
@@ -175,12 +176,29 @@ def _add_armor(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=_seed, default=0, help="seed of calibration windows and group selection")
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("torch_armor")
+    except importlib.metadata.PackageNotFoundError:  # a checkout on sys.path, not installed
+        from torch_armor import __version__
+
+        return __version__
+
+
+def _torch_version() -> str:
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - torch is a dependency
+        return "not installed"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``torch-armor`` argument parser."""
     parser = argparse.ArgumentParser(
         prog="torch-armor",
         description="ARMOR 2:4 semi-structured pruning: prune a checkpoint, evaluate it, or run the demo.",
     )
+    parser.add_argument("--version", action="version", version=f"torch-armor {_version()}, torch {_torch_version()}")
     sub = parser.add_subparsers(dest="command", metavar="{prune,quantize,eval,demo}")
     sub.required = True
 
