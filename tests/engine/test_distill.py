@@ -4,6 +4,7 @@ iterate, masks and cores, resume, the config."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import copy
 import math
@@ -226,7 +227,11 @@ def test_streamed_checkpoints_skip_distillation_with_one_warning_naming_the_way_
     assert len(messages) == 1 and "\n" not in messages[0]
     # reconstruction fitted to the dense block is pointed at the dense model's hidden states
     assert ('target="model"' in messages[0]) == (reconstruct is not None and reconstruct.target == "block")
-    assert not report.distill
+    assert "41.13 Wikipedia perplexity, with it 34.87" in messages[0]  # what it costs, from the ablation
+    # the report (and prune_report.json) says what the run skipped, and why
+    assert set(report.distill) == {"skipped", "expected_cost"} and "needs it in memory" in report.distill["skipped"]
+    assert report.distill_summary() is None
+    assert json.loads(json.dumps(report.to_dict()))["distill"]["skipped"] == report.distill["skipped"]
 
 
 def test_a_streamed_prune_says_the_block_pass_goes_without_its_sampled_windows(tmp_path):
@@ -243,7 +248,7 @@ def test_too_many_held_out_windows_skip_distillation_naming_the_field():
     cfg = dataclasses.replace(BASE, distill=DistillConfig(held_out=12))
     with pytest.warns(UserWarning, match="12 calibration windows leave none to train on.*DistillConfig.held_out"):
         _, report = _prune(cfg)
-    assert not report.distill
+    assert report.distill["skipped"].startswith("12 calibration windows leave none") and "after" not in report.distill
 
 
 @pytest.mark.parametrize("field,value", [("steps", 0), ("steps", 1.5), ("lr", 0.0), ("lr", float("nan")),

@@ -44,7 +44,7 @@ from torch_armor.calibration.validate import check_token_ids, vocab_size_of
 from torch_armor.core.config import ArmorConfig
 from torch_armor.engine.batches import calibration_batches, hash_batches
 from torch_armor.engine.blocks import BLOCKS_DIR, BlockPipeline
-from torch_armor.engine.distill import Distillation, distill_skip_reason, windows_of
+from torch_armor.engine.distill import NO_DISTILL_COST, Distillation, distill_skip_reason, windows_of
 from torch_armor.engine.distributed import init_distributed, launched_world_size
 from torch_armor.engine.experts import dense_lines, dense_weights, group_by_param, layer_module, routed_token_lines
 from torch_armor.engine.identity import identity_string
@@ -188,7 +188,7 @@ def prune_model(
             raise ArmorInputError(f"{param}: ARMOR converts all {total} experts of a fused parameter together, "
                                   f"the layer selection holds {len(chosen)}; select every expert of it or none")
     dense = dense_weights(model, names, blocks_prefix)
-    distill = getattr(config, "distill", None)
+    distill, distill_skipped = getattr(config, "distill", None), ""
     if distill is not None:
         why_not = distill_skip_reason(distill, n_windows=len(windows_of(batches)), streamed=streamed, world_size=world)
         if why_not:
@@ -198,8 +198,8 @@ def prune_model(
             samples = (f"; its {distill.sampled_windows} sampled windows are not drawn, so the block pass calibrates on "
                        "the calibration windows alone" if distill.sampled_in_block_pass else "")
             warnings.warn(f"end-to-end distillation skipped: {why_not}; ArmorConfig(distill=None) prunes without it"
-                          + samples + hint, stacklevel=2)
-            distill = None
+                          + samples + hint + f" ({NO_DISTILL_COST})", stacklevel=2)
+            distill, distill_skipped = None, why_not
     dev = torch.device(options.device) if options.device is not None else torch.device("cpu")
     if not streamed and options.device is None:
         dev = next((p.device for p in model.parameters() if p.device.type != "meta"), dev)
@@ -246,6 +246,8 @@ def prune_model(
                 report = pipeline.run(block_batches)
                 if distillation is not None:
                     report.distill = distillation.run(model)
+                elif distill_skipped:  # prune_report.json says what the run did not do, and why
+                    report.distill = {"skipped": distill_skipped, "expected_cost": NO_DISTILL_COST}
                 report.settings.update(sequential=options.sequential)
                 report.dense_weights = dense
                 if experts and topo.rank == 0:

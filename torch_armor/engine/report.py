@@ -59,7 +59,8 @@ class PruneReport:
         expert_tokens: mixture-of-experts models: ``{f"{experts module}.{e}": routed calibration
             tokens}`` of each pruned expert (summed over the windows).
         distill: with end-to-end distillation, its held-out KL before and after, the kept step,
-            the curve ``[[step, KL], …]`` and its seconds (``{}``: off).
+            the curve ``[[step, KL], …]`` and its seconds; ``{"skipped": why, "expected_cost": …}`` when the
+            config asked for it and this run could not (streamed, ``torchrun``, too few windows); ``{}``: off.
         block_curves: with block reconstruction, ``{block index: [(step, held-out error), …]}``:
             the error at step 0 and at every check (:func:`~torch_armor.engine.reconstruct.reconstruct_block`).
         rank, world_size: where this process stood in a ``torchrun`` job (not saved: every rank

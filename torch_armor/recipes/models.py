@@ -25,6 +25,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from torch_armor.engine.checkpoint import LazyCheckpoint
+from torch_armor.engine.distill import NO_DISTILL_COST
 from torch_armor.engine.distributed import launched_world_size
 from torch_armor.engine.sources import is_streamable_checkpoint
 from torch_armor.errors import ArmorInputError, require_extra
@@ -227,10 +228,6 @@ def load_tokenizer(path: Union[str, os.PathLike]) -> Any:
 #: an in-memory prune holds the model, the dense teacher's block copies, distillation's gradients and
 #: optimizer state and the activations: a checkpoint is loaded whole when this many times its bytes fit
 RUN_ROOM = 3
-
-
-#: what skipping distillation costs, from the ablation in docs/results.md ("Each lever on alone and off alone")
-NO_DISTILL_COST = "on SmolLM2-135M the default without it measured 41.13 Wikipedia perplexity, with it 34.87"
 
 
 def checkpoint_parameters(path: Union[str, os.PathLike]) -> int:
