@@ -180,9 +180,7 @@ def _version() -> str:
     try:
         return importlib.metadata.version("torch_armor")
     except importlib.metadata.PackageNotFoundError:  # a checkout on sys.path, not installed
-        from torch_armor import __version__
-
-        return __version__
+        return "(not installed: a source checkout)"
 
 
 def _torch_version() -> str:
