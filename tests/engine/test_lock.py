@@ -144,14 +144,25 @@ def _finish(*procs: subprocess.Popen) -> list:
 
 
 def test_of_two_prunes_into_one_out_at_once_the_second_to_finish_keeps_its_model_in_its_run_directory(tmp_path):
-    from _processes import start_cli
+    from _processes import start_cli, wait_stopped
 
     commands = _commands(tmp_path)
     out = tmp_path / "out"
-    procs = {name: start_cli(argv, tmp_path / f"{name}.log") for name, argv in commands.items()}
+    # "at once", whatever the machine's load: A stops holding --out's lock before writing, B prunes and
+    # waits for that lock, then A goes on; B finishes second
+    procs = {"a": start_cli(commands["a"], tmp_path / "a.log", stop_at="save")}
+    try:
+        wait_stopped(procs["a"], tmp_path / "a.log")
+        procs["b"] = start_cli(commands["b"], tmp_path / "b.log")
+        _wait_for_line(procs["b"], tmp_path / "b.log", f"waiting for --out {out}: another process is writing it")
+        os.kill(procs["a"].pid, signal.SIGCONT)
+    except BaseException:
+        for proc in procs.values():
+            proc.kill()
+        raise
     codes = dict(zip(procs, _finish(*procs.values())))
-    assert sorted(codes.values()) == [0, 2], {name: (tmp_path / f"{name}.log").read_text()[-1000:] for name in procs}
-    loser = next(name for name, code in codes.items() if code == 2)
+    assert codes == {"a": 0, "b": 2}, {name: (tmp_path / f"{name}.log").read_text()[-1000:] for name in procs}
+    loser = "b"
     kept = tmp_path / f"run-{loser}" / "pruned"
     last = (tmp_path / f"{loser}.log").read_text().strip().splitlines()[-1]
     assert last.startswith(f"torch-armor prune: error: --out {out}: another process wrote ") and \
