@@ -11,7 +11,6 @@ Example::
 from __future__ import annotations
 
 import difflib
-import json
 import math
 import os
 import re
@@ -31,6 +30,7 @@ from torch_armor.engine.sources import is_streamable_checkpoint
 from torch_armor.errors import ArmorInputError, require_extra
 from torch_armor.progress import third_party_bars_off
 from torch_armor.recipes.assets import load_smollm2
+from torch_armor.tensor.file_checks import read_safetensors_header
 from torch_armor.tensor.hf_format import has_armor_quantization_config
 from torch_armor.tensor.layout import ARMOR_CONFIG_NAME
 from torch_armor.tensor.serialization import load_pretrained
@@ -232,12 +232,8 @@ RUN_ROOM = 3
 
 def checkpoint_parameters(path: Union[str, os.PathLike]) -> int:
     """The number of values in a local checkpoint's ``*.safetensors`` files, read from their headers."""
-    total = 0
-    for file in sorted(Path(path).glob("*.safetensors")):
-        with open(file, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        total += sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
-    return total
+    return sum(math.prod(entry["shape"]) for file in sorted(Path(path).glob("*.safetensors"))
+               for entry in read_safetensors_header(file).values())
 
 
 def free_memory(device: Union[str, torch.device, None] = None) -> Optional[int]:
