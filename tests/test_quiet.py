@@ -107,8 +107,21 @@ def test_long_stage_prints_a_line_every_interval(monkeypatch):
     for _ in progress_module.tqdm(range(3), desc="stage", unit="block", file=stream):
         pass
     lines = stream.getvalue().splitlines()
-    assert [re.sub(r"[\d.]+ s$", "T", line) for line in lines] == [
-        "stage: 1/3 block, T", "stage: 2/3 block, T", "stage: 3/3 block in T"]
+    assert [re.sub(r"[\d.]+ s( left)?$", r"T\1", re.sub(r"[\d.]+ s, about", "T, about", line)) for line in lines] == [
+        "stage: 1/3 block, T, about T left", "stage: 2/3 block, T, about T left", "stage: 3/3 block in T"]
+
+
+def test_the_time_left_is_the_rest_at_the_pace_so_far(monkeypatch):
+    """A resumed stage (initial=2 of 12) that took 40 s per block: 9 blocks left after the first are 6 min."""
+    clock = iter(range(0, 10_000, 40))
+    monkeypatch.setattr(progress_module.time, "perf_counter", lambda: float(next(clock)))
+    monkeypatch.setattr(progress_module, "LOG_EVERY_S", 0.0)
+    stream = io.StringIO()
+    bar = progress_module.tqdm(total=12, initial=2, desc="stage", unit="block", file=stream)
+    bar.update(1)
+    assert stream.getvalue().splitlines()[0] == "stage: 3/12 block, 40 s, about 6 min left"
+    bar.update(8)
+    assert stream.getvalue().splitlines()[1] == "stage: 11/12 block, 80 s, about 9 s left"
 
 
 def test_a_stage_left_early_says_where_it_stopped():
@@ -179,7 +192,7 @@ def test_every_stage_of_an_in_memory_prune_reports_in_a_log(capsys, monkeypatch,
                   r"distillation: dense top-64: \d+/\d+ window in [\d.]+ s",
                   r"prune ARMOR: 0/2 block, \d+ s \(block 0: reconstruction, 2 steps\)",
                   r"prune ARMOR: 2/2 block in [\d.]+ s",
-                  r"distillation: 1/2 step, \d+ s \(held-out KL [\d.]+\)",
+                  r"distillation: 1/2 step, \d+ s, about \d+ (s|min) left \(held-out KL [\d.]+\)",
                   r"distillation: 2/2 step in [\d.]+ s"):
         assert any(re.fullmatch(stage, line) for line in lines), (stage, lines)
     assert any(re.fullmatch(r"distillation: sampling windows: 0/2 window, \d+ s \(token \d+/16\)", line)

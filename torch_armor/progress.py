@@ -54,7 +54,7 @@ class _LogLine(_tqdm):
         self._label = kwargs.get("desc") or "progress"
         self._unit = kwargs.get("unit") or "it"
         self._total: Optional[int] = kwargs.get("total")
-        self._count = kwargs.get("initial") or 0
+        self._count = self._initial = kwargs.get("initial") or 0
         self._t0 = time.perf_counter()
         self._done = False
         self._last_line = self._t0
@@ -88,8 +88,16 @@ class _LogLine(_tqdm):
             self._last_line = now
             total = f"/{self._total}" if self._total is not None else ""
             status = f" ({self._status})" if self._status else ""
-            print(f"{self._label}: {int(self._count)}{total} {self._unit}, {now - self._t0:.0f} s{status}",
-                  file=self._stream, flush=True)
+            print(f"{self._label}: {int(self._count)}{total} {self._unit}, {now - self._t0:.0f} s{self._left(now)}"
+                  f"{status}", file=self._stream, flush=True)
+
+    def _left(self, now: float) -> str:
+        """``", about N min left"``: the rest at the pace of what this run has done so far."""
+        done = self._count - self._initial
+        if self._total is None or done <= 0:
+            return ""
+        seconds = (now - self._t0) / done * (self._total - self._count)
+        return f", about {seconds / 60:.0f} min left" if seconds >= 90 else f", about {seconds:.0f} s left"
 
     def close(self) -> None:
         if not self._done:
