@@ -281,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="SmolLM2-135M, sotu calibration, Wikipedia evaluation: prune with each method "
                                    "and print the quality table, a row as soon as its method is done. Quick by "
                                    f"default ({', '.join(QUICK_PROTOCOL['methods'])}; {QUICK_PROTOCOL['n_calib']} calibration and "
-                                   f"{QUICK_PROTOCOL['n_eval']} evaluation windows; ARMOR {QUICK_PROTOCOL['iters']} sweeps); --full: "
+                                   f"{QUICK_PROTOCOL['n_eval']} evaluation windows; ARMOR {QUICK_PROTOCOL['iters']} sweeps, "
+                                   f"{QUICK_PROTOCOL['reconstruct_steps']} reconstruction steps); --full: "
                                    "every method under the README's protocol (about an hour on 2 cores). Finished "
                                    "rows are saved in --run-dir: after Ctrl-C the same command resumes.")
     d.add_argument("--full", action="store_true",

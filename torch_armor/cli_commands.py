@@ -34,7 +34,9 @@ from torch_armor.engine.prune import prune_model
 from torch_armor.errors import ArmorError, ArmorInputError, MissingExtraError, write_failed
 from torch_armor.progress import is_interactive, quiet_third_party_progress
 from torch_armor.recipes.data import calibration_windows, check_window_memory, eval_windows
+from torch_armor.recipes.demo_record import DEMO_RECORD
 from torch_armor.recipes.demo_runs import TABLE_MD, DemoRuns
+from torch_armor.recipes.demo_time import DemoClock, forward_seconds, matches_record, row_work
 from torch_armor.recipes.evaluate import perplexity
 from torch_armor.recipes.harness import check_tasks, evaluate, results_table, write_results
 from torch_armor.recipes.models import load_model, load_tokenizer, parse_dtype, pruning_source
@@ -294,6 +296,8 @@ def demo_protocol(args: argparse.Namespace) -> None:
     args.n_eval = args.n_eval or protocol["n_eval"]
     if args.iters is None:
         args.iters = protocol["iters"]
+    if args.reconstruct_steps is None:
+        args.reconstruct_steps = protocol["reconstruct_steps"]
     args.run_dir = args.run_dir or str(Path("runs") / ("demo-full" if args.full else "demo-quick"))
 
 
@@ -308,16 +312,26 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 "armor": repr(config)}
     runs = DemoRuns(args.run_dir, settings, log=log)
     todo = [m for m in args.methods if _method_label(m) not in runs.finished]
-    protocol = FULL_PROTOCOL if args.full else QUICK_PROTOCOL
-    minutes = (sum(_DEMO_MINUTES["full" if args.full else "quick"][m] for m in todo)
-               * (args.n_calib + args.n_eval) / (protocol["n_calib"] + protocol["n_eval"]))
     log(f"demo ({'full' if args.full else 'quick'}): {', '.join(args.methods)} on SmolLM2-135M, calibration "
          f"{args.n_calib}×{args.seq_len} tokens of {args.calib}, evaluation {args.n_eval}×{args.seq_len} tokens "
-         f"of {args.data}; " + (f"{len(args.methods) - len(todo)} row(s) already done, " if len(todo) < len(args.methods)
-                                else "") + f"about {max(1, round(minutes))} min on 2 cores. "
-         f"Rows are kept in {args.run_dir} as they finish (Ctrl-C, then the same command resumes)"
-         + ("" if args.full else "; the README's full protocol: --full (about an hour)"))
-    header = []
+         f"of {args.data}; " + (f"{len(args.methods) - len(todo)} row(s) already done; " if len(todo) < len(args.methods)
+                                else "") + f"rows are kept in {args.run_dir} as they finish (Ctrl-C, then the same "
+         "command resumes)" + ("" if args.full else "; the README's full protocol: --full"))
+    header: list = []
+    # the estimate: its clock, the forward pass's seconds (wall, CPU), each row's CPU seconds (the record's unit)
+    timing: Dict[str, Any] = {"row_cpu_s": {}}
+    exact = matches_record(todo, n_calib=args.n_calib, n_eval=args.n_eval, seq_len=args.seq_len,
+                           armor_config=repr(config))
+
+    def on_loaded(model, calib_ids) -> None:
+        timing["forward_s"], timing["forward_cpu_s"] = forward_seconds(model, calib_ids)
+        clock = DemoClock({m: row_work(m, n_calib=args.n_calib, n_eval=args.n_eval, seq_len=args.seq_len)
+                           for m in todo}, timing["forward_s"])
+        timing.update(clock=clock, first_estimate_s=clock.left_s(), cpu_mark=time.process_time())
+        log(f"estimate: about {_minutes(clock.left_s())} for {len(todo)} row(s) "
+            f"({'the recorded run' if exact else 'scaled from the recorded quick run: a rough guide'}, "
+            f"{DEMO_RECORD['machine']}, at this machine's speed: a forward pass over one window takes "
+            f"{timing['forward_s']:.2f} s here); refined as rows finish")
 
     def on_row(row) -> None:
         runs.add(row)
@@ -326,13 +340,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
             header.append(True)
             print("\n".join(lines[:2]))
         print(lines[2], flush=True)
+        clock = timing.get("clock")
+        if clock is not None:
+            now = time.process_time()
+            timing["row_cpu_s"][row.method], timing["cpu_mark"] = now - timing["cpu_mark"], now
+            clock.finished(row.method, row.prune_s + row.eval_s)
+            if clock.left_s() > 0:
+                log(f"estimate: about {_minutes(clock.left_s())} left (the finished rows took {clock.speed():.2f}× "
+                    "their estimate)")
 
     result = run_quality(
         "smollm2", methods=args.methods, configs=[config], pattern=args.pattern,
         calib=args.calib, n_calib=args.n_calib, eval_data=args.data, n_eval=args.n_eval, seq_len=args.seq_len,
         layers=args.layers, batch_size=args.batch_size, seed=args.seed, armor_eval=args.armor_eval,
         sequential=not args.one_shot, progress=not args.no_progress, log=log,
-        finished=runs.finished, on_row=on_row, armor_run_dir=runs.store_for,
+        finished=runs.finished, on_row=on_row, armor_run_dir=runs.store_for, on_loaded=on_loaded,
     )
     print()
     s = result.settings
@@ -345,17 +367,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"total wall time {result.timings['total'] / 60:.1f} min (this run); table and rows also in "
           f"{Path(args.run_dir) / TABLE_MD}")
     if args.json:
+        estimate = {k: v for k, v in timing.items() if k not in ("clock", "cpu_mark")} | {"exact": exact}
         with _writes(), open(args.json, "w") as fh:
-            json.dump(result.to_dict(), fh, indent=2, default=str)
+            json.dump(result.to_dict() | {"estimate": estimate}, fh, indent=2, default=str)
     return 0
 
 
-#: minutes per row on 2 cores (prune + eval; full: the README's measured runs; quick: the full row
-#: scaled by its 32 of 128 windows, ARMOR by its 10 of 30 sweeps), scaled by the windows asked for
-_DEMO_MINUTES = {
-    "full": {"dense": 2.0, "magnitude": 6.0, "wanda": 20.0, "sparsegpt": 10.0, "nowag": 3.0, "armor": 11.0},
-    "quick": {"dense": 0.5, "magnitude": 1.0, "wanda": 3.0, "sparsegpt": 2.0, "nowag": 1.0, "armor": 2.0},
-}
+def _minutes(seconds: float) -> str:
+    return f"{max(1, round(seconds / 60))} min"
 
 
 def _method_label(name: str) -> str:

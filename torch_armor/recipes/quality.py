@@ -171,6 +171,7 @@ def run_quality(
     finished: Mapping[str, QualityRow] = {},
     on_row: Optional[Callable[[QualityRow], None]] = None,
     armor_run_dir: Optional[Callable[[str], Any]] = None,
+    on_loaded: Optional[Callable[[nn.Module, torch.Tensor], None]] = None,
 ) -> QualityResult:
     """The quality protocol: prune with every method (each from the dense weights), measure perplexity.
 
@@ -196,6 +197,8 @@ def run_quality(
         on_row: called with each row as soon as it is done.
         armor_run_dir: the run directory of an ARMOR row, from its label (finished layers are kept
             there, so an interrupted row resumes); default none.
+        on_loaded: called with the dense model and the calibration windows once both are ready,
+            before the first row (the demo times a forward pass there for its estimate).
 
     Example::
 
@@ -235,6 +238,8 @@ def run_quality(
     timings["tokenize"] = time.perf_counter() - t
     names = select_layers(net, layers)
     dense = {n: net.get_submodule(n).weight for n in names}
+    if on_loaded is not None:
+        on_loaded(net, calib_ids)
     rows: List[QualityRow] = []
     reports: Dict[str, PruneReport] = {}
     try:
