@@ -4,6 +4,7 @@ not a terminal), whatever the import order."""
 from __future__ import annotations
 
 import io
+import logging
 import re
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from torch import nn
 
 import torch_armor.progress as progress_module
 from _tiny_dir import save_tiny_model
+from torch_armor._quiet import known_import_noise_dropped
 from torch_armor.cli import main
 from torch_armor.core.config import ArmorConfig, BcdConfig
 from torch_armor.sparsifier import ArmorSparsifier
@@ -35,6 +37,26 @@ def _lines(text: str) -> list:
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+def test_known_noise_is_dropped_only_inside_the_scope_and_errors_pass_through():
+    heard = []
+    handler = logging.Handler()
+    handler.emit = lambda record: heard.append(record.getMessage())
+    torchao_log = logging.getLogger("torchao")
+    filters = list(torchao_log.filters)
+    torchao_log.addHandler(handler)
+    try:
+        with pytest.raises(RuntimeError, match="inside"):
+            with known_import_noise_dropped():
+                torchao_log.warning("Failed to load torchao/_C_mxfp8.so: no CUDA")
+                torchao_log.warning("something else")
+                raise RuntimeError("inside")
+        torchao_log.warning("Failed to load torchao/_C_mxfp8.so: no CUDA")
+    finally:
+        torchao_log.removeHandler(handler)
+    assert heard == ["something else", "Failed to load torchao/_C_mxfp8.so: no CUDA"]
+    assert torchao_log.filters == filters
 
 
 def test_import_loads_everything_quietly():
