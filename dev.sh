@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One entry point that sets everything up on a fresh machine, then runs a job.
 #   ./dev.sh demo   prune SmolLM2-135M with every method and print the quality table
-#   ./dev.sh test   run the test suite (what CI runs)
+#   ./dev.sh test   lint with ruff (pyproject.toml's rules), then run the test suite (what CI runs)
 # The virtual environment lives in .venv (override with VENV=...). torch is pinned to the
 # CPU wheel 2.13.0 first so that the package's `torch>=2.13` range installs nothing more.
 set -euo pipefail
@@ -37,6 +37,7 @@ case "$cmd" in
   setup) setup ;;
   test)
     setup
+    "$VENV/bin/ruff" check --quiet .
     # without an NVIDIA GPU, Triton kernels run in Triton's interpreter on CPU tensors (tests/kernels);
     # it must be set before Python starts: torch imports triton
     if ! nvidia-smi -L >/dev/null 2>&1; then

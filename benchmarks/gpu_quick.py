@@ -114,8 +114,8 @@ def layer_rows(dry: bool, block_size: int, repeats: int = 20) -> Iterator[Row]:
             continue
         dense = w.dense_weight()
         plain, plain_note = sparse_weight(w.core_dense(), not dry)
-        calls = {"dense": (lambda x: F.linear(x, dense), dense, CHECK_TOL),
-                 "2:4": (None if plain is None else (lambda x: F.linear(x, plain)), w.core_dense(), CHECK_TOL),
+        calls = {"dense": (lambda x: F.linear(x, dense), dense, CHECK_TOL),  # noqa: F821  (del at the loop's end, after the last call)
+                 "2:4": (None if plain is None else (lambda x: F.linear(x, plain)), w.core_dense(), CHECK_TOL),  # noqa: F821  (del at the loop's end, after the last call)
                  "armor bmm": (_armor_call(w, False), dense, CHECK_TOL),
                  "armor fused": (_armor_call(w, True), dense, CHECK_TOL)}
         for qdtype, tol in (("int8", 0.05), ("fp8", 0.15)):  # activations are quantized too: a looser check
@@ -248,7 +248,7 @@ def model_rows(dry: bool, layers: int, block_size: int, prefill: int = 2048, ste
                 if workload == "prefill":
                     ids = torch.randint(0, cfg.vocab_size, (batch, prefill), device=device, generator=gen)
                     with torch.no_grad():
-                        ms = median_ms(lambda: clock.time(lambda: model(ids, use_cache=False, logits_to_keep=1)), 1, 3)
+                        ms = median_ms(lambda: clock.time(lambda: model(ids, use_cache=False, logits_to_keep=1)), 1, 3)  # noqa: F821  (del at the loop's end, after the last call)
                     row.update(ms=ms, tok_s=batch * prefill / ms * 1e3)
                 else:
                     ms = decode_ms(model, batch, 128 if not dry else 8, steps, clock, graph, gen)

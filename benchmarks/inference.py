@@ -301,7 +301,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         xs = {b: torch.randn(b, args.seq_len, d_in, generator=gen).to(device=device, dtype=dtype) for b in args.batches}
         with torch.no_grad():
             ref = layers["dense"](xs[args.batches[0]])
-            layer_err = {n: rel_err(l(xs[args.batches[0]]), ref) for n, l in layers.items()}
+            layer_err = {n: rel_err(layer(xs[args.batches[0]]), ref) for n, layer in layers.items()}
         run_table(
             f"one layer: {LAYER} ({d_in} -> {d_out}), x = (batch, {args.seq_len}, {d_in}), {label}",
             layers, lambda m, x: m(x), lambda b: xs[b], args.batches,

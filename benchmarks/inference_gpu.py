@@ -378,10 +378,10 @@ def bench_model(args, clock: Clock, device: str, dtype: torch.dtype, semi: bool)
             try:
                 with torch.no_grad():
                     if new is None:
-                        ms = median_ms(lambda: clock.time(lambda: model(ids, use_cache=False, logits_to_keep=1)),
+                        ms = median_ms(lambda: clock.time(lambda: model(ids, use_cache=False, logits_to_keep=1)),  # noqa: F821  (del at the loop's end, after the last call)
                                        1, args.model_repeats)
                     else:
-                        ms = median_ms(lambda: decode_ms(model, ids, new, clock), 1, max(1, args.model_repeats // 2))
+                        ms = median_ms(lambda: decode_ms(model, ids, new, clock), 1, max(1, args.model_repeats // 2))  # noqa: F821  (del at the loop's end, after the last call)
             except Exception as err:  # noqa: BLE001
                 rows.append({"variant": variant, "workload": label, "note": refusal(err), "check": check})
                 continue

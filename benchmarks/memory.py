@@ -191,7 +191,7 @@ def report(shape: dict, disk: int, r: dict, n_calib: int, seq_len: int, what: st
              ("one decoder block, bf16", 2 * block_params(s)),
              (f"hidden states {n_calib}×{seq_len}, in+out, bf16", 2 * n_calib * seq_len * s["hidden_size"] * 2),
              (f"factorization: {BCD_MULTIPLE:g}× largest linear ({big70 / 1e6:.0f} M) in fp32", BCD_MULTIPLE * 4 * big70)]
-    print(f"\n### Projection: Llama-3-70B, bf16, peak per GPU/process\n")
+    print("\n### Projection: Llama-3-70B, bf16, peak per GPU/process\n")
     print("Assumptions: the engine holds one decoder block at a time; the fixed overhead (interpreter, "
           "libraries, tokenizer, allocator) does not grow with the model; the measured working set was "
           f"block fp32 + hidden states fp32{' + 14× largest linear fp32 (bcd)' if factor else ''}"

@@ -64,7 +64,7 @@ def at_iter(f, it):
 def cmd_paper(args, problems):
     iters = max(args.iters, 1000)
     marks = [k for k in (100, 300, 1000, 3000) if k <= iters]
-    print(f"\nPaper recipe (adam lr 1e-4, l1-random, seed 0), block 32, 2:4 — ours / reference (|diff|)")
+    print("\nPaper recipe (adam lr 1e-4, l1-random, seed 0), block 32, 2:4 — ours / reference (|diff|)")
     print("| layer | shape | ms/iter | " + " | ".join(f"it {k}" for k in marks) + " | max abs diff |")
     print("|---|---|---|" + "---|" * len(marks) + "---|")
     for name in LAYERS:
@@ -82,7 +82,7 @@ def cmd_paper(args, problems):
 
 def cmd_sweep(args, problems):
     marks = [k for k in (100, 300, 1000, 3000) if k <= args.iters]
-    print(f"\nAdam (paper recipe) by block size: ms/iter and relative proxy loss")
+    print("\nAdam (paper recipe) by block size: ms/iter and relative proxy loss")
     print("| layer | block | ms/iter | " + " | ".join(f"it {k}" for k in marks) + " |")
     print("|---|---|---|" + "---|" * len(marks))
     for name in LAYERS:

@@ -57,7 +57,7 @@ def measure(which: str, old: str, hidden: int, inter: int, batch: int, seq_len: 
                                          b_blocks=eye.repeat(d_in // d_b, 1, 1).clone(), mask=mask)
     positions = torch.arange(seq_len)[None]
     inputs = []
-    for j in range(2):
+    for _ in range(2):
         h = torch.randn(batch, seq_len, hidden)
         cos, sin = rope(h, positions)
         inputs.append(BlockInput(h, {"position_embeddings": (cos, sin), "position_ids": positions}))

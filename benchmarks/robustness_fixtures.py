@@ -40,7 +40,7 @@ def armor_cfg():
 
 def pruned_model():
     from conftest import make_tiny_llama
-    from torch_armor import MagnitudeConfig, PruneOptions, prune_model
+    from torch_armor import PruneOptions, prune_model
 
     model = make_tiny_llama()
     prune_model(model, calib_ids(), armor_cfg(), options=PruneOptions(progress=False))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from torch_armor import ArmorConfig, BcdConfig, MagnitudeConfig, PruneOptions, WandaConfig  # noqa: E402
+from torch_armor import MagnitudeConfig, PruneOptions, WandaConfig  # noqa: E402
 from robustness_fixtures import (  # noqa: E402
     PRUNE_SCRIPT,
     STATE,

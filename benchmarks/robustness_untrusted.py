@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 
-from torch_armor import ArmorConfig, BcdConfig, MagnitudeConfig, PruneOptions, WandaConfig  # noqa: E402
+from torch_armor import ArmorConfig, BcdConfig, PruneOptions  # noqa: E402
 from robustness_fixtures import (  # noqa: E402
     calib_ids,
     dense_dir,
@@ -226,7 +226,7 @@ def register(case, cli_case, CliResult, _cli, check, check_kept, code: Path) -> 
     @case("load options", "load_state_dict: block-16 state into a block-32 model", "block size 16")
     def _():
         from conftest import make_tiny_llama
-        from torch_armor import ArmorConfig, prune_model
+        from torch_armor import prune_model
 
         a = pruned_model()
         b = make_tiny_llama()
@@ -242,7 +242,7 @@ def register(case, cli_case, CliResult, _cli, check, check_kept, code: Path) -> 
     @case("load options", "weight.copy_(weight of another block size)", "block size 32")
     def _():
         from conftest import make_tiny_llama
-        from torch_armor import ArmorConfig, prune_model
+        from torch_armor import prune_model
 
         a = pruned_model()
         b = make_tiny_llama()

@@ -221,7 +221,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, float]:
         dense_model_dir = tmp / "dense_model"
         dense_model_bytes = save_dense_copy(model, dense, dense_model_dir)
         rss = {kind: from_pretrained_peak_rss(d) for kind, d in (("armor", hf_dir), ("dense", dense_model_dir))}
-    print(f"\n## peak RSS of AutoModelForCausalLM.from_pretrained (fresh process, 1 thread, ru_maxrss)")
+    print("\n## peak RSS of AutoModelForCausalLM.from_pretrained (fresh process, 1 thread, ru_maxrss)")
     print(f"dense fp32 model bytes (all parameters): {dense_model_bytes / 2**20:.1f} MiB")
     for kind, r in rss.items():
         print(f"{kind:>6}: peak RSS {r['peak'] / 2**20:.1f} MiB = {r['base'] / 2**20:.1f} MiB after imports "

@@ -307,7 +307,7 @@ def test_prune_prints_stored_and_dense_sizes(tmp_path, capsys, tiny_hf_dir, text
     code = main(["prune", str(tiny_hf_dir), "--out", str(out), "--calib", str(calib), "--n-calib", "2",
                  "--seq-len", "32", "--iters", "2", "--threads", "1", "--no-progress"])
     assert code == 0
-    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("size:"))
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("size:"))
     stored, dense = (int(v.replace(",", "")) for v in re.findall(r"([\d,]+) (?:stored )?parameters", line))
     model = load_pretrained(out)
     assert stored == model_size(model).parameters < dense == model.num_parameters()

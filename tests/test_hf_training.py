@@ -19,7 +19,7 @@ TARGETS = ["q_proj", "v_proj"]
 
 def pruned_llama():
     model = make_tiny_llama()
-    prune_model(model, torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1)), 
+    prune_model(model, torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1)),
                 ArmorConfig(block_size=16, optimizer=BcdConfig(iters=2)), options=PruneOptions(progress=False))
     return model
 

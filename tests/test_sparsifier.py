@@ -17,7 +17,7 @@ from torch import nn
 import torch_armor.engine.methods as runner_module  # where the ARMOR method calls factorize
 import torch_armor.sparsifier as sparsifier_module
 from torch_armor.core import baselines
-from torch_armor import (AdamConfig, ArmorConfig, BcdConfig, MagnitudeConfig, SparseGPTConfig, WandaConfig,
+from torch_armor import (ArmorConfig, BcdConfig, MagnitudeConfig, SparseGPTConfig, WandaConfig,
                          config_for_method)
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.core.proxy import nowag_prune

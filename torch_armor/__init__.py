@@ -33,8 +33,6 @@ The ``torch.ao.pruning`` protocol works on any model, with your own forward pass
 import importlib as _importlib
 
 from torch_armor import _quiet
-import os as _os
-import sys as _sys
 
 
 # What a user needs, by the module that defines it; the math and the plumbing stay importable from
@@ -75,29 +73,12 @@ __version__ = "0.1.0"
 
 def _load() -> None:
     """Import everything ``import torch_armor`` promises, registrations with torchao and
-    transformers included (idempotent)."""
-    if "prune_model" in globals():
-        return
+    transformers included. It runs at every import of torch_armor or of any of its modules (the
+    package is imported first), whatever ``sys.argv`` says, so the registrations never depend on
+    how the process was started or what it imported first."""
     _quiet.import_torchao_quietly()
     for name, module in _EXPORTS.items():
         globals()[name] = getattr(_importlib.import_module(module), name)
 
 
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        _load()
-        return globals()[name]
-    raise AttributeError(f"module 'torch_armor' has no attribute {name!r}")
-
-
-def _launched_as_cli() -> bool:
-    """``torch-armor …`` or ``python -m torch_armor …``: the CLI calls :func:`_load` for the
-    subcommands that need it, so that ``--help`` does not wait for torchao and transformers."""
-    if _os.path.basename(_sys.argv[0] if _sys.argv else "") == "torch-armor":
-        return True
-    argv = getattr(_sys, "orig_argv", [])
-    return "-m" in argv[:-1] and argv[argv.index("-m") + 1] == "torch_armor"
-
-
-if not _launched_as_cli():
-    _load()
+_load()

@@ -37,8 +37,7 @@ import traceback
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-# Only what the parser needs is imported here (no torchao or transformers), so that
-# `torch-armor --help` answers fast; a subcommand imports the rest when it runs (main).
+from torch_armor import cli_commands
 from torch_armor._io import RUN_DIR_NAME
 from torch_armor.core.config import ArmorConfig
 from torch_armor.core.levers import OPTIMIZERS
@@ -47,6 +46,7 @@ from torch_armor.core.presets import PRESETS
 from torch_armor.cli_flags import flags_that_do_not_apply, with_flags
 from torch_armor.cli_names import (DEMO_METHODS, DENSE, FULL_PROTOCOL, HARNESS_JSON, QUICK_PROTOCOL, REPORT_JSON,
                                    REPORT_PNG)
+from torch_armor.engine.interrupt import terminate_as_interrupt
 from torch_armor.engine.methods import method_named, method_names
 from torch_armor.errors import ArmorError, debug_enabled
 from torch_armor.recipes.needs import Need, check_installed, needs_for
@@ -351,16 +351,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     args.argv = argv
     wrong = flags_that_do_not_apply(args, args.method) if args.command == "prune" else []
-    if wrong:  # before anything is imported or loaded
+    if wrong:  # before any model is loaded
         print(f"torch-armor prune: error: {'; '.join(wrong)}", file=sys.stderr)
         return 2
     missing = check_installed(job_needs(args))  # every missing package at once, before anything loads
     if missing:
         print(f"torch-armor {args.command}: error: {with_flags(missing)}", file=sys.stderr)
         return 2
-    from torch_armor import cli_commands  # imports torchao and transformers: only now, so --help is fast
-    from torch_armor.engine.interrupt import terminate_as_interrupt  # heavy, as above
-
     commands = {"prune": cli_commands.cmd_prune, "quantize": cli_commands.cmd_quantize, "eval": cli_commands.cmd_eval,
                 "demo": cli_commands.cmd_demo}
 

@@ -1,6 +1,5 @@
 """The ``torch-armor`` subcommands (``prune``, ``eval``, ``demo``): build objects from the parsed
-arguments and call the library. Imported by :func:`torch_armor.cli.main` only once a subcommand
-runs (this module imports torchao and transformers), so ``torch-armor --help`` stays fast."""
+arguments and call the library (:func:`torch_armor.cli.main` parses them)."""
 
 from __future__ import annotations
 
@@ -19,8 +18,6 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 
-import torch_armor._quiet  # noqa: F401  (first: silences torchao's known import noise)
-import torch_armor.hf  # noqa: F401  (registers quant_method "armor" with transformers)
 from torch_armor._io import RUN_DIR_NAME
 from torch_armor.cli_flags import method_fields, with_flags
 from torch_armor.cli_names import DENSE, FULL_PROTOCOL, HARNESS_JSON, QUICK_PROTOCOL, REPORT_JSON, REPORT_PNG

@@ -1,6 +1,7 @@
 """ARMOR in the Hugging Face stack: a transformers quantizer (``quant_method: "armor"``).
 
-Importing :mod:`torch_armor` registers :class:`ArmorQuantizationConfig` and
+Importing :mod:`torch_armor`, or any module of it (the package's ``__init__`` runs first and imports
+this one, whatever ``sys.argv`` says), registers :class:`ArmorQuantizationConfig` and
 :class:`ArmorHfQuantizer` with transformers, so that
 
 * ``model.save_pretrained(d)`` on a converted model (``prune_model``, ``ArmorSparsifier.convert``,

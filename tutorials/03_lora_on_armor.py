@@ -117,7 +117,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         model = build_model()
         vocab = model.config.vocab_size
         # a quick ARMOR (no refinement or block reconstruction): the adapters are the subject here
-        prune_model(model, torch.randint(0, vocab, (8, 32), generator=gen), 
+        prune_model(model, torch.randint(0, vocab, (8, 32), generator=gen),
                     ArmorConfig(block_size=16, optimizer=BcdConfig(iters=5), refine=None, reconstruct=None),
                     options=PruneOptions(progress=False))
         results["converted_layers"] = len(armor_weights(model))

@@ -11,7 +11,7 @@ from torch_armor.calibration.experts import ExpertsObserver, ExpertSlot, split_e
 from torch_armor.calibration.selection import prunable_names
 from torch_armor.errors import ArmorInputError
 
-E, H, I = 4, 32, 16
+E, H, I = 4, 32, 16  # noqa: E741  (experts, hidden, intermediate: the model config's letters)
 
 
 def _model(seed=0):

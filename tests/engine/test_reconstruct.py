@@ -170,7 +170,8 @@ def test_building_w_hat_keeps_no_weight_sized_tensor_in_the_graph():
         leaves = FactorLeaves(f, torch.device("cpu"))
         saved = []
 
-        def pack(t, size=f.core.numel()):  # weight-sized float tensors of any shape
+        def pack(t, size=f.core.numel(), saved=saved):  # noqa: B008  (this layer's size and list, bound now)
+            # weight-sized float tensors of any shape
             if t.numel() == size and t.is_floating_point():
                 saved.append(tuple(t.shape))
             return t
@@ -204,7 +205,8 @@ def test_a_factored_linear_keeps_no_weight_sized_tensor_and_gets_autograds_gradi
         for name, module in layers.items():
             saved = []
 
-            def pack(t, size=factors[name].core.numel()):  # weight-sized float tensors of any shape
+            def pack(t, size=factors[name].core.numel(), saved=saved):  # noqa: B008  (bound now, as above)
+                # weight-sized float tensors of any shape
                 if t.numel() == size and t.is_floating_point():
                     saved.append(tuple(t.shape))
                 return t

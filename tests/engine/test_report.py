@@ -86,6 +86,22 @@ def test_the_plot_axis_is_the_final_loss(tmp_path, monkeypatch):
     assert plotted[0] == [0.3, 0.5]  # the output losses, not the proxy
 
 
+def test_the_plot_leaves_the_callers_matplotlib_as_it_was(tmp_path):
+    """save_plot draws on its own canvas: the caller's backend stays, and pyplot gains no figure."""
+    matplotlib = pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    before = matplotlib.get_backend()
+    try:
+        matplotlib.use("svg")  # not Agg, so switching to Agg would show
+        figures = plt.get_fignums()
+        _report("armor", [1.2, 1.1], [0.3, 0.5]).save_plot(tmp_path / "r.png")
+        assert matplotlib.get_backend() == "svg" and plt.get_fignums() == figures
+        assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    finally:
+        matplotlib.use(before)
+
+
 def test_distill_summary():
     report = _report("armor", [1.0], [0.5])
     assert report.distill_summary() is None

@@ -13,7 +13,6 @@ from _helpers import random_pattern_factors
 from safetensors.torch import save_file
 from torch import nn
 
-from torch_armor.core.factors import ArmorFactors
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor import serialization
 from torch_armor.tensor.serialization import (

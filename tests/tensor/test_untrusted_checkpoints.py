@@ -150,7 +150,7 @@ def _duplicate_positions(t):
     key = next(k for k in sorted(t) if k.endswith(".indices"))
     t[key] = t[key].clone()
     t[key][0, 0] = 0  # both positions of the first two groups 0
-    
+
 
 VALUE_EDITS = {"NaN in a_blocks": _nan_in("q_proj.weight"), "NaN in b_blocks": _nan_in(".b_blocks"),
                "NaN in values": _nan_in(".values"), "duplicate compact positions": _duplicate_positions}

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -138,7 +138,7 @@ def expert_layer_names(model: nn.Module) -> List[str]:
 def split_expert_name(name: str) -> Optional[Tuple[str, int]]:
     """``(param fqn, expert index)`` of an expert layer name, or ``None`` for another name."""
     head, _, tail = name.rpartition(".")
-    if not tail.isdigit() or not head.rsplit(".", 1)[-1] in {a for layout in _LAYOUTS for a in layout}:
+    if not tail.isdigit() or head.rsplit(".", 1)[-1] not in {a for layout in _LAYOUTS for a in layout}:
         return None
     return head, int(tail)
 

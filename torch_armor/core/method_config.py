@@ -21,8 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
-import torch
-
 from torch_armor.core.config_format import config_to_dict, serializable
 from torch_armor.core.pattern import SparsityPattern, check_layer_shape, parse_pattern
 from torch_armor.errors import ArmorInputError

@@ -288,7 +288,6 @@ def sparse_core_step(
         raise ArmorInputError("core, mask and grad must be contiguous: the step writes through views")
     p, d_b, _ = a_gram.shape
     q = b_gram.shape[0]
-    n_grp = d_b // m
     p_idx = torch.arange(p, device=core.device)[:, None].expand(p, q)
     q_idx = torch.arange(q, device=core.device)[None, :].expand(p, q)
 

@@ -27,10 +27,9 @@ MMAP_THRESHOLD = 1 << 20
 def _glibc() -> Optional[ctypes.CDLL]:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt, libc.malloc_trim  # glibc has both
-    except (OSError, AttributeError):
+    except OSError:
         return None
-    return libc
+    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None  # glibc has both
 
 
 def fix_mmap_threshold(nbytes: int = MMAP_THRESHOLD) -> bool:

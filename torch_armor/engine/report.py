@@ -192,17 +192,20 @@ class PruneReport:
 
         Raises :class:`~torch_armor.errors.MissingExtraError` without matplotlib (the ``plot`` extra).
         """
-        matplotlib = require_extra("matplotlib", "the prune report's plot")
-
-        matplotlib.use("Agg", force=True)
-        import matplotlib.pyplot as plt  # after matplotlib.use("Agg")
+        require_extra("matplotlib", "the prune report's plot")
+        # the figure draws on its own Agg canvas: pyplot and the caller's backend are left alone
+        from matplotlib import colormaps  # local: the plot extra is optional
+        from matplotlib.backends.backend_agg import FigureCanvasAgg  # local: as above
+        from matplotlib.figure import Figure  # local: as above
 
         kinds = [layer.name.rsplit(".", 1)[-1] for layer in self.layers]
-        palette = plt.get_cmap("tab10")
+        palette = colormaps["tab10"]
         colour = {k: palette(i % 10) for i, k in enumerate(dict.fromkeys(kinds))}
         xs = list(range(len(self.layers)))
         width = max(7.0, min(18.0, 0.06 * len(xs) + 6))
-        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(width, 6.5), sharex=True)
+        fig = Figure(figsize=(width, 6.5))
+        FigureCanvasAgg(fig)
+        ax1, ax2 = fig.subplots(2, 1, sharex=True)
         for kind in colour:
             idx = [i for i, k in enumerate(kinds) if k == kind]
             ax1.scatter(idx, [self._final(self.layers[i]) for i in idx], s=14, color=colour[kind], label=kind)
@@ -230,7 +233,6 @@ class PruneReport:
                       fontsize=9)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
-        plt.close(fig)
 
 
 def wrapper_overhead(obj: Any) -> float:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from torch_armor.errors import ArmorInputError
-from torch_armor.tensor.armor_tensor import QUANTIZED, STORAGES, ArmorTensor, restore_storage
+from torch_armor.tensor.armor_tensor import STORAGES, ArmorTensor, restore_storage
 from torch_armor.tensor.experts import ArmorExpertsTensor
 from torch_armor.tensor.layout import (FORMAT_NAME, FORMAT_VERSION, build_layer, layer_keys, layer_parts, part_key,
                                        tensor_spec, validate_metadata)

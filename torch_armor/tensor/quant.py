@@ -226,19 +226,26 @@ def is_armor_linear(module: nn.Module, fqn: str = "") -> bool:
     return isinstance(module, nn.Linear) and isinstance(module.weight, ArmorTensor)
 
 
-def _quantize_dense_core(core: torch.Tensor, inner: AOBaseConfig) -> torch.Tensor:
-    """Let torchao's handler for ``inner`` quantize ``core`` as if it were a linear's weight."""
-    d_out, d_in = core.shape
-    holder = nn.ModuleDict({"core": nn.Linear(d_in, d_out, bias=False, device="meta")})
-    holder["core"].weight = nn.Parameter(core, requires_grad=False)
+def _torchao_quantized(module: nn.Module, inner: AOBaseConfig) -> nn.Module:
+    """``module`` after torchao's own handler for ``inner`` ran on it, through the public ``quantize_``
+    (the module itself, changed in place, or the module the handler replaced it with)."""
+    holder = nn.ModuleDict({"layer": module})  # a child, so that a replacement is seen too
     try:
-        quantize_(holder, inner)
+        quantize_(holder, inner, filter_fn=lambda child, fqn: child is module)
     except KeyError:
         raise TypeError(
             f"{type(inner).__name__} has no quantize_ handler registered with torchao; "
             "ArmorCoreConfig needs a config that quantize_ accepts for nn.Linear"
         ) from None
-    out = getattr(holder["core"], "weight", None)
+    return holder["layer"]
+
+
+def _quantize_dense_core(core: torch.Tensor, inner: AOBaseConfig) -> torch.Tensor:
+    """Let torchao's handler for ``inner`` quantize ``core`` as if it were a linear's weight."""
+    d_out, d_in = core.shape
+    linear = nn.Linear(d_in, d_out, bias=False, device="meta")
+    linear.weight = nn.Parameter(core, requires_grad=False)
+    out = getattr(_torchao_quantized(linear, inner), "weight", None)
     if not isinstance(out, torch.Tensor) or type(out.data if isinstance(out, nn.Parameter) else out) is torch.Tensor:
         raise TypeError(
             f"{type(inner).__name__} did not turn the weight into a torchao quantized tensor (it left a "
@@ -347,12 +354,7 @@ def _armor_core_transform(module: nn.Module, config: ArmorCoreConfig, *, paramet
     if not isinstance(weight, ArmorTensor):
         if not config.apply_to_dense:
             return module
-        from torchao.quantization.transform_module import _QUANTIZE_CONFIG_HANDLER  # local: only this function needs it
-
-        handler = _QUANTIZE_CONFIG_HANDLER.get(type(config.inner))
-        if handler is None:
-            raise TypeError(f"{type(config.inner).__name__} has no quantize_ handler registered with torchao")
-        return handler(module, config.inner)
+        return _torchao_quantized(module, config.inner)
     if weight.storage_format == QUANTIZED or isinstance(weight, EightBitArmorTensor):  # quantize_ twice: leave it
         return module
     new = quantize_armor_core(weight, config.inner)

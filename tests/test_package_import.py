@@ -1,0 +1,111 @@
+"""What importing torch_armor does to the process: the same registrations with transformers and
+torchao whatever is imported first and whatever ``sys.argv`` says, and nothing else changed (the
+loggers and warning filters of the user's process are as they were)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import torch_armor
+
+ROOT = Path(__file__).resolve().parents[1]
+
+REGISTERED = {
+    "config": "torch_armor.hf.ArmorQuantizationConfig",
+    "quantizer": "torch_armor.hf.ArmorHfQuantizer",
+    "torchao": ["torch_armor.tensor.quant.ArmorCoreConfig"],
+}
+
+# Imports the modules in order under the given argv, and prints the registrations seen after each.
+_SNAPSHOTS = textwrap.dedent("""
+    import importlib, json, sys
+    sys.argv, modules = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+    if sys.argv[0].endswith("torch-armor"):
+        sys.orig_argv = [sys.executable, "-m", "torch_armor"]  # what `python -m torch_armor` leaves there
+
+    def registrations():
+        from torchao.quantization.transform_module import _QUANTIZE_CONFIG_HANDLER  # no public view of it
+        from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
+
+        def name(cls):
+            return None if cls is None else f"{cls.__module__}.{cls.__qualname__}"
+
+        return {"config": name(AUTO_QUANTIZATION_CONFIG_MAPPING.get("armor")),
+                "quantizer": name(AUTO_QUANTIZER_MAPPING.get("armor")),
+                "torchao": sorted(name(c) for c in _QUANTIZE_CONFIG_HANDLER if c.__module__.startswith("torch_armor"))}
+
+    seen = []
+    for module in modules:
+        importlib.import_module(module)
+        seen.append(registrations())
+    print(json.dumps(seen))
+""")
+
+
+def _registrations_after_each(argv, modules):
+    proc = subprocess.run([sys.executable, "-c", _SNAPSHOTS, json.dumps(argv), json.dumps(modules)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize("argv, modules", [
+    # the issue's case: the console script's name, prune_model imported from its module
+    (["torch-armor", "prune"], ["torch_armor.engine.prune", "torch_armor"]),
+    (["/venv/bin/torch-armor", "--help"], ["torch_armor.cli", "torch_armor.hf"]),
+    (["-c"], ["torch_armor.core.pattern", "torch_armor.tensor.serialization"]),
+])
+def test_every_import_registers_the_same(argv, modules):
+    assert _registrations_after_each(argv, modules) == [REGISTERED] * len(modules)
+
+
+PUBLIC_MODULES = sorted({"torch_armor", "torch_armor.cli", "torch_armor.hf",
+                         *(getattr(torch_armor, name).__module__ for name in torch_armor.__all__)})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv0", ["torch-armor", "script.py"])
+@pytest.mark.parametrize("first", PUBLIC_MODULES)
+def test_every_public_module_imported_first_registers_the_same(first, argv0):
+    rest = [m for m in reversed(PUBLIC_MODULES) if m != first]
+    assert _registrations_after_each([argv0], [first, *rest]) == [REGISTERED] * len(PUBLIC_MODULES)
+
+
+_STATE = textwrap.dedent("""
+    import json, logging, warnings
+    import torch, torchao.quantization, transformers.quantizers.auto  # the user's own imports come first
+
+    def state():
+        loggers = {"": logging.getLogger()}
+        loggers.update((n, lg) for n, lg in logging.root.manager.loggerDict.items() if isinstance(lg, logging.Logger))
+        return {"loggers": {n: [lg.level, lg.disabled, lg.propagate, [repr(f) for f in lg.filters],
+                                [repr(h) for h in lg.handlers]] for n, lg in sorted(loggers.items())},
+                "warnings": [repr(f) for f in warnings.filters]}
+
+    before = state()
+    import torch_armor
+    after = state()
+    after["loggers"] = {n: v for n, v in after["loggers"].items() if n in before["loggers"]}  # new modules' own loggers
+    heard = []
+    handler = logging.Handler()
+    handler.emit = lambda record: heard.append(record.getMessage())
+    logging.getLogger("torchao").addHandler(handler)
+    logging.getLogger("torchao").warning("Failed to load torchao/_C_x.so")  # what the import filter would drop
+    print(json.dumps({"same": before == after, "before": before, "after": after, "heard": heard}))
+""")
+
+
+def test_import_leaves_loggers_and_warning_filters_as_they_were():
+    proc = subprocess.run([sys.executable, "-c", _STATE], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    changed = {n: (v, result["after"]["loggers"].get(n)) for n, v in result["before"]["loggers"].items()
+               if v != result["after"]["loggers"].get(n)}
+    assert result["same"], (changed, result["before"]["warnings"] == result["after"]["warnings"])
+    assert result["heard"] == ["Failed to load torchao/_C_x.so"]
