@@ -149,8 +149,8 @@ class StreamedStudent:
     (:class:`~torch_armor.engine.distill_train.Student`): the trained tensors resident, every
     other weight read from the shards when its block runs."""
 
-    def __init__(self, stream: BlockStream, config: DistillConfig) -> None:
-        self.stream, self.train_core = stream, config.train_core
+    def __init__(self, stream: BlockStream, config: DistillConfig, writes: bool = True) -> None:
+        self.stream, self.train_core, self.writes = stream, config.train_core, writes
         self.leaves: Dict[str, List[Optional[torch.Tensor]]] = {}
         self.by_block: List[List[str]] = []
         self.weights: Dict[str, ArmorTensor] = {}
@@ -230,6 +230,9 @@ class StreamedStudent:
         return loss
 
     def finish(self, kept: Optional[Dict[str, List[Optional[torch.Tensor]]]], storage: str) -> None:
+        if not self.writes:  # another rank writes the shards (and keeps the result)
+            self.close()
+            return
         try:
             def apply(name: str, module: nn.Module) -> None:
                 w = module.weight

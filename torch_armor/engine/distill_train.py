@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save
 from torch import nn
@@ -29,7 +30,8 @@ from torch_armor.progress import tqdm
 from torch_armor.tensor.armor_tensor import ArmorTensor, armor_linear_from_factors
 
 __all__ = ["DistillResult", "fast_bf16", "training_autocast", "armor_layers", "layer_weight", "float_leaves", "Student",
-           "InMemoryStudent", "result_tensors", "TrainingState", "distill_model", "held_out_split", "training_order", "windows_needed"]
+           "InMemoryStudent", "result_tensors", "TrainingState", "distill_model", "summed_over_ranks",
+           "gradients_summed_over_ranks", "held_out_split", "training_order", "windows_needed"]
 
 logger = logging.getLogger("torch_armor")
 
@@ -234,7 +236,7 @@ class TrainingState:
 def distill_model(student: Student, windows: Sequence[Window], teacher: Dict[int, TopK], config: DistillConfig, *,
                   seed: int = 0, storage: str = "dense", sampled: Sequence[Window] = (), device: torch.device,
                   state: Optional[TrainingState] = None, log: Optional[Callable[[str], None]] = None,
-                  progress: bool = False) -> DistillResult:
+                  progress: bool = False, rank: int = 0, world_size: int = 1) -> DistillResult:
     """Adam on the trained leaves of ``student`` towards ``teacher`` (``progress``: a bar per step,
     its status the last held-out KL).
 
@@ -250,6 +252,10 @@ def distill_model(student: Student, windows: Sequence[Window], teacher: Dict[int
             indexed after them in ``teacher``; never held out.
         device: where the steps run (bfloat16 autocast is chosen for it).
         state: where the state at each step boundary is kept; a run with a saved state resumes from it.
+        rank, world_size: under ``torchrun``, data-parallel over the windows: each rank runs every
+            ``world_size``-th window of each step (and of the held-out ones), the gradients and the
+            KL sums are summed over the ranks (``torch.distributed.all_reduce``), so every rank takes
+            the same steps, equal to one process's up to the order of the sums; rank 0 keeps the state.
 
     Returns:
         :class:`DistillResult`; the student's model holds the kept iterate (masks unchanged,
@@ -266,7 +272,9 @@ def distill_model(student: Student, windows: Sequence[Window], teacher: Dict[int
     warmup_steps = round(config.warmup * config.steps)
 
     def held_out_kl() -> float:
-        total, count = student.kl_sum([windows[j] for j in held], [teacher[j] for j in held])
+        mine = held[rank::world_size]
+        total, count = student.kl_sum([windows[j] for j in mine], [teacher[j] for j in mine]) if mine else (0.0, 0)
+        total, count = summed_over_ranks([total, count], world_size)
         return total / max(count, 1)
 
     bar = tqdm(total=config.steps, desc="distillation", unit="step", disable=not progress)
@@ -289,7 +297,10 @@ def distill_model(student: Student, windows: Sequence[Window], teacher: Dict[int
             chosen = [train[i] for i in order[(step - 1) * config.windows_per_step:step * config.windows_per_step]]
             count = sum(int(windows[j][1].sum()) if windows[j][1] is not None else windows[j][0].shape[1]
                         for j in chosen)
-            loss = student.backward([windows[j] for j in chosen], [teacher[j] for j in chosen], count, step_context)
+            mine = chosen[rank::world_size]
+            loss = student.backward([windows[j] for j in mine], [teacher[j] for j in mine], count,
+                                    step_context) if mine else 0.0
+            loss = gradients_summed_over_ranks(trained, loss, world_size)
             optimizer.step()
             bar.update(1)
             if step % config.eval_every == 0 or step == config.steps:
@@ -300,7 +311,7 @@ def distill_model(student: Student, windows: Sequence[Window], teacher: Dict[int
                 if kl < record["best"]:
                     record.update(best=kl, best_step=step)
                     kept = [t.detach().clone() for t in trained]
-            if state is not None:
+            if state is not None and rank == 0:
                 state.save(step, trained, optimizer, kept, record)
             record["step"] = step
     except BaseException:
@@ -316,6 +327,30 @@ def distill_model(student: Student, windows: Sequence[Window], teacher: Dict[int
     student.finish(by_layer, storage)
     return DistillResult(record["before"], record["best"], record["best_step"], [tuple(c) for c in record["curve"]],
                          time.perf_counter() - start)
+
+
+def summed_over_ranks(values: Sequence[float], world_size: int) -> List[float]:
+    """``values`` summed over the ranks of the process group (as they are in one process)."""
+    if world_size == 1:
+        return list(values)
+    buffer = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(buffer)
+    return buffer.tolist()
+
+
+def gradients_summed_over_ranks(trained: Sequence[torch.Tensor], loss: float, world_size: int) -> float:
+    """Every trained tensor's gradient (and the step's loss) summed over the ranks, in one all-reduce."""
+    if world_size == 1:
+        return loss
+    grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in trained]
+    buffer = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor([loss], dtype=grads[0].dtype,
+                                                                      device=grads[0].device)])
+    dist.all_reduce(buffer)
+    start = 0
+    for t, g in zip(trained, grads):
+        t.grad = buffer[start:start + g.numel()].view_as(t).clone()
+        start += g.numel()
+    return float(buffer[-1])
 
 
 def held_out_split(n_windows: int, config: DistillConfig, n_sampled: int = 0) -> Tuple[List[int], List[int]]:

@@ -193,7 +193,7 @@ def prune_model(
     dense = dense_weights(model, names, blocks_prefix)
     distill, distill_skipped, sampling_skipped = getattr(config, "distill", None), "", ""
     if distill is not None:
-        why_not = distill_skip_reason(distill, n_windows=len(windows_of(batches)), world_size=world)
+        why_not = distill_skip_reason(distill, n_windows=len(windows_of(batches)))
         if why_not:
             recon = getattr(config, "reconstruct", None)
             hint = ('; ReconstructConfig(target="model") makes up for part of it by fitting each block to the dense '
@@ -243,8 +243,9 @@ def prune_model(
                 if distill is not None:
                     stream = BlockStream(source, blocks_prefix, len(blocks), writer, dev) if streamed else None
                     distillation = Distillation(distill, batches, seed=config.seed, run_dir=run_path, identity=identity,
-                                                storage=storage, stream=stream, device=dev, log=options.log,
-                                                progress=options.progress)
+                                                storage=storage, stream=stream, device=dev, rank=topo.rank,
+                                                world_size=topo.world_size, log=options.log,
+                                                progress=options.progress and topo.rank == 0)
                     distillation.capture(model)  # the dense teacher, before the block pass prunes in place
                     block_batches, n_sampled = distillation.block_pass_batches(batches, options.batch_size)
                 pipeline = BlockPipeline(
