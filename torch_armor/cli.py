@@ -213,8 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="calibration text: sotu (default), wiki, a file/dir/glob, or a datasets name")
     p.add_argument("--n-calib", type=_positive_int, default=64, help="calibration windows (default 64)")
     p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
-                   help="a local safetensors MODEL: --stream holds one decoder block in memory at a time (no "
-                        "end-to-end distillation), --no-stream loads it whole (default: whole when 3x its size "
+                   help="a local safetensors MODEL: --stream holds one decoder block in memory at a time "
+                        "(distillation included, without sampled windows), --no-stream loads it whole (default: whole when 3x its size "
                         "fits the free memory, and not under torchrun)")
     p.add_argument("--layers", default=None,
                    help="prune only some decoder layers: indices like '0-1' or '0,4-6', or a regex on names")

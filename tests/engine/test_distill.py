@@ -16,7 +16,9 @@ from conftest import make_tiny_llama
 from _helpers import check_mask
 from torch_armor import ArmorConfig, BcdConfig, prune_model, PruneOptions, ReconstructConfig, RefineConfig
 from torch_armor.core.levers import DistillConfig
-from torch_armor.engine.distill import DISTILLED_NAME, TopK, coarse_kl, fast_bf16, training_autocast, windows_of
+from torch_armor.engine.distill import DISTILLED_NAME
+from torch_armor.engine.distill_kl import TopK, coarse_kl, windows_of
+from torch_armor.engine.distill_train import fast_bf16, training_autocast
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import ArmorTensor
 
@@ -217,31 +219,28 @@ def test_resume_applies_a_finished_distillation_without_redoing_it(tmp_path):
 
 
 @pytest.mark.parametrize("reconstruct", [None, ReconstructConfig(steps=2), ReconstructConfig(steps=2, target="model")])
-def test_streamed_checkpoints_skip_distillation_with_one_warning_naming_the_way_out(tmp_path, reconstruct):
-    model = make_tiny_llama()
-    model.save_pretrained(tmp_path / "ckpt")
-    cfg = ArmorConfig(block_size=8, optimizer=BcdConfig(iters=2), reconstruct=reconstruct, distill=DistillConfig())
-    with pytest.warns(UserWarning, match="distillation skipped: .*needs it in memory.*distill=None") as caught:
-        report = prune_model(tmp_path / "ckpt", CALIB, cfg, options=PruneOptions(out=tmp_path / "out", progress=False))
+def test_a_skipped_distillation_warns_once_naming_the_way_out_and_the_cost(reconstruct):
+    cfg = ArmorConfig(block_size=8, optimizer=BcdConfig(iters=2), reconstruct=reconstruct,
+                      distill=DistillConfig(held_out=12))
+    with pytest.warns(UserWarning, match="distillation skipped: .*leave none to train on.*distill=None") as caught:
+        _, report = _prune(cfg)
     messages = [str(w.message) for w in caught if "distillation skipped" in str(w.message)]
     assert len(messages) == 1 and "\n" not in messages[0]
     # reconstruction fitted to the dense block is pointed at the dense model's hidden states
     assert ('target="model"' in messages[0]) == (reconstruct is not None and reconstruct.target == "block")
     assert "41.13 Wikipedia perplexity, with it 34.87" in messages[0]  # what it costs, from the ablation
     # the report (and prune_report.json) says what the run skipped, and why
-    assert set(report.distill) == {"skipped", "expected_cost"} and "needs it in memory" in report.distill["skipped"]
+    assert set(report.distill) == {"skipped", "expected_cost"} and "leave none to train on" in report.distill["skipped"]
     assert report.distill_summary() is None
     assert json.loads(json.dumps(report.to_dict()))["distill"]["skipped"] == report.distill["skipped"]
 
 
-def test_a_streamed_prune_says_the_block_pass_goes_without_its_sampled_windows(tmp_path):
-    model = make_tiny_llama()
-    model.save_pretrained(tmp_path / "ckpt")
+def test_a_skipped_distillation_says_the_block_pass_goes_without_its_sampled_windows():
     cfg = ArmorConfig(block_size=8, optimizer=BcdConfig(iters=2), reconstruct=None,
-                      distill=DistillConfig(sampled_windows=4, sampled_in_block_pass=True))
+                      distill=DistillConfig(held_out=12, sampled_windows=4, sampled_in_block_pass=True))
     with pytest.warns(UserWarning, match="distillation skipped: .*its 4 sampled windows are not drawn, so the block "
                                          "pass calibrates on the calibration windows alone"):
-        prune_model(tmp_path / "ckpt", CALIB, cfg, options=PruneOptions(out=tmp_path / "out", progress=False))
+        _prune(cfg)
 
 
 def test_too_many_held_out_windows_skip_distillation_naming_the_field():

@@ -14,7 +14,9 @@ from conftest import make_tiny_llama
 from torch_armor import ArmorConfig, BcdConfig, PruneOptions, RefineConfig, prune_model
 from torch_armor.core.levers import ReconstructConfig
 from torch_armor.core.levers import DistillConfig
-from torch_armor.engine.distill import Distillation, dense_top_k, held_out_split, sample_windows, windows_of
+from torch_armor.engine.distill import Distillation
+from torch_armor.engine.distill_kl import dense_top_k, sample_windows, windows_of
+from torch_armor.engine.distill_train import held_out_split
 from torch_armor.errors import ArmorInputError
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -112,7 +112,7 @@ def test_prune_loads_a_small_local_checkpoint_whole_and_says_why(tmp_path, capsy
     assert main(["prune", str(model_dir), "--out", str(tmp_path / "streamed"), *args, "--stream"]) == 0
     err = capsys.readouterr().err
     assert f"streaming {model_dir} block by block (0.0 GB in the run dtype, asked for)" in err
-    assert "end-to-end distillation is skipped when streamed" in err
+    assert "skipped when streamed" not in err  # a streamed prune distills too (these 2 windows are too few)
     assert (tmp_path / "streamed" / "model.safetensors.index.json").exists()  # streamed: a shard per block
     assert not (tmp_path / "whole" / "model.safetensors.index.json").exists()
 

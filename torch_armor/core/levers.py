@@ -252,7 +252,7 @@ def _positive_int(owner: str, name: str, value: object, minimum: int = 1, hint: 
 @serializable
 @dataclass(frozen=True)
 class DistillConfig:
-    """End-to-end distillation in :func:`~torch_armor.prune_model` (in-memory models only): after
+    """End-to-end distillation in :func:`~torch_armor.prune_model` (streamed checkpoints one block at a time): after
     the block pass, Adam on every ARMOR layer's ``A`` and ``B`` (and, with ``train_core``, the kept
     core values; masks fixed) towards the dense model's next-token distributions, measured by the
     KL divergence on the calibration windows (:mod:`torch_armor.engine.distill`). The dense model's

@@ -24,6 +24,7 @@ Example (a tiny random model; pruned in place)::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import warnings
@@ -44,7 +45,9 @@ from torch_armor.calibration.validate import check_token_ids, vocab_size_of
 from torch_armor.core.config import ArmorConfig
 from torch_armor.engine.batches import calibration_batches, hash_batches
 from torch_armor.engine.blocks import BLOCKS_DIR, BlockPipeline
-from torch_armor.engine.distill import NO_DISTILL_COST, Distillation, distill_skip_reason, windows_of
+from torch_armor.engine.distill import NO_DISTILL_COST, Distillation, distill_skip_reason, sampling_skip_reason
+from torch_armor.engine.distill_kl import windows_of
+from torch_armor.engine.distill_stream import BlockStream
 from torch_armor.engine.distributed import init_distributed, launched_world_size
 from torch_armor.engine.experts import dense_lines, dense_weights, group_by_param, layer_module, routed_token_lines
 from torch_armor.engine.identity import identity_string
@@ -188,9 +191,9 @@ def prune_model(
             raise ArmorInputError(f"{param}: ARMOR converts all {total} experts of a fused parameter together, "
                                   f"the layer selection holds {len(chosen)}; select every expert of it or none")
     dense = dense_weights(model, names, blocks_prefix)
-    distill, distill_skipped = getattr(config, "distill", None), ""
+    distill, distill_skipped, sampling_skipped = getattr(config, "distill", None), "", ""
     if distill is not None:
-        why_not = distill_skip_reason(distill, n_windows=len(windows_of(batches)), streamed=streamed, world_size=world)
+        why_not = distill_skip_reason(distill, n_windows=len(windows_of(batches)))
         if why_not:
             recon = getattr(config, "reconstruct", None)
             hint = ('; ReconstructConfig(target="model") makes up for part of it by fitting each block to the dense '
@@ -200,6 +203,14 @@ def prune_model(
             warnings.warn(f"end-to-end distillation skipped: {why_not}; ArmorConfig(distill=None) prunes without it"
                           + samples + hint + f" ({NO_DISTILL_COST})", stacklevel=2)
             distill, distill_skipped = None, why_not
+    if distill is not None:
+        sampling_skipped = sampling_skip_reason(distill, streamed=streamed)
+        if sampling_skipped:
+            block_pass = " and the block pass calibrates on the calibration windows alone" \
+                if distill.sampled_in_block_pass else ""
+            warnings.warn(f"end-to-end distillation runs on the calibration windows alone: {sampling_skipped}"
+                          f"{block_pass}", stacklevel=2)
+            distill = dataclasses.replace(distill, sampled_windows=0, sampled_in_block_pass=False)
     dev = torch.device(options.device) if options.device is not None else torch.device("cpu")
     if not streamed and options.device is None:
         dev = next((p.device for p in model.parameters() if p.device.type != "meta"), dev)
@@ -230,8 +241,11 @@ def prune_model(
                 storage = options.storage or ("auto" if dev.type == "cuda" else "dense")
                 distillation, block_batches, n_sampled = None, batches, 0
                 if distill is not None:
+                    stream = BlockStream(source, blocks_prefix, len(blocks), writer, dev) if streamed else None
                     distillation = Distillation(distill, batches, seed=config.seed, run_dir=run_path, identity=identity,
-                                                storage=storage, log=options.log, progress=options.progress)
+                                                storage=storage, stream=stream, device=dev, rank=topo.rank,
+                                                world_size=topo.world_size, log=options.log,
+                                                progress=options.progress and topo.rank == 0)
                     distillation.capture(model)  # the dense teacher, before the block pass prunes in place
                     block_batches, n_sampled = distillation.block_pass_batches(batches, options.batch_size)
                 pipeline = BlockPipeline(
@@ -246,6 +260,8 @@ def prune_model(
                 report = pipeline.run(block_batches)
                 if distillation is not None:
                     report.distill = distillation.run(model)
+                    if sampling_skipped:
+                        report.distill["sampled_windows_skipped"] = sampling_skipped
                 elif distill_skipped:  # prune_report.json says what the run did not do, and why
                     report.distill = {"skipped": distill_skipped, "expected_cost": NO_DISTILL_COST}
                 report.settings.update(sequential=options.sequential)

@@ -24,7 +24,6 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from torch_armor.engine.checkpoint import LazyCheckpoint
-from torch_armor.engine.distill import NO_DISTILL_COST
 from torch_armor.engine.distributed import launched_world_size
 from torch_armor.engine.sources import is_streamable_checkpoint
 from torch_armor.errors import ArmorInputError, require_extra
@@ -297,8 +296,7 @@ def pruning_source(model: str, gguf_file: Optional[str] = None, dtype: Union[str
         streamed, why = choose_streaming(checkpoint_parameters(model) * run_dtype.itemsize, free_memory(device), stream,
                                          launched_world_size())
         if streamed:
-            say(f"streaming {model} block by block ({why}); end-to-end distillation is skipped when streamed "
-                f"({NO_DISTILL_COST}; loaded whole, it would run)")
+            say(f"streaming {model} block by block ({why})")
             return str(model), load_tokenizer(model)
         say(f"loading {model} whole ({why}) …")
         try:

@@ -1,0 +1,256 @@
+"""End-to-end distillation of a streamed checkpoint, one decoder block resident at a time.
+
+The teacher is the dense checkpoint run forward block by block (:meth:`BlockStream.dense_top_k`,
+before the block pass). The student (:class:`StreamedStudent`) is the pruned model whose blocks
+are the block pass's shards in the run directory. A training step runs the forward block by block
+keeping only each block's input hidden states, then the backward from the top: each block is
+loaded again and its forward re-run from the saved input, and the gradient with respect to that
+input flows to the block below (the boundary-activation scheme of gradient checkpointing). Only the
+trained tensors (:func:`~torch_armor.engine.distill_train.float_leaves`) and Adam's state stay
+resident, besides the embeddings, the final norm and the output layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from torch.func import functional_call
+
+from torch_armor.calibration.blocks import BlockInput, capture_block_inputs, to_device
+from torch_armor.core.factors import ArmorFactors
+from torch_armor.core.levers import DistillConfig
+from torch_armor.engine.distill_kl import TopK, Window, top_k_of, window_kl
+from torch_armor.engine.distill_train import armor_layers, float_leaves, layer_weight, result_tensors
+from torch_armor.engine.sources import ShardWriter, Streamed
+from torch_armor.errors import ArmorInputError
+from torch_armor.progress import tqdm
+from torch_armor.tensor.armor_tensor import ArmorTensor, armor_linear_from_factors
+from torch_armor.tensor.flatten import unflatten_armor_state
+from torch_armor.tensor.safetensors_io import read_shard_metadata
+
+__all__ = ["BlockStream", "StreamedStudent"]
+
+
+def _frozen(module: nn.Module) -> nn.Module:
+    for p in module.parameters():
+        p.requires_grad_(False)
+    return module
+
+
+class BlockStream:
+    """A streamed checkpoint run forward block by block on ``device``: dense blocks from the
+    checkpoint, pruned ones from the block pass's ``shards``. While open (``with stream:``) the
+    modules before and after the blocks (embeddings, final norm, output layer) stay materialized."""
+
+    def __init__(self, source: Streamed, blocks_prefix: str, n_blocks: int, shards: ShardWriter,
+                 device: torch.device) -> None:
+        self.source, self.blocks_prefix, self.n_blocks = source, blocks_prefix, n_blocks
+        self.shards, self.device = shards, device
+        model = source.model
+        base = blocks_prefix.rpartition(".")[0]
+        self.norm = getattr(model.get_submodule(base), "norm", None) if base else None
+        self.lm_head = model.get_output_embeddings()
+        if not isinstance(self.norm, nn.Module) or not isinstance(self.lm_head, nn.Module):
+            raise ArmorInputError(f"streamed distillation: {type(model).__name__} has no final norm at {base}.norm or no "
+                                  "output embeddings; prune with ArmorConfig(distill=None), or load the model and pass "
+                                  "the module")
+        self.softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+        self.depth = 0
+
+    def __enter__(self) -> "BlockStream":
+        self.depth += 1
+        if self.depth > 1:  # nested: already open
+            return self
+        self.source.prepare_inputs()
+        for prefix in self.source.checkpoint.post_decoder_prefixes():
+            self.source.checkpoint.materialize(prefix)
+        for module in (self.source.model.get_input_embeddings(), self.norm, self.lm_head):
+            _frozen(module).to(self.device)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.depth -= 1
+        if self.depth:
+            return
+        for prefix in self.source.checkpoint.post_decoder_prefixes():
+            self.source.checkpoint.release(prefix)
+        self.source.release_inputs()
+
+    def prefix(self, index: int) -> str:
+        return f"{self.blocks_prefix}.{index}"
+
+    def block_inputs(self, windows: Sequence[Window]) -> List[BlockInput]:
+        """What the first block receives for each window (hidden states and keyword arguments, on the device)."""
+        batches = [ids if mask is None else (ids, mask) for ids, mask in windows]
+        inputs = capture_block_inputs(self.source.model, self.source.model.get_submodule(self.prefix(0)), batches,
+                                      store_device=self.device)
+        for inp in inputs:
+            inp.kwargs = to_device(inp.kwargs, self.device)
+        return inputs
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits ``(seq, vocab)`` in float32 of one window's last hidden states."""
+        logits = self.lm_head(self.norm(hidden))
+        if self.softcap:  # as transformers' causal LMs with a logit cap compute them
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits[0].float()
+
+    def run(self, block: nn.Module, weights: Optional[Dict[str, torch.Tensor]], hidden: torch.Tensor,
+            kwargs: Dict[str, Any]) -> torch.Tensor:
+        out = block(hidden, **kwargs) if weights is None else functional_call(block, weights, (hidden,), kwargs,
+                                                                               strict=False)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    def dense_block(self, index: int) -> nn.Module:
+        return _frozen(self.source.load_block(self.prefix(index))).to(self.device).eval()
+
+    def pruned_block(self, index: int) -> nn.Module:
+        """Block ``index`` as the block pass left it (its shard, ARMOR weights included)."""
+        path = self.shards.path(index)
+        metadata = read_shard_metadata(path)
+        with safe_open(str(path), framework="pt") as fh:
+            tensors = {key: fh.get_tensor(key) for key in fh.keys()}
+        unflatten_armor_state(self.source.model, tensors, metadata, strict=False, storage="dense")
+        return _frozen(self.source.model.get_submodule(self.prefix(index))).to(self.device).eval()
+
+    def release(self, index: int) -> None:
+        self.source.release_block(self.prefix(index))
+
+    @torch.no_grad()
+    def dense_top_k(self, windows: Sequence[Window], k: int, progress: bool = False) -> List[TopK]:
+        """:func:`~torch_armor.engine.distill_kl.dense_top_k` of the dense checkpoint, block by block."""
+        with self:
+            inputs = self.block_inputs(windows)
+            hidden = [inp.hidden for inp in inputs]
+            for index in tqdm(range(self.n_blocks), desc=f"distillation: dense top-{k}", unit="block",
+                              disable=not progress):
+                block = self.dense_block(index)
+                hidden = [self.run(block, None, h, inp.kwargs) for h, inp in zip(hidden, inputs)]
+                self.release(index)
+            return [top_k_of(self.head(h), k) for h in hidden]
+
+    def for_each_layer(self, apply: Callable[[str, nn.Module], None], write: bool) -> None:
+        """``apply(name, module)`` on every ARMOR layer, block by block (``write``: each block's shard rewritten)."""
+        for index in range(self.n_blocks):
+            block = self.pruned_block(index)
+            for name, module in armor_layers(block).items():
+                apply(f"{self.prefix(index)}.{name}", module)
+            if write:
+                self.shards.write(index, self.prefix(index), block)
+            self.release(index)
+
+
+class StreamedStudent:
+    """The pruned blocks of a :class:`BlockStream` as a distillation student
+    (:class:`~torch_armor.engine.distill_train.Student`): the trained tensors resident, every
+    other weight read from the shards when its block runs."""
+
+    def __init__(self, stream: BlockStream, config: DistillConfig, writes: bool = True) -> None:
+        self.stream, self.train_core, self.writes = stream, config.train_core, writes
+        self.leaves: Dict[str, List[Optional[torch.Tensor]]] = {}
+        self.by_block: List[List[str]] = []
+        self.weights: Dict[str, ArmorTensor] = {}
+        stream.__enter__()
+        for index in range(stream.n_blocks):
+            block = stream.pruned_block(index)
+            layers = armor_layers(block)
+            self.by_block.append(list(layers))
+            for name, module in layers.items():
+                self.leaves[f"{stream.prefix(index)}.{name}"] = [
+                    t if t is None else t.to(stream.device) for t in float_leaves(module.weight, config.train_core,
+                                                                                   keep_core=False)]
+            stream.release(index)
+        if not self.leaves:
+            stream.__exit__(None, None, None)
+            raise ArmorInputError("distillation: the model has no ARMOR layers (nothing was pruned with ArmorConfig)")
+
+    def _block_weights(self, index: int, block: nn.Module) -> Dict[str, torch.Tensor]:
+        out = {}
+        for name in self.by_block[index]:
+            stored = block.get_submodule(name).weight.core_dense().detach().float()
+            a, core, b = self.leaves[f"{self.stream.prefix(index)}.{name}"]
+            out[f"{name}.weight"] = layer_weight(a, stored if core is None else core, b, stored != 0)
+        return out
+
+    def _forward(self, windows: Sequence[Window], context: Callable[[], Any],
+                 keep: bool) -> Tuple[List[BlockInput], List[torch.Tensor], List[List[torch.Tensor]]]:
+        """The block inputs, the last block's outputs and (``keep``) every block's input hidden states."""
+        stream = self.stream
+        inputs = stream.block_inputs(windows)
+        hidden = [inp.hidden for inp in inputs]
+        saved: List[List[torch.Tensor]] = []
+        with torch.no_grad():
+            for index in range(stream.n_blocks):
+                block = stream.pruned_block(index)
+                if keep:
+                    saved.append(hidden)
+                with context():
+                    weights = self._block_weights(index, block)
+                    hidden = [stream.run(block, weights, h, inp.kwargs) for h, inp in zip(hidden, inputs)]
+                stream.release(index)
+        return inputs, hidden, saved
+
+    def kl_sum(self, windows: Sequence[Window], teachers: Sequence[TopK]) -> Tuple[float, int]:
+        _, last, _ = self._forward(windows, contextlib.nullcontext, keep=False)
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for h, window, teacher in zip(last, windows, teachers):
+                s, n = window_kl(self.stream.head(h), teacher, window)
+                total, count = total + float(s), count + n
+        return total, count
+
+    def backward(self, windows: Sequence[Window], teachers: Sequence[TopK], count: int,
+                 context: Callable[[], Any]) -> float:
+        stream = self.stream
+        inputs, last, saved = self._forward(windows, context, keep=True)
+        grads, loss = [], 0.0
+        for h, window, teacher in zip(last, windows, teachers):
+            h = h.detach().requires_grad_(True)
+            with context():
+                logits = stream.head(h)
+            part = window_kl(logits, teacher, window)[0] / max(count, 1)
+            part.backward()
+            grads.append(h.grad)
+            loss += float(part.detach())
+        for index in reversed(range(stream.n_blocks)):
+            block = stream.pruned_block(index)
+            below = []
+            for h, grad, inp in zip(saved[index], grads, inputs):
+                x = h.detach().requires_grad_(index > 0)  # block 0's input gradient reaches nothing trained
+                with context():
+                    out = stream.run(block, self._block_weights(index, block), x, inp.kwargs)
+                out.backward(grad)
+                below.append(x.grad)
+            grads = below
+            stream.release(index)
+        return loss
+
+    def finish(self, kept: Optional[Dict[str, List[Optional[torch.Tensor]]]], storage: str) -> None:
+        if not self.writes:  # another rank writes the shards (and keeps the result)
+            self.close()
+            return
+        try:
+            def apply(name: str, module: nn.Module) -> None:
+                w = module.weight
+                if kept is not None:
+                    mask = w.core_dense() != 0
+                    a, core, b = (k if k is not None else (t if t is not None else w.core_dense()).detach()
+                                  for k, t in zip(kept[name], self.leaves[name]))
+                    a, core, b = (t.to(device=w.device, dtype=w.dtype) for t in (a, core, b))
+                    factors = ArmorFactors(a, core * mask, b, mask, w.pattern)
+                    armor_linear_from_factors(module, factors, storage=storage, name=name)
+                self.weights.update(result_tensors({name: module.weight}, self.train_core))
+
+            self.stream.for_each_layer(apply, write=kept is not None)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.stream.__exit__(None, None, None)
+
+    def result_tensors(self, train_core: bool) -> Dict[str, torch.Tensor]:
+        return dict(self.weights)
