@@ -5,6 +5,8 @@ transformers 5 stores the experts of a mixture-of-experts block fused: ``mlp.exp
 …; the class is decorated with ``transformers.integrations.moe.use_experts_implementation``). Each
 expert's matrix is one layer, named ``f"{param}.{e}"`` (``model.layers.0.mlp.experts.gate_up_proj.3``,
 weight ``param[e]``); ``gate_up_proj[e]`` is one ``(2·I) × H`` layer, as the checkpoint stores it.
+A transposed layout (gpt-oss: ``gate_up_proj`` ``(E, H, 2·I)``, ``is_transposed``) holds expert ``e``'s
+weight as ``param[e].T`` (:func:`expert_weight`, a view); ARMOR experts are always ``(E, out, in)``.
 
 The router (``mlp.gate``; Qwen2-MoE's ``shared_expert_gate``) is left dense: it is tiny and the
 top-k choice is sensitive to it. ``nn.Linear`` experts (a ``ModuleList``, Qwen2-MoE's
@@ -46,7 +48,7 @@ from torch_armor.calibration.observer import ActSqNormObserver, LayerStatistics,
 from torch_armor.errors import ArmorInputError
 
 __all__ = ["ExpertParam", "ExpertSlot", "ExpertsObserver", "EXPERT_CALIBRATIONS", "expert_params",
-           "unsupported_experts", "router_names", "split_expert_name", "expert_layer_names", "is_experts_module",
+           "unsupported_experts", "stores_in_by_out", "expert_weight", "out_in_shape", "router_names", "split_expert_name", "expert_layer_names", "is_experts_module",
            "observe_experts"]
 
 #: ``expert_calibration`` values: the router's top-k tokens per expert, or every token.
@@ -80,7 +82,7 @@ class ExpertSlot:
 
     @property
     def weight(self) -> torch.Tensor:
-        return getattr(self.module, self.attr)[self.index]
+        return expert_weight(self.module, self.attr, self.index)
 
     @property
     def param_fqn(self) -> str:
@@ -96,11 +98,27 @@ def is_experts_module(module: nn.Module) -> bool:
     return any(set(layout) <= names for layout in _LAYOUTS)
 
 
+def stores_in_by_out(module: nn.Module, attr: str) -> bool:
+    """Whether ``module.<attr>`` holds each expert as ``(in, out)``: a dense parameter of a transposed
+    experts module (gpt-oss). ARMOR experts replacing it are ``(E, out, in)`` whatever the module's layout."""
+    return bool(getattr(module, "is_transposed", False)) and type(getattr(module, attr)) in (torch.Tensor, nn.Parameter)
+
+
+def expert_weight(module: nn.Module, attr: str, e: int) -> torch.Tensor:
+    """Expert ``e``'s ``(out, in)`` weight of ``module.<attr>``: a view (writes go through)."""
+    w = getattr(module, attr)[e]
+    return w.T if stores_in_by_out(module, attr) else w
+
+
+def out_in_shape(module: nn.Module, attr: str) -> Tuple[int, ...]:
+    """The shape of ``module.<attr>`` with each expert as ``(out, in)`` (what ARMOR experts of it have)."""
+    shape = tuple(getattr(module, attr).shape)
+    return shape[:-2] + (shape[-1], shape[-2]) if stores_in_by_out(module, attr) else shape
+
+
 def _layout(module: nn.Module) -> Optional[Tuple[str, str]]:
     """The module's ``(input projection, down projection)`` names, or ``None`` if it is a layout
-    the per-expert statistics do not understand (transposed weights, other names)."""
-    if getattr(module, "is_transposed", False):
-        return None
+    the per-expert statistics do not understand (other names)."""
     names = {n for n, p in module.named_parameters(recurse=False) if p.dim() == 3}
     return next((layout for layout in _LAYOUTS if set(layout) <= names), None)
 
@@ -110,8 +128,7 @@ def unsupported_experts(model: nn.Module) -> Dict[str, str]:
     out = {}
     for name, module in model.named_modules():
         if is_experts_module(module) and _layout(module) is None:
-            why = "transposed weights (in × out)" if getattr(module, "is_transposed", False) else "unknown layout"
-            out[name] = f"experts layout not supported yet: {why}"
+            out[name] = "experts layout not supported yet: 3-D parameters not named gate_up_proj/up_proj + down_proj"
     return out
 
 
@@ -125,8 +142,8 @@ def expert_params(model: nn.Module) -> List[ExpertParam]:
         if layout is None:
             continue
         for attr in layout:
-            p = getattr(module, attr)
-            out.append(ExpertParam(name, attr, int(p.shape[0]), (int(p.shape[1]), int(p.shape[2]))))
+            e_count, d_out, d_in = out_in_shape(module, attr)
+            out.append(ExpertParam(name, attr, int(e_count), (int(d_out), int(d_in))))
     return out
 
 
@@ -199,7 +216,7 @@ class ExpertsObserver:
     def intermediate(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """The down projection's input for tokens ``x`` through expert ``e``'s current weights."""
         m = self.module
-        w = getattr(m, self.first)[e]
+        w = expert_weight(m, self.first, e)
         bias = getattr(m, f"{self.first}_bias", None)
         h = F.linear(x.to(w.dtype), w, None if bias is None else bias[e])
         return m._apply_gate(h) if self.first == "gate_up_proj" else m.act_fn(h)

@@ -74,7 +74,7 @@ def write_experts(slots: Mapping[str, ExpertSlot], solutions: Mapping[str, Any],
         if all(solutions[n].factors is None for n in names):
             with torch.no_grad():
                 for n in names:
-                    old[slots[n].index].copy_(solutions[n].pruned.to(dtype=old.dtype, device=old.device))
+                    slots[n].weight.copy_(solutions[n].pruned.to(dtype=old.dtype, device=old.device))
             continue
         by_index = {slots[n].index: solutions[n].factors for n in names}
         if sorted(by_index) != list(range(old.shape[0])):
@@ -98,8 +98,8 @@ def _reason(model: nn.Module, name: str, blocks_prefix: str, routers: Sequence[s
 
 def dense_weights(model: nn.Module, pruned: Sequence[str], blocks_prefix: str) -> Dict[str, Tuple[int, str]]:
     """``{name pattern: (count, why)}``: every weight of ``model`` that the prune of ``pruned``
-    (layer names) leaves dense, its decoder-block index replaced by ``*``; 1-D weights
-    (norms, biases) are one entry."""
+    (layer names) leaves dense, its decoder-block index replaced by ``*``; norms and biases
+    (fused experts' ``(E, out)`` biases too) are one entry."""
     done = set()
     for n in pruned:
         split = split_expert_name(n)
@@ -111,7 +111,7 @@ def dense_weights(model: nn.Module, pruned: Sequence[str], blocks_prefix: str) -
     for name, param in model.named_parameters():
         if name in done:
             continue
-        if param.dim() < 2:
+        if param.dim() < 2 or name.endswith("bias"):  # fused experts' biases are (E, out)
             ones += 1
             continue
         pattern = re.sub(r"\.\d+\.", ".*.", name, count=1) if name.startswith(blocks_prefix + ".") else name
