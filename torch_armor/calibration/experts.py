@@ -8,8 +8,8 @@ weight ``param[e]``); ``gate_up_proj[e]`` is one ``(2·I) × H`` layer, as the c
 A transposed layout (gpt-oss: ``gate_up_proj`` ``(E, H, 2·I)``, ``is_transposed``) holds expert ``e``'s
 weight as ``param[e].T`` (:func:`expert_weight`, a view); ARMOR experts are always ``(E, out, in)``.
 
-The router (``mlp.gate``; Qwen2-MoE's ``shared_expert_gate``) is left dense: it is tiny and the
-top-k choice is sensitive to it. ``nn.Linear`` experts (a ``ModuleList``, Qwen2-MoE's
+The router (:mod:`torch_armor.calibration.routers`) is left dense: it is tiny and the top-k choice
+is sensitive to it. ``nn.Linear`` experts (a ``ModuleList``, Qwen2-MoE's
 ``shared_expert``) are ordinary linears whose hooks already see only their routed tokens.
 
 Per-expert statistics (:class:`ExpertsObserver`) come from a forward pre-hook on the experts
@@ -48,7 +48,7 @@ from torch_armor.calibration.observer import ActSqNormObserver, LayerStatistics,
 from torch_armor.errors import ArmorInputError
 
 __all__ = ["ExpertParam", "ExpertSlot", "ExpertsObserver", "EXPERT_CALIBRATIONS", "expert_params",
-           "unsupported_experts", "stores_in_by_out", "expert_weight", "out_in_shape", "router_names", "split_expert_name", "expert_layer_names", "is_experts_module",
+           "unsupported_experts", "stores_in_by_out", "expert_weight", "out_in_shape", "split_expert_name", "expert_layer_names", "is_experts_module",
            "observe_experts"]
 
 #: ``expert_calibration`` values: the router's top-k tokens per expert, or every token.
@@ -158,20 +158,6 @@ def split_expert_name(name: str) -> Optional[Tuple[str, int]]:
     if not tail.isdigit() or not head.rsplit(".", 1)[-1] in {a for layout in _LAYOUTS for a in layout}:
         return None
     return head, int(tail)
-
-
-def router_names(model: nn.Module) -> List[str]:
-    """The routers: ``nn.Linear`` children of a mixture-of-experts block (a module with an
-    ``experts`` child), e.g. old Mixtral's ``block_sparse_moe.gate`` and Qwen2-MoE's
-    ``shared_expert_gate``; transformers 5's ``TopKRouter`` holds a bare parameter (not a linear)."""
-    out = []
-    for name, module in model.named_modules():
-        if not hasattr(module, "experts"):
-            continue
-        for child_name, child in module.named_children():
-            if isinstance(child, nn.Linear):
-                out.append(f"{name}.{child_name}" if name else child_name)
-    return out
 
 
 def _call_args(args: tuple, kwargs: dict) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -32,7 +32,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from torch_armor.calibration.experts import ExpertSlot, router_names, split_expert_name, unsupported_experts
+from torch_armor.calibration.experts import ExpertSlot, split_expert_name, unsupported_experts
+from torch_armor.calibration.routers import router_names
 from torch_armor.calibration.selection import prunable_names  # noqa: F401  (doctest)
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.experts import armor_experts_from_factors
@@ -91,7 +92,7 @@ def _reason(model: nn.Module, name: str, blocks_prefix: str, routers: Sequence[s
         return "outside the decoder blocks"
     if owner in unsupported:
         return unsupported[owner]
-    if owner in routers or type(model.get_submodule(owner)).__name__.endswith("Router"):
+    if owner in routers:
         return "router: routing-critical and tiny"
     return "not selected"
 
