@@ -86,8 +86,10 @@ def write_experts(slots: Mapping[str, ExpertSlot], solutions: Mapping[str, Any],
 
 
 def _reason(model: nn.Module, name: str, blocks_prefix: str, routers: Sequence[str],
-            unsupported: Mapping[str, str]) -> str:
+            unsupported: Mapping[str, str], why_dense: Mapping[str, str]) -> str:
     owner = name.rsplit(".", 1)[0]
+    if name in why_dense:
+        return why_dense[name]
     if not name.startswith(blocks_prefix + "."):
         return "outside the decoder blocks"
     if owner in unsupported:
@@ -97,10 +99,12 @@ def _reason(model: nn.Module, name: str, blocks_prefix: str, routers: Sequence[s
     return "not selected"
 
 
-def dense_weights(model: nn.Module, pruned: Sequence[str], blocks_prefix: str) -> Dict[str, Tuple[int, str]]:
+def dense_weights(model: nn.Module, pruned: Sequence[str], blocks_prefix: str,
+                  why_dense: Optional[Mapping[str, str]] = None) -> Dict[str, Tuple[int, str]]:
     """``{name pattern: (count, why)}``: every weight of ``model`` that the prune of ``pruned``
     (layer names) leaves dense, its decoder-block index replaced by ``*``; norms and biases
-    (fused experts' ``(E, out)`` biases too) are one entry."""
+    (fused experts' ``(E, out)`` biases too) are one entry. ``why_dense``: ``{weight name: why}``
+    for weights left dense for a reason of the caller's (a block size that fits no layer shape)."""
     done = set()
     for n in pruned:
         split = split_expert_name(n)
@@ -116,7 +120,7 @@ def dense_weights(model: nn.Module, pruned: Sequence[str], blocks_prefix: str) -
             ones += 1
             continue
         pattern = re.sub(r"\.\d+\.", ".*.", name, count=1) if name.startswith(blocks_prefix + ".") else name
-        count, why = out.get(pattern, (0, _reason(model, name, blocks_prefix, routers, unsupported)))
+        count, why = out.get(pattern, (0, _reason(model, name, blocks_prefix, routers, unsupported, why_dense or {})))
         out[pattern] = (count + 1, why)
     if ones:
         out["1-D weights (norms, biases)"] = (ones, "")
