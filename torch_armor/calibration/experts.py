@@ -48,7 +48,7 @@ from torch_armor.calibration.observer import ActSqNormObserver, LayerStatistics,
 from torch_armor.errors import ArmorInputError
 
 __all__ = ["ExpertParam", "ExpertSlot", "ExpertsObserver", "EXPERT_CALIBRATIONS", "expert_params",
-           "unsupported_experts", "stores_in_by_out", "expert_weight", "out_in_shape", "split_expert_name", "expert_layer_names", "is_experts_module",
+           "unsupported_experts", "holds_fused_experts", "stores_in_by_out", "expert_weight", "out_in_shape", "split_expert_name", "expert_layer_names", "is_experts_module",
            "observe_experts"]
 
 #: ``expert_calibration`` values: the router's top-k tokens per expert, or every token.
@@ -123,12 +123,20 @@ def _layout(module: nn.Module) -> Optional[Tuple[str, str]]:
     return next((layout for layout in _LAYOUTS if set(layout) <= names), None)
 
 
+def holds_fused_experts(module: nn.Module) -> bool:
+    """Fused experts of any layout: 3-D parameters of the module's own (a convolution's are not experts)."""
+    return not isinstance(module, nn.modules.conv._ConvNd) and any(
+        p.dim() == 3 for p in module.parameters(recurse=False))
+
+
 def unsupported_experts(model: nn.Module) -> Dict[str, str]:
-    """``{experts module name: why}`` for experts modules whose weights are left dense."""
+    """``{experts module name: why}`` for experts modules whose weights are left dense: any module
+    holding 3-D parameters not in a layout pruned as experts (JetMoE's ``input_linear``)."""
     out = {}
     for name, module in model.named_modules():
-        if is_experts_module(module) and _layout(module) is None:
-            out[name] = "experts layout not supported yet: 3-D parameters not named gate_up_proj/up_proj + down_proj"
+        if (is_experts_module(module) or holds_fused_experts(module)) and _layout(module) is None:
+            out[name] = ("experts layout not supported yet: 3-D weights other than gate_up_proj/up_proj + down_proj "
+                         "(E, out, in) or transposed")
     return out
 
 

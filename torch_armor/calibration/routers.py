@@ -35,6 +35,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from torch_armor.calibration.experts import holds_fused_experts
+
 __all__ = ["router_names", "moe_blocks"]
 
 #: the ops that pick experts from routing scores
@@ -81,18 +83,12 @@ class _RoutingProbe(TorchFunctionMode):
         return out
 
 
-def _holds_experts(module: nn.Module) -> bool:
-    """Fused experts of any layout: 3-D parameters of its own (a convolution's are not experts)."""
-    return not isinstance(module, nn.modules.conv._ConvNd) and any(
-        p.dim() == 3 for p in module.parameters(recurse=False))
-
-
 def moe_blocks(model: nn.Module) -> Iterator[tuple]:
     """``(name, module)`` of every mixture-of-experts block: a module with an ``experts`` child, or
     with a child holding fused experts (JetMoE's ``input_linear``)."""
     for name, module in model.named_modules():
         if isinstance(getattr(module, "experts", None), nn.Module) or any(
-                _holds_experts(child) for child in module.children()):
+                holds_fused_experts(child) for child in module.children()):
             yield name, module
 
 
@@ -100,7 +96,7 @@ def _num_experts(block: nn.Module) -> Optional[int]:
     experts = getattr(block, "experts", None)
     if isinstance(experts, nn.ModuleList):
         return len(experts)
-    sizes = {int(p.shape[0]) for m in block.modules() if _holds_experts(m)
+    sizes = {int(p.shape[0]) for m in block.modules() if holds_fused_experts(m)
              for p in m.parameters(recurse=False) if p.dim() == 3}
     return sizes.pop() if len(sizes) == 1 else None
 

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from torch_armor.calibration.experts import ExpertSlot, split_expert_name, unsupported_experts
-from torch_armor.calibration.routers import router_names
+from torch_armor.calibration.routers import moe_blocks, router_names
 from torch_armor.calibration.selection import prunable_names  # noqa: F401  (doctest)
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.experts import armor_experts_from_factors
@@ -86,7 +86,7 @@ def write_experts(slots: Mapping[str, ExpertSlot], solutions: Mapping[str, Any],
 
 
 def _reason(model: nn.Module, name: str, blocks_prefix: str, routers: Sequence[str],
-            unsupported: Mapping[str, str], why_dense: Mapping[str, str]) -> str:
+            unsupported: Mapping[str, str], why_dense: Mapping[str, str], experts_roots: Sequence[str]) -> str:
     owner = name.rsplit(".", 1)[0]
     if name in why_dense:
         return why_dense[name]
@@ -96,6 +96,10 @@ def _reason(model: nn.Module, name: str, blocks_prefix: str, routers: Sequence[s
         return unsupported[owner]
     if owner in routers:
         return "router: routing-critical and tiny"
+    if isinstance(model.get_submodule(owner), nn.Embedding):
+        return "embedding: rows looked up by index (Doge's experts), not a matmul to prune"
+    if any(owner == root or owner.startswith(root + ".") for root in experts_roots):
+        return "experts layout not supported yet: experts weights other than 3-D gate_up_proj/up_proj + down_proj"
     return "not selected"
 
 
@@ -111,6 +115,8 @@ def dense_weights(model: nn.Module, pruned: Sequence[str], blocks_prefix: str,
         done.add(split[0] if split is not None else f"{n}.weight")
     routers = set(router_names(model))
     unsupported = unsupported_experts(model)
+    experts_roots = [f"{name}.experts" if name else "experts" for name, _ in moe_blocks(model)
+                     if hasattr(model.get_submodule(name), "experts")]
     out: Dict[str, Tuple[int, str]] = {}
     ones = 0
     for name, param in model.named_parameters():
@@ -120,7 +126,8 @@ def dense_weights(model: nn.Module, pruned: Sequence[str], blocks_prefix: str,
             ones += 1
             continue
         pattern = re.sub(r"\.\d+\.", ".*.", name, count=1) if name.startswith(blocks_prefix + ".") else name
-        count, why = out.get(pattern, (0, _reason(model, name, blocks_prefix, routers, unsupported, why_dense or {})))
+        count, why = out.get(pattern, (0, _reason(model, name, blocks_prefix, routers, unsupported, why_dense or {},
+                                                       experts_roots)))
         out[pattern] = (count + 1, why)
     if ones:
         out["1-D weights (norms, biases)"] = (ones, "")

@@ -180,6 +180,8 @@ def prune_model(
     model = source.model
     blocks_prefix, blocks = decoder_blocks(model)
     names = select_layers(model, layers)
+    if layers is None:  # every linear of the decoder blocks; one outside them (Gemma-4's per-layer projection) stays dense
+        names = [n for n in names if n.startswith(blocks_prefix + ".")]
     check_token_ids(batches, vocab_size_of(model))
     _check_layers(model, names, streamed)
     selected = names
