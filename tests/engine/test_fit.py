@@ -56,3 +56,17 @@ def test_strict_refuses_before_anything_is_pruned():
 def test_a_selection_that_nothing_fits_is_refused():
     with pytest.raises(ArmorInputError, match="fit none of the 2 selected layers"):
         prune_model(_llama(), CALIB, CONFIG, layers="k_proj", options=PruneOptions(progress=False))
+
+
+def test_a_linear_outside_the_decoder_blocks_stays_dense_unless_named():
+    """Gemma-4's per_layer_model_projection, Qwen4-exp's hyper-connection mixer: linears of the model
+    outside its decoder blocks; the default selection leaves them dense, naming them, not the run."""
+    model = _llama()
+    model.model.mixer = torch.nn.Linear(32, 32, bias=False)
+    report = prune_model(model, CALIB, CONFIG, layers=None, options=PruneOptions(progress=False))
+    assert not any(r.name == "model.mixer" for r in report.layers) and len(report.layers) == 10
+    assert report.dense_weights["model.mixer.weight"] == (1, "outside the decoder blocks")
+    named = _llama()
+    named.model.mixer = torch.nn.Linear(32, 32, bias=False)
+    with pytest.raises(ArmorInputError, match="'model.mixer' is not inside a decoder block"):
+        prune_model(named, CALIB, CONFIG, layers=["model.mixer"], options=PruneOptions(progress=False))

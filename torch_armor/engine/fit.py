@@ -18,7 +18,7 @@ Example::
     >>> names, config.block_sizes
     (['wide', 'odd'], (('odd', 8),))
     >>> unfit["tiny"]
-    'dense: block_size=16 does not divide the weight shape (4, 64), and no block size that does fits within 5.0% wrapper overhead'
+    'dense: block_size=16 does not divide the weight shape (4, 64); no block size fits a (4, 64) layer within 5.0% wrapper overhead: the smallest valid one, 4, costs 106.2%; raise max_overhead or give an integer block size'
     >>> unfit["odd"]
     'block size 8: block_size=16 does not divide the weight shape (2048, 1000)'
 """
@@ -79,14 +79,14 @@ def fit_layers(model: nn.Module, names: Sequence[str], config: Any,
         if isinstance(config, ArmorConfig) and isinstance(config.block_size, int):
             try:
                 block = _smaller_block(config, d_out, d_in)
-            except ArmorInputError:
-                block = None
-            if block is not None:
+            except ArmorInputError as no_block:
+                if _cause(no_block) != cause:  # the pattern's own refusal is said once
+                    cause += f"; {_cause(no_block)}"
+            else:
                 smaller.append((name, block))
                 kept.append(name)
                 unfit[name] = f"block size {block}: {cause}"
                 continue
-            cause += f", and no block size that does fits within {config.max_overhead:.1%} wrapper overhead"
         unfit[name] = f"dense: {cause}"
     if smaller:
         config = dataclasses.replace(config, block_sizes=tuple(smaller) + tuple(config.block_sizes))
