@@ -54,6 +54,7 @@ OVERRIDES: Dict[str, Dict[str, Any]] = {
     "zaya": dict(num_experts_per_tok=1),  # ZAYA supports top-1 only
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),  # no default
     "mimo_v2_flash": dict(mlp_layer_types=["dense", "sparse"], num_key_value_heads=2),  # as its defaults: GQA, layer 0 dense
+    "longcat_flash": dict(num_layers=2, zero_expert_num=2, ffn_hidden_size=64, qk_head_dim=16),
     "jamba": dict(mamba_dt_rank=8, mamba_d_state=16),  # dt_proj (64, 8), x_proj (40, 64): shapes block size 8 fits
     "granitemoehybrid": dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, mamba_expand=2),
 }

@@ -8,15 +8,15 @@ import copy
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GptOssConfig, GptOssForCausalLM
 
 from torch_armor import load_pretrained, save_pretrained
 from torch_armor.calibration.experts import split_expert_name
 from torch_armor.core.config import ArmorConfig, BcdConfig
-from torch_armor.core.factors import ArmorFactors
 from torch_armor.engine.methods import config_for_method
 from torch_armor.engine.prune import PruneOptions, prune_model
+
+from _tiny_moe import install_stored_factors
 
 E = 4
 CALIB = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
@@ -62,16 +62,7 @@ def test_every_routed_expert_is_2_4_from_its_routed_tokens_and_equals_the_eager_
     assert report.dense_weights["model.layers.*.mlp.router.weight"] == (2, "router: routing-critical and tiny")
     assert not any(".experts." in k for k in report.dense_weights), report.dense_weights
 
-    for n in names:
-        t = load_file(str(tmp_path / "layers" / f"{n}.safetensors"))
-        f = ArmorFactors(t["a_blocks"], t["core"], t["b_blocks"], t["mask"].bool())
-        assert bool((f.mask.reshape(f.mask.shape[0], -1, 4).sum(-1) == 2).all()), n
-        assert bool((f.core[~f.mask] == 0).all()), n
-        split = split_expert_name(n)
-        if split is None:
-            reference.get_submodule(n).weight.data = f.dense()
-        else:  # gpt-oss stores expert e as (in, out)
-            reference.get_parameter(split[0]).data[split[1]] = f.dense().T
+    install_stored_factors(reference, tmp_path, names, transposed=True)  # gpt-oss stores expert e as (in, out)
     reference.set_experts_implementation("eager")  # gpt-oss's own loop: x @ gate_up_proj[e] + bias, its gate
     logits = _logits(model)
     torch.testing.assert_close(logits, _logits(reference), rtol=1e-4, atol=1e-5)

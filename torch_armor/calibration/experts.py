@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -213,7 +213,12 @@ class ExpertsObserver:
         w = expert_weight(m, self.first, e)
         bias = getattr(m, f"{self.first}_bias", None)
         h = F.linear(x.to(w.dtype), w, None if bias is None else bias[e])
-        return m._apply_gate(h) if self.first == "gate_up_proj" else m.act_fn(h)
+        if self.first != "gate_up_proj":
+            return m.act_fn(h)
+        if hasattr(m, "_apply_gate"):
+            return m._apply_gate(h)
+        gate, up = h.chunk(2, dim=-1)  # an undecorated module (LongCat): transformers' default [gate; up] gate
+        return m.act_fn(gate) * up
 
     def _add(self, e: int, x: torch.Tensor) -> None:
         with token_mask(None):  # rows are already the chosen tokens
