@@ -98,3 +98,26 @@ def armor_moe(arch: str, seed: int = 0, experts: int = 4, block_size: int = 8, i
     model.set_experts_implementation(implementation)
     reference.set_experts_implementation("eager")
     return attach_quantizer(model), reference
+
+
+def install_stored_factors(reference: nn.Module, run_dir, names, transposed: bool = False) -> None:
+    """Check that every layer of ``names`` stored in ``run_dir`` has a 2:4 core, and write its
+    ``A·core·B`` into ``reference`` (expert ``e`` of a fused parameter as ``P[e]``, or ``P[e].T`` for a
+    ``transposed`` layout such as gpt-oss's)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from torch_armor.calibration.experts import split_expert_name
+    from torch_armor.core.factors import ArmorFactors
+
+    for n in names:
+        t = load_file(str(Path(run_dir) / "layers" / f"{n}.safetensors"))
+        f = ArmorFactors(t["a_blocks"], t["core"], t["b_blocks"], t["mask"].bool())
+        assert bool((f.mask.reshape(f.mask.shape[0], -1, 4).sum(-1) == 2).all()), n
+        assert bool((f.core[~f.mask] == 0).all()), n
+        split = split_expert_name(n)
+        if split is None:
+            reference.get_submodule(n).weight.data = f.dense()
+        else:
+            reference.get_parameter(split[0]).data[split[1]] = f.dense().T if transposed else f.dense()

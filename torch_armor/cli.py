@@ -207,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model(p, "'smollm2' (embedded SmolLM2-135M), a local Hugging Face directory, or a hub id")
     p.add_argument("--out", type=_path, required=True, help="output directory")
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse a model with a layer the block size or pattern does not fit (default: that layer "
+                        "gets the largest block size that fits within --max-overhead, or stays dense; one warning)")
     p.add_argument("--method", choices=method_names(), default="armor", help="pruning method (default armor)")
     p.add_argument("--pattern", type=_pattern, default="2:4", help="'2:4' (default), 'N:M' or 'unstructured:F'")
     p.add_argument("--calib", default="sotu",

@@ -148,7 +148,8 @@ def _prune(args: argparse.Namespace, out: Path, run_dir: Path, config: Any) -> i
     options = PruneOptions(
         out=out, overwrite=args.overwrite, run_dir=run_dir,
         device=args.device, dtype=parse_dtype(args.dtype), storage=args.storage, sequential=not args.one_shot,
-        batch_size=args.batch_size, progress=not args.no_progress, log=lambda line: log(with_flags(line)))
+        batch_size=args.batch_size, progress=not args.no_progress, strict=args.strict,
+        log=lambda line: log(with_flags(line)))
     with warnings.catch_warnings():  # what the library skips and says why (e.g. distillation when streamed): a log line
         warnings.showwarning = lambda message, *rest, **kw: log(str(message))
         report = prune_model(model, windows, config, layers=args.layers, options=options)

@@ -51,6 +51,7 @@ METHOD_FLAGS: Dict[str, str] = {
 PARAMETER_FLAGS: Dict[str, str] = {
     "out": "--out",
     "overwrite": "--overwrite",
+    "strict": "--strict",
     "run_dir": "--run-dir",
     "layers": "--layers",
     "device": "--device",

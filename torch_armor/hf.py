@@ -41,6 +41,7 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from torch_armor.calibration.experts import out_in_shape
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import QUANTIZED, ArmorTensor, from_parts, restore_storage
 from torch_armor.tensor.experts import ArmorExpertsTensor, experts_from_parts
@@ -206,10 +207,10 @@ class ArmorHfQuantizer(HfQuantizer):
             except AttributeError:
                 raise ArmorInputError(f"config.json lists ARMOR layer {fqn!r}, which this {type(model).__name__} lacks") from None
             old = module._parameters.get(pname)
-            if old is None or tuple(old.shape) != tuple(layer["shape"]):
+            if old is None or out_in_shape(module, pname) != tuple(layer["shape"]):
                 raise ArmorInputError(
                     f"ARMOR layer {fqn!r} is {tuple(layer['shape'])} in the checkpoint, "
-                    f"{None if old is None else tuple(old.shape)} in the model"
+                    f"{None if old is None else out_in_shape(module, pname)} in the model"
                 )
             meta = {name: torch.empty(spec["shape"], dtype=DTYPES[spec["dtype"]], device="meta")
                     for name, spec in layer["tensors"].items()}

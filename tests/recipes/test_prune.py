@@ -147,14 +147,16 @@ def test_prune_model_block_size_auto_and_errors(tiny_llama_factory):
     assert _unchanged(model, before)
 
 
-def test_a_layer_that_does_not_fit_fails_before_any_is_pruned(tiny_llama):
-    """Block 1's MLP is 80 wide: block size 32 fits every layer of block 0 but not it."""
+def test_strict_a_layer_that_does_not_fit_fails_before_any_is_pruned(tiny_llama):
+    """Block 1's MLP is 80 wide: block size 32 fits every layer of block 0 but not it (without strict
+    it gets a smaller block size or stays dense: tests/engine/test_fit.py)."""
     mlp = tiny_llama.model.layers[1].mlp
     mlp.gate_proj, mlp.up_proj = nn.Linear(64, 80, bias=False), nn.Linear(64, 80, bias=False)
     mlp.down_proj = nn.Linear(80, 64, bias=False)
     before = _snapshot(tiny_llama)
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.gate_proj.*does not divide"):
-        prune_model(tiny_llama, CALIB, ArmorConfig(block_size=32, optimizer=BcdConfig(iters=1)), options=PruneOptions(progress=False))
+        prune_model(tiny_llama, CALIB, ArmorConfig(block_size=32, optimizer=BcdConfig(iters=1)),
+                    options=PruneOptions(progress=False, strict=True))
     assert _unchanged(tiny_llama, before)
 
 

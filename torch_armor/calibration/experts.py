@@ -5,9 +5,11 @@ transformers 5 stores the experts of a mixture-of-experts block fused: ``mlp.exp
 …; the class is decorated with ``transformers.integrations.moe.use_experts_implementation``). Each
 expert's matrix is one layer, named ``f"{param}.{e}"`` (``model.layers.0.mlp.experts.gate_up_proj.3``,
 weight ``param[e]``); ``gate_up_proj[e]`` is one ``(2·I) × H`` layer, as the checkpoint stores it.
+A transposed layout (gpt-oss: ``gate_up_proj`` ``(E, H, 2·I)``, ``is_transposed``) holds expert ``e``'s
+weight as ``param[e].T`` (:func:`expert_weight`, a view); ARMOR experts are always ``(E, out, in)``.
 
-The router (``mlp.gate``; Qwen2-MoE's ``shared_expert_gate``) is left dense: it is tiny and the
-top-k choice is sensitive to it. ``nn.Linear`` experts (a ``ModuleList``, Qwen2-MoE's
+The router (:mod:`torch_armor.calibration.routers`) is left dense: it is tiny and the top-k choice
+is sensitive to it. ``nn.Linear`` experts (a ``ModuleList``, Qwen2-MoE's
 ``shared_expert``) are ordinary linears whose hooks already see only their routed tokens.
 
 Per-expert statistics (:class:`ExpertsObserver`) come from a forward pre-hook on the experts
@@ -46,7 +48,7 @@ from torch_armor.calibration.observer import ActSqNormObserver, LayerStatistics,
 from torch_armor.errors import ArmorInputError
 
 __all__ = ["ExpertParam", "ExpertSlot", "ExpertsObserver", "EXPERT_CALIBRATIONS", "expert_params",
-           "unsupported_experts", "router_names", "split_expert_name", "expert_layer_names", "is_experts_module",
+           "unsupported_experts", "holds_fused_experts", "stores_in_by_out", "expert_weight", "out_in_shape", "split_expert_name", "expert_layer_names", "is_experts_module",
            "observe_experts"]
 
 #: ``expert_calibration`` values: the router's top-k tokens per expert, or every token.
@@ -80,7 +82,7 @@ class ExpertSlot:
 
     @property
     def weight(self) -> torch.Tensor:
-        return getattr(self.module, self.attr)[self.index]
+        return expert_weight(self.module, self.attr, self.index)
 
     @property
     def param_fqn(self) -> str:
@@ -96,22 +98,45 @@ def is_experts_module(module: nn.Module) -> bool:
     return any(set(layout) <= names for layout in _LAYOUTS)
 
 
+def stores_in_by_out(module: nn.Module, attr: str) -> bool:
+    """Whether ``module.<attr>`` holds each expert as ``(in, out)``: a dense parameter of a transposed
+    experts module (gpt-oss). ARMOR experts replacing it are ``(E, out, in)`` whatever the module's layout."""
+    return bool(getattr(module, "is_transposed", False)) and type(getattr(module, attr)) in (torch.Tensor, nn.Parameter)
+
+
+def expert_weight(module: nn.Module, attr: str, e: int) -> torch.Tensor:
+    """Expert ``e``'s ``(out, in)`` weight of ``module.<attr>``: a view (writes go through)."""
+    w = getattr(module, attr)[e]
+    return w.T if stores_in_by_out(module, attr) else w
+
+
+def out_in_shape(module: nn.Module, attr: str) -> Tuple[int, ...]:
+    """The shape of ``module.<attr>`` with each expert as ``(out, in)`` (what ARMOR experts of it have)."""
+    shape = tuple(getattr(module, attr).shape)
+    return shape[:-2] + (shape[-1], shape[-2]) if stores_in_by_out(module, attr) else shape
+
+
 def _layout(module: nn.Module) -> Optional[Tuple[str, str]]:
     """The module's ``(input projection, down projection)`` names, or ``None`` if it is a layout
-    the per-expert statistics do not understand (transposed weights, other names)."""
-    if getattr(module, "is_transposed", False):
-        return None
+    the per-expert statistics do not understand (other names)."""
     names = {n for n, p in module.named_parameters(recurse=False) if p.dim() == 3}
     return next((layout for layout in _LAYOUTS if set(layout) <= names), None)
 
 
+def holds_fused_experts(module: nn.Module) -> bool:
+    """Fused experts of any layout: 3-D parameters of the module's own (a convolution's are not experts)."""
+    return not isinstance(module, nn.modules.conv._ConvNd) and any(
+        p.dim() == 3 for p in module.parameters(recurse=False))
+
+
 def unsupported_experts(model: nn.Module) -> Dict[str, str]:
-    """``{experts module name: why}`` for experts modules whose weights are left dense."""
+    """``{experts module name: why}`` for experts modules whose weights are left dense: any module
+    holding 3-D parameters not in a layout pruned as experts (JetMoE's ``input_linear``)."""
     out = {}
     for name, module in model.named_modules():
-        if is_experts_module(module) and _layout(module) is None:
-            why = "transposed weights (in × out)" if getattr(module, "is_transposed", False) else "unknown layout"
-            out[name] = f"experts layout not supported yet: {why}"
+        if (is_experts_module(module) or holds_fused_experts(module)) and _layout(module) is None:
+            out[name] = ("experts layout not supported yet: 3-D weights other than gate_up_proj/up_proj + down_proj "
+                         "(E, out, in) or transposed")
     return out
 
 
@@ -125,8 +150,8 @@ def expert_params(model: nn.Module) -> List[ExpertParam]:
         if layout is None:
             continue
         for attr in layout:
-            p = getattr(module, attr)
-            out.append(ExpertParam(name, attr, int(p.shape[0]), (int(p.shape[1]), int(p.shape[2]))))
+            e_count, d_out, d_in = out_in_shape(module, attr)
+            out.append(ExpertParam(name, attr, int(e_count), (int(d_out), int(d_in))))
     return out
 
 
@@ -141,20 +166,6 @@ def split_expert_name(name: str) -> Optional[Tuple[str, int]]:
     if not tail.isdigit() or head.rsplit(".", 1)[-1] not in {a for layout in _LAYOUTS for a in layout}:
         return None
     return head, int(tail)
-
-
-def router_names(model: nn.Module) -> List[str]:
-    """The routers: ``nn.Linear`` children of a mixture-of-experts block (a module with an
-    ``experts`` child), e.g. old Mixtral's ``block_sparse_moe.gate`` and Qwen2-MoE's
-    ``shared_expert_gate``; transformers 5's ``TopKRouter`` holds a bare parameter (not a linear)."""
-    out = []
-    for name, module in model.named_modules():
-        if not hasattr(module, "experts"):
-            continue
-        for child_name, child in module.named_children():
-            if isinstance(child, nn.Linear):
-                out.append(f"{name}.{child_name}" if name else child_name)
-    return out
 
 
 def _call_args(args: tuple, kwargs: dict) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -199,10 +210,15 @@ class ExpertsObserver:
     def intermediate(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """The down projection's input for tokens ``x`` through expert ``e``'s current weights."""
         m = self.module
-        w = getattr(m, self.first)[e]
+        w = expert_weight(m, self.first, e)
         bias = getattr(m, f"{self.first}_bias", None)
         h = F.linear(x.to(w.dtype), w, None if bias is None else bias[e])
-        return m._apply_gate(h) if self.first == "gate_up_proj" else m.act_fn(h)
+        if self.first != "gate_up_proj":
+            return m.act_fn(h)
+        if hasattr(m, "_apply_gate"):
+            return m._apply_gate(h)
+        gate, up = h.chunk(2, dim=-1)  # an undecorated module (LongCat): transformers' default [gate; up] gate
+        return m.act_fn(gate) * up
 
     def _add(self, e: int, x: torch.Tensor) -> None:
         with token_mask(None):  # rows are already the chosen tokens

@@ -17,7 +17,8 @@ from typing import Callable, List, Optional, Sequence, Union
 
 from torch import nn
 
-from torch_armor.calibration.experts import expert_layer_names, router_names
+from torch_armor.calibration.experts import expert_layer_names
+from torch_armor.calibration.routers import router_names
 from torch_armor.calibration.observer import decoder_linear_names
 from torch_armor.errors import ArmorInputError
 

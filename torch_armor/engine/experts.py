@@ -32,7 +32,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from torch_armor.calibration.experts import ExpertSlot, router_names, split_expert_name, unsupported_experts
+from torch_armor.calibration.experts import ExpertSlot, split_expert_name, unsupported_experts
+from torch_armor.calibration.routers import moe_blocks, router_names
 from torch_armor.calibration.selection import prunable_names  # noqa: F401  (doctest)
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.experts import armor_experts_from_factors
@@ -74,7 +75,7 @@ def write_experts(slots: Mapping[str, ExpertSlot], solutions: Mapping[str, Any],
         if all(solutions[n].factors is None for n in names):
             with torch.no_grad():
                 for n in names:
-                    old[slots[n].index].copy_(solutions[n].pruned.to(dtype=old.dtype, device=old.device))
+                    slots[n].weight.copy_(solutions[n].pruned.to(dtype=old.dtype, device=old.device))
             continue
         by_index = {slots[n].index: solutions[n].factors for n in names}
         if sorted(by_index) != list(range(old.shape[0])):
@@ -85,37 +86,48 @@ def write_experts(slots: Mapping[str, ExpertSlot], solutions: Mapping[str, Any],
 
 
 def _reason(model: nn.Module, name: str, blocks_prefix: str, routers: Sequence[str],
-            unsupported: Mapping[str, str]) -> str:
+            unsupported: Mapping[str, str], why_dense: Mapping[str, str], experts_roots: Sequence[str]) -> str:
     owner = name.rsplit(".", 1)[0]
+    if name in why_dense:
+        return why_dense[name]
     if not name.startswith(blocks_prefix + "."):
         return "outside the decoder blocks"
     if owner in unsupported:
         return unsupported[owner]
-    if owner in routers or type(model.get_submodule(owner)).__name__.endswith("Router"):
+    if owner in routers:
         return "router: routing-critical and tiny"
+    if isinstance(model.get_submodule(owner), nn.Embedding):
+        return "embedding: rows looked up by index (Doge's experts), not a matmul to prune"
+    if any(owner == root or owner.startswith(root + ".") for root in experts_roots):
+        return "experts layout not supported yet: experts weights other than 3-D gate_up_proj/up_proj + down_proj"
     return "not selected"
 
 
-def dense_weights(model: nn.Module, pruned: Sequence[str], blocks_prefix: str) -> Dict[str, Tuple[int, str]]:
+def dense_weights(model: nn.Module, pruned: Sequence[str], blocks_prefix: str,
+                  why_dense: Optional[Mapping[str, str]] = None) -> Dict[str, Tuple[int, str]]:
     """``{name pattern: (count, why)}``: every weight of ``model`` that the prune of ``pruned``
-    (layer names) leaves dense, its decoder-block index replaced by ``*``; 1-D weights
-    (norms, biases) are one entry."""
+    (layer names) leaves dense, its decoder-block index replaced by ``*``; norms and biases
+    (fused experts' ``(E, out)`` biases too) are one entry. ``why_dense``: ``{weight name: why}``
+    for weights left dense for a reason of the caller's (a block size that fits no layer shape)."""
     done = set()
     for n in pruned:
         split = split_expert_name(n)
         done.add(split[0] if split is not None else f"{n}.weight")
     routers = set(router_names(model))
     unsupported = unsupported_experts(model)
+    experts_roots = [f"{name}.experts" if name else "experts" for name, _ in moe_blocks(model)
+                     if hasattr(model.get_submodule(name), "experts")]
     out: Dict[str, Tuple[int, str]] = {}
     ones = 0
     for name, param in model.named_parameters():
         if name in done:
             continue
-        if param.dim() < 2:
+        if param.dim() < 2 or name.endswith("bias"):  # fused experts' biases are (E, out)
             ones += 1
             continue
         pattern = re.sub(r"\.\d+\.", ".*.", name, count=1) if name.startswith(blocks_prefix + ".") else name
-        count, why = out.get(pattern, (0, _reason(model, name, blocks_prefix, routers, unsupported)))
+        count, why = out.get(pattern, (0, _reason(model, name, blocks_prefix, routers, unsupported, why_dense or {},
+                                                       experts_roots)))
         out[pattern] = (count + 1, why)
     if ones:
         out["1-D weights (norms, biases)"] = (ones, "")

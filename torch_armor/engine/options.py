@@ -93,6 +93,9 @@ class PruneOptions:
         min_expert_tokens: an expert routed fewer calibration tokens than this takes the statistics
             of all tokens reaching its block (through its own weights), with a warning naming it.
         log: called with a line of text about resuming and distillation (default: the ``torch_armor`` logger).
+        strict: refuse a model with a layer the settings do not fit (block size, pattern); by default
+            such a layer gets the largest block size that fits it within ``max_overhead``, or stays
+            dense, named in one warning and in ``PruneReport.unfit_layers``.
     """
 
     out: Optional[PathLike] = None
@@ -109,6 +112,7 @@ class PruneOptions:
     log: Optional[Callable[[str], None]] = None
     expert_calibration: str = "routed"
     min_expert_tokens: int = 16
+    strict: bool = False
 
     def __post_init__(self) -> None:
         for label in ("out", "run_dir", "hidden_dir"):
@@ -118,7 +122,7 @@ class PruneOptions:
             if isinstance(value, str) and not value.strip():  # Path("") is the working directory
                 raise ArmorInputError(f"PruneOptions.{label} is an empty path (an unset variable?); give a directory "
                                       "or None")
-        for label in ("overwrite", "sequential", "progress"):
+        for label in ("overwrite", "sequential", "progress", "strict"):
             if not isinstance(getattr(self, label), bool):
                 raise ArmorInputError(f"PruneOptions.{label} must be True or False, got {getattr(self, label)!r}")
         check_device(self.device, "PruneOptions.device")

@@ -49,6 +49,7 @@ from torch_armor.engine.distill import NO_DISTILL_COST, Distillation, distill_sk
 from torch_armor.engine.distill_kl import windows_of
 from torch_armor.engine.distill_stream import BlockStream
 from torch_armor.engine.distributed import init_distributed, launched_world_size
+from torch_armor.engine.fit import dense_reasons, fit_layers, warn_unfit
 from torch_armor.engine.experts import dense_lines, dense_weights, group_by_param, layer_module, routed_token_lines
 from torch_armor.engine.identity import identity_string
 from torch_armor.engine.interrupt import interrupted_message
@@ -81,7 +82,7 @@ def _run_path(options: PruneOptions) -> Tuple[Optional[Path], bool]:
     return None, False
 
 
-def _check_layers(model: nn.Module, names: Sequence[str], config: Any, streamed: bool) -> None:
+def _check_layers(model: nn.Module, names: Sequence[str], streamed: bool) -> None:
     """Every layer checked before any is pruned: a failed call leaves the model untouched."""
     for name in names:
         weight = layer_module(model, name).weight
@@ -94,7 +95,6 @@ def _check_layers(model: nn.Module, names: Sequence[str], config: Any, streamed:
         if hasattr(type(weight), "__tensor_flatten__"):
             raise ArmorInputError(f"layer {name!r} is already pruned (its weight is of type {type(weight).__name__}); "
                                   "prune the original dense model")
-        config.check_layer(*weight.shape, name=name)
 
 
 def _save_output(write: Callable[[Path], None], out: Path, overwrite: bool, resuming: bool, allowed: Sequence[str],
@@ -149,9 +149,10 @@ def prune_model(
         options: :class:`PruneOptions` (output, run directory, device, …).
 
     Raises:
-        ArmorInputError: bad arguments, a layer outside the decoder blocks, a layer the settings do
-            not fit (block size, pattern) or whose weight is on the meta device — every layer is
-            checked before any is pruned —, a non-empty ``out``, a run directory of another run
+        ArmorInputError: bad arguments, a layer outside the decoder blocks, with
+            ``options.strict`` a layer the settings do not fit (block size, pattern; otherwise it gets
+            a smaller block size or stays dense, with one warning: :mod:`torch_armor.engine.fit`), a
+            layer whose weight is on the meta device — every layer is checked before any is pruned —, a non-empty ``out``, a run directory of another run
             (:class:`~torch_armor.errors.RunMismatchError`), a method other than ARMOR under
             ``torchrun``.
     """
@@ -182,15 +183,24 @@ def prune_model(
     model = source.model
     blocks_prefix, blocks = decoder_blocks(model)
     names = select_layers(model, layers)
+    if layers is None:  # every linear of the decoder blocks; one outside them (Gemma-4's per-layer projection) stays dense
+        names = [n for n in names if n.startswith(blocks_prefix + ".")]
     check_token_ids(batches, vocab_size_of(model))
-    _check_layers(model, names, config, streamed)
+    _check_layers(model, names, streamed)
+    selected = names
+    names, config, unfit = fit_layers(model, names, config, options.strict)
+    if not names:
+        first = next(iter(unfit))
+        raise ArmorInputError(f"the settings fit none of the {len(selected)} selected layers (layer {first!r}: "
+                              f"{unfit[first]}); choose a block size or pattern that fits them")
+    warn_unfit(unfit)
     experts = group_by_param(names)
     for param, chosen in experts.items():
         total = model.get_parameter(param).shape[0]
         if method.factorizes and len(chosen) != total:
             raise ArmorInputError(f"{param}: ARMOR converts all {total} experts of a fused parameter together, "
                                   f"the layer selection holds {len(chosen)}; select every expert of it or none")
-    dense = dense_weights(model, names, blocks_prefix)
+    dense = dense_weights(model, names, blocks_prefix, dense_reasons(unfit, names))
     distill, distill_skipped, sampling_skipped = getattr(config, "distill", None), "", ""
     if distill is not None:
         why_not = distill_skip_reason(distill, n_windows=len(windows_of(batches)))
@@ -266,6 +276,7 @@ def prune_model(
                     report.distill = {"skipped": distill_skipped, "expected_cost": NO_DISTILL_COST}
                 report.settings.update(sequential=options.sequential)
                 report.dense_weights = dense
+                report.unfit_layers = unfit
                 if experts and topo.rank == 0:
                     for line in dense_lines(dense) + routed_token_lines(report.expert_tokens):
                         logger.info(line)

@@ -56,6 +56,8 @@ class PruneReport:
             output error ``‖Y − Y_dense‖² / ‖Y_dense‖²`` of the block on held-out calibration data.
         dense_weights: ``{name pattern: (count, why)}``: every weight the prune left dense (routers,
             embeddings, unselected layers, …; block index as ``*``), one entry per kind.
+        unfit_layers: ``{layer: what was done}`` for every selected layer the settings did not fit
+            (``"block size 8: …"``, its own smaller block size; ``"dense: …"``, left out), with why.
         expert_tokens: mixture-of-experts models: ``{f"{experts module}.{e}": routed calibration
             tokens}`` of each pruned expert (summed over the windows).
         distill: with end-to-end distillation, its held-out KL before and after, the kept step,
@@ -79,6 +81,7 @@ class PruneReport:
     world_size: int = 1
     dense_weights: Dict[str, Tuple[int, str]] = field(default_factory=dict)
     expert_tokens: Dict[str, int] = field(default_factory=dict)
+    unfit_layers: Dict[str, str] = field(default_factory=dict)
 
     @property
     def wrapper_params(self) -> int:
@@ -174,6 +177,7 @@ class PruneReport:
             block_errors={str(k): list(v) for k, v in sorted(self.block_errors.items())},
             dense_weights={k: {"count": c, "why": why} for k, (c, why) in self.dense_weights.items()},
             expert_tokens=dict(self.expert_tokens),
+            unfit_layers=dict(self.unfit_layers),
             **({"distill": self.distill} if self.distill else {}),
             block_curves={str(k): [list(p) for p in v] for k, v in sorted(self.block_curves.items())},
             layers=[{k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(layer).items()}

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from torchao.utils import TorchAOBaseTensor
 
+from torch_armor.calibration.experts import out_in_shape
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor import interop  # noqa: F401  (the handlers _SHARED_ATEN delegates to)
@@ -263,7 +264,8 @@ def _restacked(like: ArmorExpertsTensor, experts: Sequence[ArmorTensor]) -> Armo
 
 def armor_experts_from_factors(module: nn.Module, param_name: str, factors: Sequence[ArmorFactors], *,
                                storage: str = "auto", name: str = "", backend: Optional[str] = None) -> None:
-    """Swap ``module.<param_name>`` (a 3-D ``(E, d_out, d_in)`` parameter) for an ArmorExpertsTensor parameter.
+    """Swap ``module.<param_name>`` (a 3-D ``(E, d_out, d_in)`` parameter, or ``(E, d_in, d_out)`` in a
+    transposed experts module) for an ``(E, d_out, d_in)`` ArmorExpertsTensor parameter.
 
     The new parameter keeps the old one's dtype and device (a meta parameter: the factors' device)
     and does not require grad. A module whose config asks for ``"grouped_mm"``/``"batched_mm"``
@@ -280,7 +282,7 @@ def armor_experts_from_factors(module: nn.Module, param_name: str, factors: Sequ
         raise ArmorInputError(f"{where}: expected a 3-D (experts, d_out, d_in) parameter {param_name!r} on "
                               f"{type(module).__name__}, found {None if old is None else tuple(old.shape)}")
     factors = list(factors)
-    e_count, d_out, d_in = old.shape
+    e_count, d_out, d_in = out_in_shape(module, param_name)
     if len(factors) != e_count:
         raise ArmorInputError(f"{where}: {len(factors)} ArmorFactors for {e_count} experts; give one per expert")
     for e, f in enumerate(factors):

@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface
 
+from torch_armor.calibration.experts import stores_in_by_out
+
 __all__ = ["ARMOR_EXPERTS", "armor_experts_forward", "prefer_armor_experts", "RUNS_ARMOR_EXPERTS"]
 
 ARMOR_EXPERTS = "armor"
@@ -38,7 +40,8 @@ _WARNED: set = set()
 
 
 def _project(self: nn.Module, x: torch.Tensor, e: int, name: str) -> torch.Tensor:
-    y = F.linear(x, getattr(self, name)[e])
+    w = getattr(self, name)[e]
+    y = x @ w if stores_in_by_out(self, name) else F.linear(x, w)
     if getattr(self, "has_bias", False):
         y = y + getattr(self, f"{name}_bias")[e]
     return y
@@ -48,7 +51,7 @@ def _project(self: nn.Module, x: torch.Tensor, e: int, name: str) -> torch.Tenso
 def _run_experts(self: nn.Module, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """``(S, hidden)`` outputs of every (token, expert) pair, ``x_sorted`` grouped by expert (``counts`` each)."""
     up = "gate_up_proj" if getattr(self, "has_gate", True) else "up_proj"
-    out = x_sorted.new_zeros(x_sorted.shape[0], self.down_proj.shape[1])
+    out = x_sorted.new_zeros(x_sorted.shape)  # experts map hidden -> hidden
     start = 0
     for e, n in enumerate(counts.tolist()):  # one device sync for the whole loop
         if n == 0:
@@ -68,11 +71,9 @@ def armor_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_in
     """Experts forward that runs each hit expert's weights (ARMOR or dense) on its routed tokens only.
 
     Same contract as transformers' experts forwards: ``hidden_states (T, hidden)``, ``top_k_index`` /
-    ``top_k_weights (T, k)``; returns ``(T, hidden)``. Expert-parallel sentinels (ids ``>= E``) are dropped.
+    ``top_k_weights (T, k)``; returns ``(T, hidden)``. Expert-parallel sentinels (ids ``>= E``) are dropped. ARMOR experts are ``(E, out, in)``; a
+    transposed module's dense ones (gpt-oss) ``(E, in, out)``.
     """
-    if getattr(self, "is_transposed", False):
-        raise NotImplementedError(f"{type(self).__name__}: the 'armor' experts implementation takes (E, out, in) "
-                                  "weights, this module stores them transposed; use experts_implementation='eager'")
     num_experts = self.down_proj.shape[0]
     num_top_k = top_k_index.shape[-1]
     expert_ids = top_k_index.reshape(-1)
@@ -89,13 +90,14 @@ def armor_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_in
 
 def prefer_armor_experts(module: nn.Module, name: Optional[str] = None, quiet_default: bool = False) -> None:
     """Set ``module.config._experts_implementation`` to ``"armor"`` unless it already runs ARMOR experts
-    (``"armor"``/``"eager"``), with one warning per previous implementation (none for transformers'
+    (``"armor"``; ``"eager"`` except in a transposed module such as gpt-oss's), with one warning per previous implementation (none for transformers'
     default ``"grouped_mm"`` when ``quiet_default``: loading an ARMOR checkpoint). No-op without a config."""
     config = getattr(module, "config", None)
     if config is None or not hasattr(config, "_experts_implementation"):
         return
     current = config._experts_implementation
-    if current in RUNS_ARMOR_EXPERTS:
+    # a transposed module's own eager forward computes x @ w[e], which an ARMOR expert does not run
+    if current == ARMOR_EXPERTS or (current == "eager" and not getattr(module, "is_transposed", False)):
         return
     config._experts_implementation = ARMOR_EXPERTS
     if current not in _WARNED and not (quiet_default and current in (None, "grouped_mm")):

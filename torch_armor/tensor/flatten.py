@@ -13,6 +13,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 import torch
 from torch import nn
 
+from torch_armor.calibration.experts import out_in_shape
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import STORAGES, ArmorTensor, restore_storage
 from torch_armor.tensor.experts import ArmorExpertsTensor
@@ -161,10 +162,10 @@ def unflatten_armor_state(
         if pname not in getattr(module, "_parameters", {}):
             raise ArmorInputError(f"module {module_path!r} has no parameter {pname!r} for converted layer {fqn!r}")
         old = module._parameters[pname]
-        if old is not None and tuple(old.shape) != tuple(layer["shape"]):
+        if old is not None and out_in_shape(module, pname) != tuple(layer["shape"]):
             raise ArmorInputError(
                 f"converted layer {fqn!r} is {tuple(layer['shape'])} in the checkpoint but "
-                f"{tuple(old.shape)} in the model; build the model from the saved config"
+                f"{out_in_shape(module, pname)} in the model; build the model from the saved config"
             )
         targets[fqn] = (module, pname, old)
 
