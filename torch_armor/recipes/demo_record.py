@@ -1,7 +1,6 @@
 """The recorded demo run the demo's estimate scales (written by benchmarks/demo_time.py; do not edit)."""
 
-DEMO_RECORD = {'check': None,
- 'command': 'python benchmarks/demo_time.py --record --threads 1',
+DEMO_RECORD = {'command': 'python benchmarks/demo_time.py --record --threads 1',
  'forward_cpu_s': 1.5362,
  'forward_s': 2.2706,
  'load': [5.9, 2.44],
