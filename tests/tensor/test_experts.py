@@ -14,6 +14,7 @@ import torch_armor  # noqa: F401  (registers the "armor" experts implementation)
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import ArmorTensor
+from torch_armor.tensor import experts_forward
 from torch_armor.tensor.experts import ArmorExpertsTensor, armor_experts_from_factors, stack_experts
 from _helpers import random_factors
 from _tiny_moe import ARCHS, EXPERT_PARAMS, armor_moe, experts_modules, make_moe
@@ -151,7 +152,8 @@ def test_model_logits_equal_the_slow_reference(arch, one_thread):
     torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
 
 
-def test_installing_armor_experts_switches_grouped_mm_with_one_warning():
+def test_installing_armor_experts_switches_grouped_mm_with_one_warning(monkeypatch):
+    monkeypatch.setattr(experts_forward, "_WARNED", set())  # once per process: earlier tests may have warned
     model = make_moe("qwen3_moe")
     model.set_experts_implementation("grouped_mm")
     module = next(iter(experts_modules(model).values()))

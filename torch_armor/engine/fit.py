@@ -109,7 +109,7 @@ def unfit_warning(unfit: Dict[str, str]) -> str:
         grouped[key] = grouped.get(key, 0) + 1
     parts = [f"{pattern} ({count}): {what}" for (pattern, what), count in grouped.items()]
     return (f"{len(unfit)} layer(s) the settings do not fit are pruned differently: " + "; ".join(parts)
-            + ". Pass strict=True (--strict) to refuse such a model instead")
+            + ". Pass strict=True to refuse such a model instead")
 
 
 def warn_unfit(unfit: Dict[str, str]) -> None:
