@@ -92,8 +92,8 @@ class ArmorConfig(MethodConfig):
         reconstruct: :class:`ReconstructConfig` (default) or ``None``: no block reconstruction.
         distill: :class:`DistillConfig` (default) or ``None``: end-to-end distillation of the
             wrappers towards the dense model's next-token distributions after the block pass
-            (:func:`~torch_armor.prune_model` on an in-memory model; skipped with a warning on a
-            streamed checkpoint, under ``torchrun`` or with too few calibration windows).
+            (in memory, on a streamed checkpoint one block at a time, or data-parallel under
+            ``torchrun``; skipped with a warning when there are too few calibration windows).
 
     Every field after ``block_size`` is keyword-only.
 
