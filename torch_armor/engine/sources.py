@@ -117,9 +117,11 @@ class Streamed:
         p = Path(path)
         if (p / ARMOR_CONFIG_NAME).exists() or has_armor_quantization_config(p):
             raise ArmorInputError(f"{p} is already pruned by torch_armor; prune the original dense checkpoint")
-        memory.fix_mmap_threshold()  # process-wide: freed blocks go back to the system (engine/memory.py)
-        memory.trim()  # e.g. the tokenizer's temporaries
         self.checkpoint = LazyCheckpoint(path, dtype=dtype)
+        stored = sum(self.checkpoint.nbytes(key) for key in self.checkpoint.keys())
+        if memory.pin_needed(stored, memory.available_memory()):  # process-wide: freed blocks go back at once
+            memory.fix_mmap_threshold()
+        memory.trim()  # e.g. the tokenizer's temporaries
         self.model = self.checkpoint.model
 
     def prepare_inputs(self) -> None:

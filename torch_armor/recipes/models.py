@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from torch_armor.engine.checkpoint import LazyCheckpoint
 from torch_armor.engine.distributed import launched_world_size
+from torch_armor.engine.memory import available_memory
 from torch_armor.engine.sources import is_streamable_checkpoint
 from torch_armor.errors import ArmorInputError, require_extra
 from torch_armor.progress import third_party_bars_off
@@ -241,11 +242,7 @@ def free_memory(device: Union[str, torch.device, None] = None) -> Optional[int]:
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type == "cuda":
         return int(torch.cuda.mem_get_info(dev)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        return None
+    return available_memory()
 
 
 def choose_streaming(model_bytes: int, free_bytes: Optional[int], stream: Optional[bool],
