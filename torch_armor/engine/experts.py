@@ -38,7 +38,7 @@ from torch_armor.calibration.selection import prunable_names  # noqa: F401  (doc
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.experts import armor_experts_from_factors
 
-__all__ = ["layer_module", "write_experts", "experts_roots", "dense_weights", "with_dense_layers",
+__all__ = ["layer_module", "write_experts", "experts_roots", "no_expert_pruned", "dense_weights", "with_dense_layers",
            "dense_lines", "group_by_param", "routed_token_lines"]
 
 #: the entry of :func:`dense_weights` that counts norms and biases (kept last)
@@ -104,6 +104,8 @@ def _reason(model: nn.Module, name: str, blocks_prefix: str, routers: Sequence[s
     if isinstance(module, nn.Embedding):
         return "embedding: rows looked up by index (Doge's experts), not a matmul to prune"
     if any(owner == root or owner.startswith(root + ".") for root in experts_roots):
+        if isinstance(module, nn.Linear) or split_expert_name(f"{name}.0") is not None:
+            return "expert not selected by layers="
         return "experts layout not supported yet: experts weights other than 3-D gate_up_proj/up_proj + down_proj"
     if not isinstance(module, nn.Linear):  # Mamba's conv1d, A_log
         return f"not a linear's weight ({type(module).__name__}.{name.rsplit('.', 1)[1]}): ARMOR prunes linears only"
@@ -114,6 +116,20 @@ def experts_roots(model: nn.Module) -> List[str]:
     """The ``experts`` modules of every mixture-of-experts block of ``model``."""
     return [f"{name}.experts" if name else "experts" for name, block in moe_blocks(model)
             if isinstance(getattr(block, "experts", None), nn.Module)]
+
+
+def no_expert_pruned(model: nn.Module, pruned: Sequence[str], dense: Mapping[str, Tuple[int, str]],
+                     blocks_prefix: str) -> str:
+    """One line saying that no expert of ``model`` is among ``pruned`` (layer names) and why, from
+    :func:`dense_weights`' entries; ``""`` when some expert is pruned or the model has none."""
+    roots = experts_roots(model)
+    if not roots or any(split_expert_name(n) is not None or any(n.startswith(r + ".") for r in roots) for n in pruned):
+        return ""
+    patterns = {_pattern(r, blocks_prefix) + "." for r in roots}
+    why = [f"{k} ({why})" for k, (_, why) in dense.items() if any(k.startswith(p) for p in patterns)]
+    return (f"no expert of the model's {len(roots)} mixture-of-experts block(s) was pruned, every expert weight "
+            f"stays dense: {'; '.join(why) or 'none is a linear or fused experts parameter'}; the dense weights "
+            "are listed in PruneReport.dense_weights and logged")
 
 
 def dense_weights(model: nn.Module, pruned: Sequence[str], blocks_prefix: str,
