@@ -109,3 +109,21 @@ def test_a_prune_that_leaves_every_expert_dense_says_so_once_and_logs_the_dense_
     assert report.dense_weights["model.layers.*.mlp.experts.down_proj"] == (1, "expert not selected by layers=")
     assert "model.layers.*.mlp.experts.gate_up_proj: 1 dense (expert not selected by layers=)" in caplog.text
     assert not _experts(model)
+
+
+def test_a_streamed_experts_only_prune_distills_the_experts_like_the_in_memory_one(tmp_path):
+    from torch_armor import load_pretrained
+
+    dense = make_moe("qwen3_moe", experts=4, vocab=VOCAB)
+    dense.save_pretrained(tmp_path / "ckpt")  # per-expert keys: the streaming loader fuses them
+    memory = copy.deepcopy(dense)
+    report, _ = _prune(memory, DISTILL)
+    streamed = prune_model(tmp_path / "ckpt", CALIB, _config(DISTILL), layers="experts",
+                           options=PruneOptions(progress=False, out=tmp_path / "out"))
+    assert streamed.distill["best_step"] == report.distill["best_step"] > 0
+    assert streamed.distill["after"] == pytest.approx(report.distill["after"], rel=1e-4)
+    loaded = load_pretrained(tmp_path / "out")
+    for n in EXPERTS:
+        got, want = loaded.get_parameter(n), memory.get_parameter(n)
+        torch.testing.assert_close(got.a_blocks, want.a_blocks, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(got.b_blocks, want.b_blocks, rtol=1e-4, atol=1e-6)

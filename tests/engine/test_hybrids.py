@@ -9,12 +9,14 @@ called, even with all-zero inputs, is pruned or refused as before.
 """
 
 import copy
+import re
 import warnings
 
 import pytest
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, JambaConfig, JambaForCausalLM
+from transformers import (AutoModelForCausalLM, BambaConfig, BambaForCausalLM, FalconMambaConfig,
+                          FalconMambaForCausalLM, JambaConfig, JambaForCausalLM, MambaConfig, MambaForCausalLM)
 
 from torch_armor import load_pretrained, save_pretrained
 from torch_armor.calibration.blocks import NEVER_REACHED, READ_BY_KERNEL, BlockInput, block_statistics
@@ -137,3 +139,40 @@ def test_a_called_linear_with_all_zero_inputs_is_still_refused():
         prune_model(model, CALIB % 50, _armor(), layers=["model.layers.0.mlp.down_proj"],
                     options=PruneOptions(progress=False))
     assert torch.equal(model.model.layers[0].mlp.down_proj.weight, target.weight)
+
+
+_SMALL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2)
+#: other SSM and hybrid models: (model, the layers the rule leaves dense). Mamba's and Falcon-Mamba's
+#: mixers read dt_proj.weight directly as Jamba's do; Bamba's Mamba-2 mixer calls all its linears.
+OTHERS = {
+    "mamba": (lambda: MambaForCausalLM(MambaConfig(**_SMALL, state_size=16, expand=2, time_step_rank=8)),
+              {f"backbone.layers.{i}.mixer.dt_proj": READ_BY_KERNEL for i in range(2)}),
+    "falcon_mamba": (lambda: FalconMambaForCausalLM(FalconMambaConfig(**_SMALL, state_size=16, expand=2,
+                                                                      time_step_rank=8)),
+                     {f"backbone.layers.{i}.mixer.dt_proj": READ_BY_KERNEL for i in range(2)}),
+    "bamba": (lambda: BambaForCausalLM(BambaConfig(**_SMALL, intermediate_size=64, num_attention_heads=4,
+                                                   num_key_value_heads=4, mamba_n_heads=4, mamba_d_head=16,
+                                                   mamba_d_state=16, mamba_n_groups=1, mamba_expand=2,
+                                                   attn_layer_indices=[1])),
+              {}),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(OTHERS))
+def test_other_ssm_and_hybrid_models_prune_every_linear_or_list_it_with_a_reason(arch):
+    build, uncalled = OTHERS[arch]
+    torch.manual_seed(0)
+    model = build().eval()
+    report, caught = _prune(model)
+    assert report.uncalled_layers == uncalled
+    assert sum("never called as a module" in m for m in caught) == (1 if uncalled else 0)
+    pruned = left = 0
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear) and ".layers." in name:
+            if isinstance(m.weight, ArmorTensor):
+                pruned += 1
+                continue
+            left += 1
+            why = report.dense_weights[re.sub(r"\.\d+\.", ".*.", f"{name}.weight", count=1)][1]
+            assert why and why != "not selected", (name, why)
+    assert pruned > left
