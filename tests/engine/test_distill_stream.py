@@ -104,7 +104,7 @@ def test_a_few_streamed_steps_keep_the_same_iterate_as_in_memory(pruned, tmp_pat
     for key in want:
         assert torch.allclose(got[key], want[key], rtol=1e-4, atol=1e-6), key
     seen = {}  # the shards hold what the streamed student kept
-    stream.for_each_layer(lambda name, module: seen.update({name: module.weight.a_blocks.clone()}), write=False)
+    stream.for_each_layer(lambda name, site: seen.update({name: site.tensor.a_blocks.clone()}), write=False)
     assert all(torch.equal(a, got[f"{name}.a_blocks"]) for name, a in seen.items()) and len(seen) == 14
 
 

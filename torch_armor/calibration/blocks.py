@@ -27,12 +27,22 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from torch_armor.calibration.experts import ExpertSlot, observe_experts
 from torch_armor.calibration.observer import ActSqNormObserver, LayerStatistics, model_device, token_mask
 from torch_armor.errors import ArmorInputError
 
-__all__ = ["BlockInput", "decoder_blocks", "capture_block_inputs", "run_block", "block_statistics", "to_device"]
+__all__ = ["BlockInput", "decoder_blocks", "capture_block_inputs", "run_block", "block_statistics", "to_device",
+           "READ_BY_KERNEL", "NEVER_REACHED"]
+
+#: why a selected linear that calibration never called is left dense: its weight is an operand of the
+#: block's forward all the same (Mamba's ``dt_proj``: the selective scan reads ``dt_proj.weight``) ...
+READ_BY_KERNEL = ("read directly by a fused kernel (its weight is an operand of the block's forward), never called as "
+                  "a module, so no input statistics to prune it by")
+#: ... or nothing read it at all (a ``ModuleList`` expert no calibration token was routed to)
+NEVER_REACHED = "never called during calibration: no calibration token reached it"
 
 
 class BlockInput:
@@ -195,6 +205,30 @@ def run_block(block: nn.Module, inp: BlockInput, device: torch.device) -> torch.
     return out.detach().to(device=hidden.device, dtype=hidden.dtype)
 
 
+class _WeightReads(TorchFunctionMode):
+    """Records which of the watched weights (``{id(weight): layer name}``) any torch op reads."""
+
+    def __init__(self, watched: Dict[int, str]) -> None:
+        super().__init__()
+        self.watched, self.read = watched, set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        for leaf in tree_leaves((args, kwargs or {})):
+            if isinstance(leaf, torch.Tensor) and id(leaf) in self.watched:
+                self.read.add(self.watched[id(leaf)])
+        return func(*args, **(kwargs or {}))
+
+
+def _uncalled_reasons(block: nn.Module, layers: Dict[str, nn.Linear], inp: BlockInput,
+                      device: torch.device) -> Dict[str, str]:
+    """Why each of ``layers`` (never called during calibration) is left dense, from one more run of
+    ``block`` on ``inp`` that watches whether the block's forward reads their weights."""
+    watch = _WeightReads({id(m.weight): n for n, m in layers.items()})
+    with watch:
+        run_block(block, inp, device)
+    return {n: READ_BY_KERNEL if n in watch.read else NEVER_REACHED for n in layers}
+
+
 def block_statistics(
     block: nn.Module,
     layers: Dict[str, nn.Linear],
@@ -207,6 +241,7 @@ def block_statistics(
     expert_calibration: str = "routed",
     min_expert_tokens: int = 0,
     expert_tokens: Optional[Dict[str, int]] = None,
+    uncalled: Optional[Dict[str, str]] = None,
 ) -> Dict[str, LayerStatistics]:
     """Input statistics of ``layers`` (``{name: linear inside block}``) while ``block`` runs on
     ``inputs``; with ``propagate`` each batch's input is replaced by the block's output once the
@@ -218,7 +253,12 @@ def block_statistics(
 
     Expert layers (:class:`~torch_armor.calibration.experts.ExpertSlot` values) are observed per
     expert by :class:`~torch_armor.calibration.experts.ExpertsObserver` (``expert_calibration``,
-    ``min_expert_tokens``); ``expert_tokens``, if given, receives ``{f"{experts}.{e}": routed tokens}``."""
+    ``min_expert_tokens``); ``expert_tokens``, if given, receives ``{f"{experts}.{e}": routed tokens}``.
+
+    ``uncalled``, if given, receives ``{name: why}`` for every linear of ``layers`` that was never
+    called during the run (:data:`READ_BY_KERNEL` when the block's forward reads its weight directly,
+    else :data:`NEVER_REACHED`); their statistics are empty. A linear that was called with all-zero
+    inputs is not among them."""
     slots = {n: m for n, m in layers.items() if isinstance(m, ExpertSlot)}
     layers = {n: m for n, m in layers.items() if not isinstance(m, ExpertSlot)}
     experts = observe_experts(slots, track_xtx=track_xtx, mode=expert_calibration, min_tokens=min_expert_tokens)
@@ -228,6 +268,12 @@ def block_statistics(
         def probe(_m: nn.Module, args: tuple, _name: str = name) -> None:
             seen.setdefault(_name, args[0])
         probes.append(module.register_forward_pre_hook(probe))
+    called: set = set()
+    calls = [module.register_forward_pre_hook(lambda _m, _a, _name=name: called.add(_name))
+             for name, module in layers.items()]
+    first = None  # the first batch's input, kept for _uncalled_reasons when propagating replaces it
+    if inputs and propagate and uncalled is not None:
+        first = BlockInput(inputs[0].hidden, inputs[0].kwargs, inputs[0].token_mask)
     observers = {name: ActSqNormObserver(track_xtx=track_xtx).attach(module, name) for name, module in layers.items()}
     try:
         for i, inp in enumerate(inputs):
@@ -252,13 +298,16 @@ def block_statistics(
                         observers[name] = observers[rep]
                 seen.clear()
     finally:
-        for h in probes:
+        for h in probes + calls:
             h.remove()
         for obs in observers.values():
             obs.remove()
         for obs in experts.values():
             obs.remove()
     stats = {name: obs.statistics() for name, obs in observers.items()}
+    missing = {n: m for n, m in layers.items() if n not in called}
+    if uncalled is not None and missing and inputs:
+        uncalled.update(_uncalled_reasons(block, missing, first if first is not None else inputs[0], device))
     for module_name, obs in experts.items():
         found = obs.statistics()
         stats.update((n, found[n]) for n in slots if n in found)

@@ -37,7 +37,7 @@ from torch_armor.calibration.blocks import BlockInput, block_statistics, capture
 from torch_armor.core.config_format import config_to_dict
 from torch_armor.core.pattern import candidate_block_sizes
 from torch_armor.core.refine import with_losses
-from torch_armor.engine.allocate import allocate_block_sizes, loss_curves
+from torch_armor.engine.allocate import allocate_block_sizes, layer_kind, loss_curves
 from torch_armor.engine.distributed import distributed_factorize
 from torch_armor.engine.experts import layer_module, write_experts
 from torch_armor.engine.methods import Method, method_for
@@ -61,6 +61,9 @@ XTX_OFFLOAD_NAME = "xtx-offload.safetensors"
 #: (first, middle, last) and applies each layer kind's mean curve to every block.
 ALLOCATION_SAMPLE_BLOCKS = 3
 BLOCKS_DIR = "blocks"
+#: In a run directory: ``{layer: why}`` of the selected linears calibration never called (left dense),
+#: so a resumed run replays those blocks without them.
+UNCALLED_NAME = "uncalled.json"
 
 
 @dataclass
@@ -170,13 +173,17 @@ class BlockPipeline:
                 if names:
                     layers = {n: layer_module(self.source.model, n) for n in names}
                     recon = self._reconstruction_data(inputs, dense_out if dense else None)
+                    uncalled: Dict[str, str] = {}
                     stats = block_statistics(block, layers, inputs, device=self.device,
                                              track_xtx=method.needs_xtx(self.config), propagate=not self.sequential,
                                              outputs=recon[1] if recon is not None and not dense else None,
                                              expert_calibration=self.expert_calibration,
                                              min_expert_tokens=self.min_expert_tokens,
-                                             expert_tokens=report.expert_tokens)
-                    self._solve_block(names, layers, stats, report, bar, index=index, block=block, recon=recon)
+                                             expert_tokens=report.expert_tokens, uncalled=uncalled)
+                    self._keep_uncalled(uncalled, report)
+                    solved = [n for n in names if n not in uncalled]
+                    if solved:
+                        self._solve_block(solved, layers, stats, report, bar, index=index, block=block, recon=recon)
                 if self.sequential or not names:  # the (pruned) block's outputs feed the next block
                     for inp in inputs:
                         inp.hidden = run_block(block, inp, self.device)
@@ -203,6 +210,7 @@ class BlockPipeline:
         work = [BlockInput(inp.hidden, inp.kwargs) for inp in inputs]
         multiple = cfg.sparsity.group
         measured: Dict[str, Dict[int, float]] = {}
+        uncalled: Dict[str, str] = {}
         start = time.perf_counter()
         for index in range(sample[-1] + 1):
             prefix = f"{self.blocks_prefix}.{index}"
@@ -213,8 +221,10 @@ class BlockPipeline:
                 stats = block_statistics(block, layers, work, device=self.device,
                                          track_xtx=self.method.needs_xtx(cfg), propagate=True,
                                          expert_calibration=self.expert_calibration,
-                                         min_expert_tokens=self.min_expert_tokens)
+                                         min_expert_tokens=self.min_expert_tokens, uncalled=uncalled)
                 for n, layer in layers.items():
+                    if n in uncalled:  # left dense by the block pass: no curve
+                        continue
                     d_out, d_in = layer.weight.shape
                     measured[n] = {}
                     for size in candidate_block_sizes(d_out, d_in, multiple):
@@ -224,8 +234,10 @@ class BlockPipeline:
                 for inp in work:
                     inp.hidden = run_block(block, inp, self.device)
             self.source.release_block(prefix)
-        shapes = {n: tuple(layer_module(self.source.model, n).weight.shape) for n in self.names}
-        sizes = allocate_block_sizes(loss_curves(measured, self.names), shapes, cfg.max_overhead)
+        unmeasured = {layer_kind(n) for n in uncalled} - {layer_kind(n) for n in measured}  # left dense everywhere
+        allocated = [n for n in self.names if layer_kind(n) not in unmeasured]
+        shapes = {n: tuple(layer_module(self.source.model, n).weight.shape) for n in allocated}
+        sizes = allocate_block_sizes(loss_curves(measured, allocated), shapes, cfg.max_overhead)
         logger.info("block sizes within a %.1f%% model-wide overhead, from blocks %s (%.0f s): %s",
                     100 * cfg.max_overhead, sample, time.perf_counter() - start,
                     {k: v for k, v in sorted(sizes.items()) if k.startswith(f"{self.blocks_prefix}.{sample[0]}.")})
@@ -248,8 +260,10 @@ class BlockPipeline:
         if self.store is None:
             return 0
         saved = self._load_hidden(inputs, dense)
+        path = self.store.directory / UNCALLED_NAME
+        uncalled = json.loads(path.read_text()) if saved and path.exists() else {}
         for index in range(saved):
-            if not all(self.store.done(n) for n in by_block[index]):
+            if not all(self.store.done(n) or n in uncalled for n in by_block[index]):
                 raise ArmorInputError(f"run directory {self.store.directory}: saved hidden states follow block "
                                  f"{saved - 1} but block {index} is unfinished; delete {HIDDEN_NAME} to redo them")
             if self.sink is not None and not self.sink.done(index):
@@ -263,6 +277,10 @@ class BlockPipeline:
         """A block finished by an earlier run: its factors are converted from the store (an
         in-memory model) or it was already written (a streamed one)."""
         self._replay_errors(index, report)
+        path = self.store.directory / UNCALLED_NAME
+        uncalled = json.loads(path.read_text()) if path.exists() else {}
+        report.uncalled_layers.update((n, uncalled[n]) for n in names if n in uncalled)
+        names = [n for n in names if n not in uncalled]
         solutions = {}
         for name in names:
             factors = self.store.load(name)
@@ -271,6 +289,17 @@ class BlockPipeline:
             solutions[name] = LayerSolution(name, self.method.name, factors=factors)
         if self.sink is None:
             self._apply(solutions, {n: layer_module(self.source.model, n) for n in names})
+
+    def _keep_uncalled(self, uncalled: Dict[str, str], report: PruneReport) -> None:
+        """Selected linears calibration never called stay dense: into the report and (rank 0) the run
+        directory, before the block's hidden states are saved."""
+        if not uncalled:
+            return
+        report.uncalled_layers.update(uncalled)
+        if self.store is not None and self.rank == 0:
+            path = self.store.directory / UNCALLED_NAME
+            known = json.loads(path.read_text()) if path.exists() else {}
+            atomic_write(path, json.dumps({**known, **uncalled}, indent=1).encode())
 
     def _reconstruction_data(self, inputs: Sequence[BlockInput], model_targets: Optional[List[Any]]):
         """Block reconstruction's data (``None`` when reconstruction is off): the inputs that reach

@@ -1,5 +1,5 @@
-"""End-to-end distillation: after the block pass, tune every ARMOR layer's wrappers so that the
-pruned model's next-token distributions match the dense model's.
+"""End-to-end distillation: after the block pass, tune every ARMOR layer's wrappers (linears' and
+every fused expert's) so that the pruned model's next-token distributions match the dense model's.
 
 Block reconstruction sees one block; errors that pile up across blocks, and how they reach the
 logits, are seen only here. With the masks fixed, ``A``, ``B`` (and the kept core values) are
@@ -38,14 +38,12 @@ from safetensors.torch import save
 from torch import nn
 
 from torch_armor._io import atomic_write
-from torch_armor.core.factors import ArmorFactors
 from torch_armor.core.levers import DistillConfig
 from torch_armor.engine.distill_kl import TopK, Window, dense_top_k, sample_windows, windows_of
 from torch_armor.engine.distill_stream import BlockStream, StreamedStudent
-from torch_armor.engine.distill_train import (InMemoryStudent, TrainingState, armor_layers, distill_model,
-                                              held_out_split, windows_needed)
+from torch_armor.engine.distill_train import (ArmorWeight, InMemoryStudent, TrainingState, armor_layers, core_of,
+                                              distill_model, held_out_split, windows_needed)
 from torch_armor.errors import ArmorInputError
-from torch_armor.tensor.armor_tensor import armor_linear_from_factors
 
 __all__ = ["distill_skip_reason", "sampling_skip_reason", "NO_DISTILL_COST", "Distillation", "DISTILLED_NAME",
            "SAMPLED_NAME", "STATE_NAME"]
@@ -200,19 +198,18 @@ class Distillation:
         with safe_open(str(self.path), framework="pt") as fh:
             keys = set(fh.keys())
 
-            def apply(name: str, module: nn.Module) -> None:
-                w = module.weight
-                core = fh.get_tensor(f"{name}.core") if f"{name}.core" in keys else w.core_dense().detach()
-                factors = ArmorFactors(fh.get_tensor(f"{name}.a_blocks"), core, fh.get_tensor(f"{name}.b_blocks"),
-                                       w.core_dense() != 0, w.pattern)
-                armor_linear_from_factors(module, factors, storage=self.storage, name=name)
+            def apply(name: str, site: ArmorWeight) -> None:
+                stored = core_of(site.tensor).detach()
+                core = fh.get_tensor(f"{name}.core") if f"{name}.core" in keys else stored
+                site.write(fh.get_tensor(f"{name}.a_blocks"), core, fh.get_tensor(f"{name}.b_blocks"), stored != 0,
+                           self.storage, name)
 
             if self.stream is not None:
                 if self.rank == 0:
                     self.stream.for_each_layer(apply, write=True)
             else:
-                for name, module in armor_layers(model).items():
-                    apply(name, module)
+                for name, site in armor_layers(model).items():
+                    apply(name, site)
             summary = json.loads((fh.metadata() or {})["summary"])
         self.log(f"distillation already finished in {self.path.parent}: applied")
         return summary

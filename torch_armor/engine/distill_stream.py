@@ -21,14 +21,12 @@ from torch import nn
 from torch.func import functional_call
 
 from torch_armor.calibration.blocks import BlockInput, capture_block_inputs, to_device
-from torch_armor.core.factors import ArmorFactors
 from torch_armor.core.levers import DistillConfig
 from torch_armor.engine.distill_kl import TopK, Window, top_k_of, window_kl
-from torch_armor.engine.distill_train import armor_layers, float_leaves, layer_weight, result_tensors
+from torch_armor.engine.distill_train import ArmorWeight, armor_layers, core_of, float_leaves, result_tensors
 from torch_armor.engine.sources import ShardWriter, Streamed
 from torch_armor.errors import ArmorInputError
 from torch_armor.progress import tqdm
-from torch_armor.tensor.armor_tensor import ArmorTensor, armor_linear_from_factors
 from torch_armor.tensor.flatten import unflatten_armor_state
 from torch_armor.tensor.safetensors_io import read_shard_metadata
 
@@ -133,12 +131,12 @@ class BlockStream:
                 self.release(index)
             return [top_k_of(self.head(h), k) for h in hidden]
 
-    def for_each_layer(self, apply: Callable[[str, nn.Module], None], write: bool) -> None:
-        """``apply(name, module)`` on every ARMOR layer, block by block (``write``: each block's shard rewritten)."""
+    def for_each_layer(self, apply: Callable[[str, ArmorWeight], None], write: bool) -> None:
+        """``apply(name, weight)`` on every ARMOR weight, block by block (``write``: each block's shard rewritten)."""
         for index in range(self.n_blocks):
             block = self.pruned_block(index)
-            for name, module in armor_layers(block).items():
-                apply(f"{self.prefix(index)}.{name}", module)
+            for name, site in armor_layers(block).items():
+                apply(f"{self.prefix(index)}.{name}", site)
             if write:
                 self.shards.write(index, self.prefix(index), block)
             self.release(index)
@@ -152,16 +150,14 @@ class StreamedStudent:
     def __init__(self, stream: BlockStream, config: DistillConfig, writes: bool = True) -> None:
         self.stream, self.train_core, self.writes = stream, config.train_core, writes
         self.leaves: Dict[str, List[Optional[torch.Tensor]]] = {}
-        self.by_block: List[List[str]] = []
-        self.weights: Dict[str, ArmorTensor] = {}
+        self.weights: Dict[str, torch.Tensor] = {}
         stream.__enter__()
         for index in range(stream.n_blocks):
             block = stream.pruned_block(index)
             layers = armor_layers(block)
-            self.by_block.append(list(layers))
-            for name, module in layers.items():
+            for name, site in layers.items():
                 self.leaves[f"{stream.prefix(index)}.{name}"] = [
-                    t if t is None else t.to(stream.device) for t in float_leaves(module.weight, config.train_core,
+                    t if t is None else t.to(stream.device) for t in float_leaves(site.tensor, config.train_core,
                                                                                    keep_core=False)]
             stream.release(index)
         if not self.leaves:
@@ -170,10 +166,10 @@ class StreamedStudent:
 
     def _block_weights(self, index: int, block: nn.Module) -> Dict[str, torch.Tensor]:
         out = {}
-        for name in self.by_block[index]:
-            stored = block.get_submodule(name).weight.core_dense().detach().float()
+        for name, site in armor_layers(block).items():
+            stored = core_of(site.tensor).detach().float()
             a, core, b = self.leaves[f"{self.stream.prefix(index)}.{name}"]
-            out[f"{name}.weight"] = layer_weight(a, stored if core is None else core, b, stored != 0)
+            out[site.param] = site.dense(a, stored if core is None else core, b, stored != 0)
         return out
 
     def _forward(self, windows: Sequence[Window], context: Callable[[], Any],
@@ -234,16 +230,13 @@ class StreamedStudent:
             self.close()
             return
         try:
-            def apply(name: str, module: nn.Module) -> None:
-                w = module.weight
+            def apply(name: str, site: ArmorWeight) -> None:
                 if kept is not None:
-                    mask = w.core_dense() != 0
-                    a, core, b = (k if k is not None else (t if t is not None else w.core_dense()).detach()
+                    stored = core_of(site.tensor)
+                    a, core, b = (k if k is not None else (t if t is not None else stored).detach()
                                   for k, t in zip(kept[name], self.leaves[name]))
-                    a, core, b = (t.to(device=w.device, dtype=w.dtype) for t in (a, core, b))
-                    factors = ArmorFactors(a, core * mask, b, mask, w.pattern)
-                    armor_linear_from_factors(module, factors, storage=storage, name=name)
-                self.weights.update(result_tensors({name: module.weight}, self.train_core))
+                    site.write(a, core, b, stored != 0, storage, name)
+                self.weights.update(result_tensors({name: site.tensor}, self.train_core))
 
             self.stream.for_each_layer(apply, write=kept is not None)
         finally:

@@ -1,6 +1,7 @@
 """The training loop of end-to-end distillation (:mod:`torch_armor.engine.distill`), one for every
-student: Adam on the ARMOR layers' wrappers (and cores) towards the teacher, the held-out KL every
-``eval_every`` steps, the best iterate kept; resumable at a step boundary from a state file."""
+student: Adam on the ARMOR layers' wrappers (and cores) — linears' and every fused expert's — towards
+the teacher, the held-out KL every ``eval_every`` steps, the best iterate kept; resumable at a step
+boundary from a state file."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -28,8 +29,10 @@ from torch_armor.engine.reconstruct_data import set_scheduled_lr
 from torch_armor.errors import ArmorInputError
 from torch_armor.progress import tqdm
 from torch_armor.tensor.armor_tensor import ArmorTensor, armor_linear_from_factors
+from torch_armor.tensor.experts import ArmorExpertsTensor, armor_experts_from_factors
 
-__all__ = ["DistillResult", "fast_bf16", "training_autocast", "armor_layers", "layer_weight", "float_leaves", "Student",
+__all__ = ["DistillResult", "fast_bf16", "training_autocast", "ArmorWeight", "armor_layers", "core_of", "layer_weight",
+           "float_leaves", "Student",
            "InMemoryStudent", "result_tensors", "TrainingState", "distill_model", "summed_over_ranks",
            "gradients_summed_over_ranks", "held_out_split", "training_order", "windows_needed"]
 
@@ -75,20 +78,77 @@ def training_autocast(device: torch.device, config: DistillConfig, log: Callable
     return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
 
 
-def armor_layers(model: nn.Module) -> Dict[str, nn.Module]:
-    """The modules of ``model`` whose weight is an :class:`ArmorTensor`, by name."""
-    return {name: m for name, m in model.named_modules() if isinstance(m._parameters.get("weight"), ArmorTensor)}
+@dataclass(frozen=True)
+class ArmorWeight:
+    """An ARMOR weight distillation trains: a linear's ``weight`` (:class:`ArmorTensor`) or a fused
+    experts parameter (:class:`~torch_armor.tensor.experts.ArmorExpertsTensor`, every expert's parts
+    stacked along a leading dimension), ``module.<attr>``; ``param`` is its parameter path in the
+    model that :func:`armor_layers` was called on (the key ``functional_call`` replaces)."""
+
+    module: nn.Module
+    attr: str
+    param: str
+
+    @property
+    def tensor(self) -> Union[ArmorTensor, ArmorExpertsTensor]:
+        return self.module._parameters[self.attr]
+
+    def dense(self, a: torch.Tensor, core: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The weight ``A · (core ⊙ M) · B`` as the module's forward takes a dense one: a fused
+        parameter of a transposed experts module (gpt-oss) as ``(E, in, out)``."""
+        w = layer_weight(a, core, b, mask)
+        return w.transpose(-1, -2) if w.dim() == 3 and getattr(self.module, "is_transposed", False) else w
+
+    def write(self, a: torch.Tensor, core: torch.Tensor, b: torch.Tensor, mask: torch.Tensor, storage: str,
+              name: str) -> None:
+        """Replace the weight by the ARMOR weight of ``a``, ``core ⊙ mask``, ``b`` (its dtype and pattern kept)."""
+        w = self.tensor
+        a, core, b = (t.to(device=w.device, dtype=w.dtype) for t in (a, core * mask, b))
+        if isinstance(w, ArmorExpertsTensor):
+            armor_experts_from_factors(self.module, self.attr,
+                                       [ArmorFactors(a[e], core[e], b[e], mask[e], w.pattern) for e in range(len(a))],
+                                       storage=storage, name=name)
+        else:
+            armor_linear_from_factors(self.module, ArmorFactors(a, core, b, mask, w.pattern), storage=storage,
+                                      name=name)
+
+
+def armor_layers(model: nn.Module) -> Dict[str, ArmorWeight]:
+    """Every ARMOR weight of ``model`` by layer name: a linear's module name, a fused experts
+    parameter's path (``model.layers.0.mlp.experts.gate_up_proj``)."""
+    out = {}
+    for name, m in model.named_modules():
+        for attr, p in m._parameters.items():
+            if isinstance(p, ArmorExpertsTensor) or (attr == "weight" and isinstance(p, ArmorTensor)):
+                path = f"{name}.{attr}" if name else attr
+                out[name if attr == "weight" else path] = ArmorWeight(m, attr, path)
+    return out
+
+
+def core_of(weight: Union[ArmorTensor, ArmorExpertsTensor]) -> torch.Tensor:
+    """The dense ``core ⊙ M`` of an ARMOR weight (``(E, out, in)`` for fused experts)."""
+    if isinstance(weight, ArmorExpertsTensor):
+        return torch.stack([w.core_dense() for w in weight.experts()])
+    return weight.core_dense()
+
+
+def _one_weight(a: torch.Tensor, core: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return block_diag_right(block_diag_left(a, core), b)
 
 
 def layer_weight(a: torch.Tensor, core: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``A · (core ⊙ M) · B`` as a dense matrix, differentiable in ``a``, ``core`` and ``b``."""
-    return block_diag_right(block_diag_left(a, core * mask), b)
+    """``A · (core ⊙ M) · B`` as a dense matrix, differentiable in ``a``, ``core`` and ``b``; with a
+    leading experts dimension (``a`` 4-D) one matrix per expert."""
+    if a.dim() == 4:
+        return torch.vmap(_one_weight)(a, core * mask, b)
+    return _one_weight(a, core * mask, b)
 
 
-def float_leaves(weight: ArmorTensor, train_core: bool, keep_core: bool = True) -> List[Optional[torch.Tensor]]:
+def float_leaves(weight: Union[ArmorTensor, ArmorExpertsTensor], train_core: bool,
+                 keep_core: bool = True) -> List[Optional[torch.Tensor]]:
     """``[a, core, b]`` of an ARMOR weight as float32 copies, ``a`` and ``b`` (and the core with
     ``train_core``) requiring gradients; the core ``None`` when neither trained nor ``keep_core``."""
-    core = weight.core_dense().detach().float() if train_core or keep_core else None
+    core = core_of(weight).detach().float() if train_core or keep_core else None
     out = [t.detach().float().clone(memory_format=torch.contiguous_format) if t is not None else None
            for t in (weight.a_blocks, core, weight.b_blocks)]
     for j, t in enumerate(out):
@@ -130,14 +190,15 @@ class InMemoryStudent:
         self.layers = armor_layers(model)
         if not self.layers:
             raise ArmorInputError("distillation: the model has no ARMOR layers (nothing was pruned with ArmorConfig)")
-        self.leaves = {name: float_leaves(m.weight, config.train_core) for name, m in self.layers.items()}
+        self.leaves = {name: float_leaves(site.tensor, config.train_core) for name, site in self.layers.items()}
         self.masks = {name: ts[1] != 0 for name, ts in self.leaves.items()}
         self.frozen = [p for p in model.parameters() if p.requires_grad]
         for p in self.frozen:
             p.requires_grad_(False)
 
     def _weights(self) -> Dict[str, torch.Tensor]:
-        return {f"{name}.weight": layer_weight(a, core, b, self.masks[name]) for name, (a, core, b) in self.leaves.items()}
+        return {self.layers[name].param: self.layers[name].dense(a, core, b, self.masks[name])
+                for name, (a, core, b) in self.leaves.items()}
 
     @torch.no_grad()
     def kl_sum(self, windows: Sequence[Window], teachers: Sequence[TopK]) -> Tuple[float, int]:
@@ -166,18 +227,15 @@ class InMemoryStudent:
         self.close()
         if kept is None:
             return
-        for name, module in self.layers.items():
+        for name, site in self.layers.items():
             a, core, b = (k if k is not None else t.detach() for k, t in zip(kept[name], self.leaves[name]))
-            w = module.weight
-            mask = self.masks[name]
-            factors = ArmorFactors(a.to(w.dtype), (core * mask).to(w.dtype), b.to(w.dtype), mask, w.pattern)
-            armor_linear_from_factors(module, factors, storage=storage, name=name)
+            site.write(a, core, b, self.masks[name], storage, name)
 
     def result_tensors(self, train_core: bool) -> Dict[str, torch.Tensor]:
-        return result_tensors({name: m.weight for name, m in self.layers.items()}, train_core)
+        return result_tensors({name: site.tensor for name, site in self.layers.items()}, train_core)
 
 
-def result_tensors(weights: Dict[str, ArmorTensor], train_core: bool) -> Dict[str, torch.Tensor]:
+def result_tensors(weights: Dict[str, Union[ArmorTensor, ArmorExpertsTensor]], train_core: bool) -> Dict[str, torch.Tensor]:
     """What a finished distillation keeps of each ARMOR weight (by layer name): its wrappers, and its
     core when trained."""
     tensors = {}
@@ -185,7 +243,7 @@ def result_tensors(weights: Dict[str, ArmorTensor], train_core: bool) -> Dict[st
         tensors[f"{name}.a_blocks"] = w.a_blocks.detach().contiguous()
         tensors[f"{name}.b_blocks"] = w.b_blocks.detach().contiguous()
         if train_core:
-            tensors[f"{name}.core"] = w.core_dense().detach().contiguous()
+            tensors[f"{name}.core"] = core_of(w).detach().contiguous()
     return tensors
 
 

@@ -38,7 +38,11 @@ from torch_armor.calibration.selection import prunable_names  # noqa: F401  (doc
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.experts import armor_experts_from_factors
 
-__all__ = ["layer_module", "write_experts", "dense_weights", "dense_lines", "group_by_param", "routed_token_lines"]
+__all__ = ["layer_module", "write_experts", "experts_roots", "no_expert_pruned", "dense_weights", "with_dense_layers",
+           "dense_lines", "group_by_param", "routed_token_lines"]
+
+#: the entry of :func:`dense_weights` that counts norms and biases (kept last)
+ONE_D_WEIGHTS = "1-D weights (norms, biases)"
 
 def layer_module(model: nn.Module, name: str) -> Any:
     """The ``nn.Linear`` called ``name``, or an :class:`ExpertSlot` for an expert layer name."""
@@ -96,11 +100,36 @@ def _reason(model: nn.Module, name: str, blocks_prefix: str, routers: Sequence[s
         return unsupported[owner]
     if owner in routers:
         return "router: routing-critical and tiny"
-    if isinstance(model.get_submodule(owner), nn.Embedding):
+    module = model.get_submodule(owner)
+    if isinstance(module, nn.Embedding):
         return "embedding: rows looked up by index (Doge's experts), not a matmul to prune"
     if any(owner == root or owner.startswith(root + ".") for root in experts_roots):
+        if isinstance(module, nn.Linear) or split_expert_name(f"{name}.0") is not None:
+            return "expert not selected by layers="
         return "experts layout not supported yet: experts weights other than 3-D gate_up_proj/up_proj + down_proj"
+    if not isinstance(module, nn.Linear):  # Mamba's conv1d, A_log
+        return f"not a linear's weight ({type(module).__name__}.{name.rsplit('.', 1)[1]}): ARMOR prunes linears only"
     return "not selected"
+
+
+def experts_roots(model: nn.Module) -> List[str]:
+    """The ``experts`` modules of every mixture-of-experts block of ``model``."""
+    return [f"{name}.experts" if name else "experts" for name, block in moe_blocks(model)
+            if isinstance(getattr(block, "experts", None), nn.Module)]
+
+
+def no_expert_pruned(model: nn.Module, pruned: Sequence[str], dense: Mapping[str, Tuple[int, str]],
+                     blocks_prefix: str) -> str:
+    """One line saying that no expert of ``model`` is among ``pruned`` (layer names) and why, from
+    :func:`dense_weights`' entries; ``""`` when some expert is pruned or the model has none."""
+    roots = experts_roots(model)
+    if not roots or any(split_expert_name(n) is not None or any(n.startswith(r + ".") for r in roots) for n in pruned):
+        return ""
+    patterns = {_pattern(r, blocks_prefix) + "." for r in roots}
+    why = [f"{k} ({why})" for k, (_, why) in dense.items() if any(k.startswith(p) for p in patterns)]
+    return (f"no expert of the model's {len(roots)} mixture-of-experts block(s) was pruned, every expert weight "
+            f"stays dense: {'; '.join(why) or 'none is a linear or fused experts parameter'}; the dense weights "
+            "are listed in PruneReport.dense_weights and logged")
 
 
 def dense_weights(model: nn.Module, pruned: Sequence[str], blocks_prefix: str,
@@ -115,8 +144,7 @@ def dense_weights(model: nn.Module, pruned: Sequence[str], blocks_prefix: str,
         done.add(split[0] if split is not None else f"{n}.weight")
     routers = set(router_names(model))
     unsupported = unsupported_experts(model)
-    experts_roots = [f"{name}.experts" if name else "experts" for name, _ in moe_blocks(model)
-                     if hasattr(model.get_submodule(name), "experts")]
+    roots = experts_roots(model)
     out: Dict[str, Tuple[int, str]] = {}
     ones = 0
     for name, param in model.named_parameters():
@@ -125,12 +153,30 @@ def dense_weights(model: nn.Module, pruned: Sequence[str], blocks_prefix: str,
         if param.dim() < 2 or name.endswith("bias"):  # fused experts' biases are (E, out)
             ones += 1
             continue
-        pattern = re.sub(r"\.\d+\.", ".*.", name, count=1) if name.startswith(blocks_prefix + ".") else name
+        pattern = _pattern(name, blocks_prefix)
         count, why = out.get(pattern, (0, _reason(model, name, blocks_prefix, routers, unsupported, why_dense or {},
-                                                       experts_roots)))
+                                                       roots)))
         out[pattern] = (count + 1, why)
     if ones:
-        out["1-D weights (norms, biases)"] = (ones, "")
+        out[ONE_D_WEIGHTS] = (ones, "")
+    return out
+
+
+def _pattern(name: str, blocks_prefix: str) -> str:
+    """``name`` with its decoder-block index replaced by ``*``."""
+    return re.sub(r"\.\d+\.", ".*.", name, count=1) if name.startswith(blocks_prefix + ".") else name
+
+
+def with_dense_layers(dense: Mapping[str, Tuple[int, str]], layers: Mapping[str, str],
+                      blocks_prefix: str) -> Dict[str, Tuple[int, str]]:
+    """:func:`dense_weights`' entries plus the weights of ``layers`` (``{linear name: why}``), which
+    the prune left dense after all (decided while it ran); the norms and biases entry stays last."""
+    out = {k: v for k, v in dense.items() if k != ONE_D_WEIGHTS}
+    for name, why in layers.items():
+        pattern = _pattern(f"{name}.weight", blocks_prefix)
+        out[pattern] = (out.get(pattern, (0, why))[0] + 1, why)
+    if ONE_D_WEIGHTS in dense:
+        out[ONE_D_WEIGHTS] = dense[ONE_D_WEIGHTS]
     return out
 
 

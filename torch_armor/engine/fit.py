@@ -38,7 +38,7 @@ from torch_armor.calibration.experts import split_expert_name
 from torch_armor.engine.experts import layer_module
 from torch_armor.errors import ArmorInputError
 
-__all__ = ["fit_layers", "unfit_warning", "warn_unfit", "dense_reasons"]
+__all__ = ["fit_layers", "unfit_warning", "warn_unfit", "dense_reasons", "grouped_layers", "uncalled_warning"]
 
 
 def _cause(err: ArmorInputError) -> str:
@@ -101,15 +101,25 @@ def dense_reasons(unfit: Dict[str, str], kept: Sequence[str]) -> Dict[str, str]:
             for split in (split_expert_name(name),)}
 
 
-def unfit_warning(unfit: Dict[str, str]) -> str:
-    """One line for every layer the settings did not fit, decoder-block indices folded into ``*``."""
+def grouped_layers(layers: Dict[str, str]) -> str:
+    """``{layer: what}`` as ``pattern (count): what; …``, decoder-block indices folded into ``*``."""
     grouped: Dict[Tuple[str, str], int] = {}
-    for name, what in unfit.items():
+    for name, what in layers.items():
         key = (re.sub(r"\.\d+(\.|$)", r".*\1", name), what)
         grouped[key] = grouped.get(key, 0) + 1
-    parts = [f"{pattern} ({count}): {what}" for (pattern, what), count in grouped.items()]
-    return (f"{len(unfit)} layer(s) the settings do not fit are pruned differently: " + "; ".join(parts)
+    return "; ".join(f"{pattern} ({count}): {what}" for (pattern, what), count in grouped.items())
+
+
+def unfit_warning(unfit: Dict[str, str]) -> str:
+    """One line for every layer the settings did not fit, decoder-block indices folded into ``*``."""
+    return (f"{len(unfit)} layer(s) the settings do not fit are pruned differently: " + grouped_layers(unfit)
             + ". Pass strict=True to refuse such a model instead")
+
+
+def uncalled_warning(uncalled: Dict[str, str]) -> str:
+    """One line for every selected linear calibration never called (left dense)."""
+    return (f"{len(uncalled)} selected linear(s) left dense, never called as a module during calibration: "
+            + grouped_layers(uncalled) + "; they are listed in PruneReport.uncalled_layers and dense_weights")
 
 
 def warn_unfit(unfit: Dict[str, str]) -> None:

@@ -49,8 +49,9 @@ from torch_armor.engine.distill import NO_DISTILL_COST, Distillation, distill_sk
 from torch_armor.engine.distill_kl import windows_of
 from torch_armor.engine.distill_stream import BlockStream
 from torch_armor.engine.distributed import init_distributed, launched_world_size
-from torch_armor.engine.fit import dense_reasons, fit_layers, warn_unfit
-from torch_armor.engine.experts import dense_lines, dense_weights, group_by_param, layer_module, routed_token_lines
+from torch_armor.engine.fit import dense_reasons, fit_layers, uncalled_warning, warn_unfit
+from torch_armor.engine.experts import (dense_lines, dense_weights, group_by_param, layer_module, no_expert_pruned,
+                                        routed_token_lines, with_dense_layers)
 from torch_armor.engine.identity import identity_string
 from torch_armor.engine.interrupt import interrupted_message
 from torch_armor.engine.lock import OutputBusy, output_lock, run_lock
@@ -201,6 +202,9 @@ def prune_model(
             raise ArmorInputError(f"{param}: ARMOR converts all {total} experts of a fused parameter together, "
                                   f"the layer selection holds {len(chosen)}; select every expert of it or none")
     dense = dense_weights(model, names, blocks_prefix, dense_reasons(unfit, names))
+    experts_left_dense = no_expert_pruned(model, names, dense, blocks_prefix)
+    if experts_left_dense:
+        warnings.warn(experts_left_dense, UserWarning, stacklevel=2)
     distill, distill_skipped, sampling_skipped = getattr(config, "distill", None), "", ""
     if distill is not None:
         why_not = distill_skip_reason(distill, n_windows=len(windows_of(batches)))
@@ -268,6 +272,10 @@ def prune_model(
                     min_expert_tokens=options.min_expert_tokens, held_out_from=n_sampled,
                 )
                 report = pipeline.run(block_batches)
+                if report.uncalled_layers:
+                    dense = with_dense_layers(dense, report.uncalled_layers, blocks_prefix)
+                    if topo.rank == 0:
+                        warnings.warn(uncalled_warning(report.uncalled_layers), UserWarning, stacklevel=2)
                 if distillation is not None:
                     report.distill = distillation.run(model)
                     if sampling_skipped:
@@ -277,7 +285,7 @@ def prune_model(
                 report.settings.update(sequential=options.sequential)
                 report.dense_weights = dense
                 report.unfit_layers = unfit
-                if experts and topo.rank == 0:
+                if (experts or experts_left_dense) and topo.rank == 0:
                     for line in dense_lines(dense) + routed_token_lines(report.expert_tokens):
                         logger.info(line)
                 if not streamed:

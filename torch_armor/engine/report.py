@@ -58,6 +58,9 @@ class PruneReport:
             embeddings, unselected layers, …; block index as ``*``), one entry per kind.
         unfit_layers: ``{layer: what was done}`` for every selected layer the settings did not fit
             (``"block size 8: …"``, its own smaller block size; ``"dense: …"``, left out), with why.
+        uncalled_layers: ``{layer: why}`` for every selected linear calibration never called as a
+            module (left dense): a weight a fused kernel reads directly (Mamba's ``dt_proj``), or a
+            ``ModuleList`` expert no calibration token reached.
         expert_tokens: mixture-of-experts models: ``{f"{experts module}.{e}": routed calibration
             tokens}`` of each pruned expert (summed over the windows).
         distill: with end-to-end distillation, its held-out KL before and after, the kept step,
@@ -82,6 +85,7 @@ class PruneReport:
     dense_weights: Dict[str, Tuple[int, str]] = field(default_factory=dict)
     expert_tokens: Dict[str, int] = field(default_factory=dict)
     unfit_layers: Dict[str, str] = field(default_factory=dict)
+    uncalled_layers: Dict[str, str] = field(default_factory=dict)
 
     @property
     def wrapper_params(self) -> int:
@@ -178,6 +182,7 @@ class PruneReport:
             dense_weights={k: {"count": c, "why": why} for k, (c, why) in self.dense_weights.items()},
             expert_tokens=dict(self.expert_tokens),
             unfit_layers=dict(self.unfit_layers),
+            uncalled_layers=dict(self.uncalled_layers),
             **({"distill": self.distill} if self.distill else {}),
             block_curves={str(k): [list(p) for p in v] for k, v in sorted(self.block_curves.items())},
             layers=[{k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(layer).items()}
