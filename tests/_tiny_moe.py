@@ -147,6 +147,20 @@ def assert_saves_and_loads_bit_identically(model: nn.Module, directory, ids: tor
     assert torch.equal(logits_of(AutoModelForCausalLM.from_pretrained(directory).eval(), ids), logits)
 
 
+def reconstruction_errors(model: nn.Module, calib: torch.Tensor) -> Dict[int, Tuple[float, float]]:
+    """``report.block_errors`` (``{block: (held-out error before, after)}``) of an ARMOR prune of ``model``
+    with a short block reconstruction (block size 8), checked to cover every block and never to get worse."""
+    from torch_armor.core.config import ReconstructConfig
+    from torch_armor.engine.prune import PruneOptions, prune_model
+
+    config = ArmorConfig(block_size=8, optimizer=BcdConfig(iters=2), refine=None, distill=None,
+                         reconstruct=ReconstructConfig(steps=4, held_out=2))
+    errors = prune_model(model, calib, config, options=PruneOptions(progress=False)).block_errors
+    assert sorted(errors) == list(range(len(errors))) and len(errors) >= 2, errors
+    assert all(after <= before for before, after in errors.values()), errors
+    return errors
+
+
 def stored_factors(run_dir, name: str):
     """The ArmorFactors of layer ``name`` stored in ``run_dir``, checked to have a 2:4 core."""
     from pathlib import Path

@@ -16,7 +16,8 @@ from torch_armor.core.config import ArmorConfig, BcdConfig
 from torch_armor.engine.methods import config_for_method
 from torch_armor.engine.prune import PruneOptions, prune_model
 
-from _tiny_moe import armor_and_magnitude_errors, install_stored_factors, logits_of, widened
+from _tiny_moe import (armor_and_magnitude_errors, install_stored_factors, logits_of, reconstruction_errors,
+                       widened)
 
 E = 4
 CALIB = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
@@ -83,3 +84,9 @@ def test_a_baseline_prunes_each_transposed_expert_along_its_input_dimension(meth
             w = model.get_parameter(f"model.layers.{i}.mlp.experts.{attr}").transpose(1, 2)  # (E, out, in)
             kept = (w != 0).reshape(E, w.shape[1], -1, 4).sum(-1)
             assert bool((kept == 2).all()), (method, attr)
+
+
+def test_block_reconstruction_builds_the_transposed_experts():
+    """Reconstruction hands gpt-oss its experts' Ŵ as (E, in, out) (it failed on the (E, out, in) stack)."""
+    errors = reconstruction_errors(_gpt_oss(), CALIB)
+    assert all(before < 0.5 for before, _ in errors.values()), errors

@@ -18,7 +18,8 @@ from torch_armor.calibration.observer import token_mask
 from torch_armor.core.config import ArmorConfig, BcdConfig
 from torch_armor.engine.prune import PruneOptions, prune_model
 
-from _tiny_moe import armor_and_magnitude_errors, assert_saves_and_loads_bit_identically, install_stored_factors, logits_of, widened
+from _tiny_moe import (armor_and_magnitude_errors, assert_saves_and_loads_bit_identically, install_stored_factors,
+                       logits_of, reconstruction_errors, widened)
 
 E = 4
 CALIB = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
@@ -112,3 +113,8 @@ def test_all_mode_and_the_fallback_take_every_row_of_the_module():
         assert sum(obs.routed_tokens.values()) == 2 * 6  # top-2 of 6 tokens, whatever the statistics
         for e in range(E):
             torch.testing.assert_close(stats[f"input_linear.weight.{e}"].act_sq_norm, rows["x"].square().sum(0))
+
+
+def test_block_reconstruction_runs_the_grouped_experts():
+    errors = reconstruction_errors(_jetmoe(), CALIB)
+    assert all(before < 0.5 for before, _ in errors.values()), errors
