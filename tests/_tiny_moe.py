@@ -100,22 +100,90 @@ def armor_moe(arch: str, seed: int = 0, experts: int = 4, block_size: int = 8, i
     return attach_quantizer(model), reference
 
 
-def install_stored_factors(reference: nn.Module, run_dir, names, transposed: bool = False) -> None:
-    """Check that every layer of ``names`` stored in ``run_dir`` has a 2:4 core, and write its
-    ``A·core·B`` into ``reference`` (expert ``e`` of a fused parameter as ``P[e]``, or ``P[e].T`` for a
-    ``transposed`` layout such as gpt-oss's)."""
+def widened(model: nn.Module) -> nn.Module:
+    """``model`` in eval mode with every weight of 2 or more dimensions drawn from N(0, 0.3²): the default
+    inits (std 0.01–0.02) route and predict almost uniformly."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.3)
+    return model.eval()
+
+
+def logits_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def armor_and_magnitude_errors(make, calib: torch.Tensor, ids: torch.Tensor, armor: ArmorConfig,
+                               layers) -> Dict[str, float]:
+    """``{"armor", "magnitude": mean squared logit error against the dense model}`` after pruning ``layers``
+    of a fresh ``make()`` with each; every selected layer must be in the report."""
+    from torch_armor.engine.methods import config_for_method
+    from torch_armor.engine.prune import PruneOptions, prune_model
+
+    want = logits_of(make(), ids)
+    errors = {}
+    for method in ("magnitude", "armor"):
+        model = make()
+        config = armor if method == "armor" else config_for_method(method)
+        report = prune_model(model, calib, config, layers=layers, options=PruneOptions(progress=False))
+        if not isinstance(layers, str):
+            assert sorted(r.name for r in report.layers) == sorted(layers)
+        errors[method] = float((logits_of(model, ids) - want).pow(2).mean())
+    return errors
+
+
+def assert_saves_and_loads_bit_identically(model: nn.Module, directory, ids: torch.Tensor) -> None:
+    """``save_pretrained`` then ``load_pretrained`` and ``AutoModelForCausalLM.from_pretrained`` give the
+    very same logits."""
+    from transformers import AutoModelForCausalLM
+
+    from torch_armor import load_pretrained, save_pretrained
+
+    logits = logits_of(model, ids)
+    save_pretrained(model, directory)
+    assert torch.equal(logits_of(load_pretrained(directory).eval(), ids), logits)
+    assert torch.equal(logits_of(AutoModelForCausalLM.from_pretrained(directory).eval(), ids), logits)
+
+
+def reconstruction_errors(model: nn.Module, calib: torch.Tensor) -> Dict[int, Tuple[float, float]]:
+    """``report.block_errors`` (``{block: (held-out error before, after)}``) of an ARMOR prune of ``model``
+    with a short block reconstruction (block size 8), checked to cover every block and never to get worse."""
+    from torch_armor.core.config import ReconstructConfig
+    from torch_armor.engine.prune import PruneOptions, prune_model
+
+    config = ArmorConfig(block_size=8, optimizer=BcdConfig(iters=2), refine=None, distill=None,
+                         reconstruct=ReconstructConfig(steps=4, held_out=2))
+    errors = prune_model(model, calib, config, options=PruneOptions(progress=False)).block_errors
+    assert sorted(errors) == list(range(len(errors))) and len(errors) >= 2, errors
+    assert all(after <= before for before, after in errors.values()), errors
+    return errors
+
+
+def stored_factors(run_dir, name: str):
+    """The ArmorFactors of layer ``name`` stored in ``run_dir``, checked to have a 2:4 core."""
     from pathlib import Path
 
     from safetensors.torch import load_file
 
-    from torch_armor.calibration.experts import split_expert_name
     from torch_armor.core.factors import ArmorFactors
 
+    t = load_file(str(Path(run_dir) / "layers" / f"{name}.safetensors"))
+    f = ArmorFactors(t["a_blocks"], t["core"], t["b_blocks"], t["mask"].bool())
+    assert bool((f.mask.reshape(f.mask.shape[0], -1, 4).sum(-1) == 2).all()), name
+    assert bool((f.core[~f.mask] == 0).all()), name
+    return f
+
+
+def install_stored_factors(reference: nn.Module, run_dir, names, transposed: bool = False) -> None:
+    """Check that every layer of ``names`` stored in ``run_dir`` has a 2:4 core, and write its
+    ``A·core·B`` into ``reference`` (expert ``e`` of a fused parameter as ``P[e]``, or ``P[e].T`` for a
+    ``transposed`` layout such as gpt-oss's)."""
+    from torch_armor.calibration.experts import split_expert_name
+
     for n in names:
-        t = load_file(str(Path(run_dir) / "layers" / f"{n}.safetensors"))
-        f = ArmorFactors(t["a_blocks"], t["core"], t["b_blocks"], t["mask"].bool())
-        assert bool((f.mask.reshape(f.mask.shape[0], -1, 4).sum(-1) == 2).all()), n
-        assert bool((f.core[~f.mask] == 0).all()), n
+        f = stored_factors(run_dir, n)
         split = split_expert_name(n)
         if split is None:
             reference.get_submodule(n).weight.data = f.dense()

@@ -119,12 +119,15 @@ def _one_line(err: BaseException) -> str:
 
 
 def expert_weights(model: Any) -> List[str]:
-    """Names of the weights of 2 or more dimensions inside an ``experts`` module (biases excepted), and
+    """Names of the weights of 2 or more dimensions inside an ``experts`` module (biases excepted), of
+    3-D weights anywhere but in convolutions (JetMoE's MLP experts are ``mlp.input_linear.weight``), and
     of embeddings inside the decoder layers (Doge's experts are rows looked up by index)."""
     from torch import nn
 
     inner = {f"{name}.weight" for name, m in model.named_modules()
              if isinstance(m, nn.Embedding) and re.search(r"\.\d+\.", name)}
+    inner |= {f"{name}.{pname}" for name, m in model.named_modules() if not isinstance(m, nn.modules.conv._ConvNd)
+              for pname, p in m.named_parameters(recurse=False) if p.dim() == 3}
     return [n for n, p in model.named_parameters()
             if p.dim() >= 2 and "bias" not in n and (n in inner or re.search(r"(^|\.)experts\.", n))]
 

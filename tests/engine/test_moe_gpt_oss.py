@@ -16,7 +16,8 @@ from torch_armor.core.config import ArmorConfig, BcdConfig
 from torch_armor.engine.methods import config_for_method
 from torch_armor.engine.prune import PruneOptions, prune_model
 
-from _tiny_moe import install_stored_factors
+from _tiny_moe import (armor_and_magnitude_errors, install_stored_factors, logits_of, reconstruction_errors,
+                       widened)
 
 E = 4
 CALIB = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
@@ -29,17 +30,11 @@ def _gpt_oss():
     torch.manual_seed(0)
     cfg = GptOssConfig(hidden_size=32, intermediate_size=16, num_local_experts=E, num_experts_per_tok=2,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=64)
-    model = GptOssForCausalLM(cfg)
-    with torch.no_grad():  # the default init (std 0.02) routes and predicts almost uniformly
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.3)
-    return model.eval()
+    return widened(GptOssForCausalLM(cfg))
 
 
 def _logits(model):
-    with torch.no_grad():
-        return model(IDS).logits
+    return logits_of(model, IDS)
 
 
 def _armor(**kw):
@@ -75,14 +70,7 @@ def test_every_routed_expert_is_2_4_from_its_routed_tokens_and_equals_the_eager_
 
 
 def test_armor_experts_are_closer_to_dense_than_magnitude_2_4_of_the_same_experts():
-    dense = _gpt_oss()
-    want = _logits(dense)
-    errors = {}
-    for method in ("magnitude", "armor"):
-        model = _gpt_oss()
-        config = _armor() if method == "armor" else config_for_method(method)
-        prune_model(model, CALIB, config, layers="experts", options=PruneOptions(progress=False))
-        errors[method] = float((_logits(model) - want).pow(2).mean())
+    errors = armor_and_magnitude_errors(_gpt_oss, CALIB, IDS, _armor(), "experts")
     assert errors["armor"] < errors["magnitude"], errors
 
 
@@ -96,3 +84,9 @@ def test_a_baseline_prunes_each_transposed_expert_along_its_input_dimension(meth
             w = model.get_parameter(f"model.layers.{i}.mlp.experts.{attr}").transpose(1, 2)  # (E, out, in)
             kept = (w != 0).reshape(E, w.shape[1], -1, 4).sum(-1)
             assert bool((kept == 2).all()), (method, attr)
+
+
+def test_block_reconstruction_builds_the_transposed_experts():
+    """Reconstruction hands gpt-oss its experts' Ŵ as (E, in, out) (it failed on the (E, out, in) stack)."""
+    errors = reconstruction_errors(_gpt_oss(), CALIB)
+    assert all(before < 0.5 for before, _ in errors.values()), errors

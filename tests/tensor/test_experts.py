@@ -16,6 +16,7 @@ from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import ArmorTensor
 from torch_armor.tensor import experts_forward
 from torch_armor.tensor.experts import ArmorExpertsTensor, armor_experts_from_factors, stack_experts
+from torch_armor.tensor.transposed import ArmorTransposed
 from _helpers import random_factors
 from _tiny_moe import ARCHS, EXPERT_PARAMS, armor_moe, experts_modules, make_moe
 
@@ -100,6 +101,22 @@ def test_unsupported_ops_name_the_op_and_the_fix(op, match):
     with pytest.raises(NotImplementedError, match=match) as err:
         op(w)
     assert "experts_implementation='armor'" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_view_to_its_own_shape_is_itself_and_to_its_transpose_multiplies_as_f_linear():
+    fs = _factors()  # 3 experts (8, 16)
+    w = ArmorExpertsTensor.from_factors(fs)
+    assert w.view(-1, 8, 16) is w and w.view((3, 8, 16)) is w
+    transposed = w.view(-1, 16, 8)  # how DBRX reads the experts it stores (E·in, out): w2.view(-1, I, H)[e]
+    assert isinstance(transposed, ArmorTransposed) and tuple(transposed.shape) == (3, 16, 8)
+    x = torch.randn(5, 16, generator=torch.Generator().manual_seed(3))
+    want = x @ fs[1].dense().T
+    for got in (x.matmul(transposed[1]), x.matmul(w[1].T), x @ w[torch.tensor(1)].T, torch.matmul(x, w[1].t())):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert w[1].T.T is not None and torch.equal(w[1].T.T.dense_weight(), fs[1].dense())
+    with pytest.raises(NotImplementedError, match="only runs x.matmul") as err:
+        torch.add(w[1].T, 1)
+    assert "\n" not in str(err.value)
 
 
 def test_experts_must_agree():

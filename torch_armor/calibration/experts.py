@@ -7,6 +7,12 @@ expert's matrix is one layer, named ``f"{param}.{e}"`` (``model.layers.0.mlp.exp
 weight ``param[e]``); ``gate_up_proj[e]`` is one ``(2·I) × H`` layer, as the checkpoint stores it.
 A transposed layout (gpt-oss: ``gate_up_proj`` ``(E, H, 2·I)``, ``is_transposed``) holds expert ``e``'s
 weight as ``param[e].T`` (:func:`expert_weight`, a view); ARMOR experts are always ``(E, out, in)``.
+Grouped experts (JetMoE's ``input_linear``/``output_linear``: one ``(E, out, in)`` ``weight`` per module,
+called with the rows already grouped by expert and each expert's row count) are observed per module
+(:class:`GroupedExpertsObserver`): expert ``e``'s rows are its statistics. Flat experts (DBRX's
+``experts.mlp``: ``w1``, ``v1``, ``w2`` each a 2-D ``(E·I, H)`` parameter, expert ``e`` the rows
+``e·I … (e+1)·I``) are ``w1``/``v1`` ``(I, H)`` and ``w2`` transposed, ``(H, I)``: ARMOR experts of them are
+``(E, out, in)``, which DBRX's own forward reads through ``view`` (:mod:`torch_armor.tensor.experts`).
 
 The router (:mod:`torch_armor.calibration.routers`) is left dense: it is tiny and the top-k choice
 is sensitive to it. ``nn.Linear`` experts (a ``ModuleList``, Qwen2-MoE's
@@ -36,6 +42,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
@@ -47,7 +54,8 @@ from torch import nn
 from torch_armor.calibration.observer import ActSqNormObserver, LayerStatistics, current_token_mask, token_mask
 from torch_armor.errors import ArmorInputError
 
-__all__ = ["ExpertParam", "ExpertSlot", "ExpertsObserver", "EXPERT_CALIBRATIONS", "expert_params",
+__all__ = ["ExpertParam", "ExpertSlot", "ExpertsObserver", "GroupedExpertsObserver", "EXPERT_CALIBRATIONS",
+           "expert_params", "is_grouped_experts", "flat_experts_count", "square_flat_experts",
            "unsupported_experts", "holds_fused_experts", "stores_in_by_out", "expert_weight", "out_in_shape", "split_expert_name", "expert_layer_names", "is_experts_module",
            "observe_experts"]
 
@@ -55,6 +63,10 @@ __all__ = ["ExpertParam", "ExpertSlot", "ExpertsObserver", "EXPERT_CALIBRATIONS"
 EXPERT_CALIBRATIONS = ("routed", "all")
 #: the fused layouts understood: (input projection, output projection)
 _LAYOUTS = (("gate_up_proj", "down_proj"), ("up_proj", "down_proj"))
+#: the one parameter of a grouped experts module (JetMoE's ParallelExperts)
+_GROUPED = "weight"
+#: a flat experts module (DBRX's ExpertGLU): (gate, up) read the routed tokens, the last their intermediate
+_FLAT = ("w1", "v1", "w2")
 
 
 @dataclass(frozen=True)
@@ -75,10 +87,12 @@ class ExpertParam:
 
 
 class ExpertSlot:
-    """Expert ``index`` of a fused parameter, seen as a layer: ``weight`` is ``module.<attr>[index]``."""
+    """Expert ``index`` of a fused parameter, seen as a layer: ``weight`` is ``module.<attr>[index]``.
+    ``parent``: the module holding ``module`` (a grouped experts module's router is its sibling)."""
 
-    def __init__(self, module: nn.Module, attr: str, index: int, name: str) -> None:
-        self.module, self.attr, self.index, self.name = module, attr, index, name
+    def __init__(self, module: nn.Module, attr: str, index: int, name: str,
+                 parent: Optional[nn.Module] = None) -> None:
+        self.module, self.attr, self.index, self.name, self.parent = module, attr, index, name, parent
 
     @property
     def weight(self) -> torch.Tensor:
@@ -98,29 +112,78 @@ def is_experts_module(module: nn.Module) -> bool:
     return any(set(layout) <= names for layout in _LAYOUTS)
 
 
+def is_grouped_experts(module: nn.Module) -> bool:
+    """A module whose one 3-D ``weight`` ``(E, out, in)`` runs rows already grouped by expert, its forward
+    taking each expert's row count (``expert_size``: JetMoE's ParallelExperts)."""
+    params = {n: p for n, p in module.named_parameters(recurse=False)}
+    if set(params) != {_GROUPED} or params[_GROUPED].dim() != 3 or isinstance(module, nn.modules.conv._ConvNd):
+        return False
+    return "expert_size" in inspect.signature(module.forward).parameters
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    return type(t) in (torch.Tensor, nn.Parameter)
+
+
+def flat_experts_count(module: nn.Module) -> Optional[int]:
+    """E of a flat experts module (DBRX's ExpertGLU: 2-D ``w1``/``v1``/``w2`` of ``E·I`` rows each and
+    ``moe_num_experts``), or ``None`` for any other module. Counted from its ARMOR experts once converted."""
+    count = getattr(module, "moe_num_experts", None)
+    params = module._parameters
+    if not isinstance(count, int) or count <= 0 or not all(isinstance(params.get(a), torch.Tensor) for a in _FLAT):
+        return None
+    shapes = [tuple(params[a].shape) for a in _FLAT]
+    if not all(len(s) == 3 and s[0] == count if not _is_dense(params[a]) else len(s) == 2 and s[0] % count == 0
+               for a, s in zip(_FLAT, shapes)):
+        return None
+    return count
+
+
 def stores_in_by_out(module: nn.Module, attr: str) -> bool:
     """Whether ``module.<attr>`` holds each expert as ``(in, out)``: a dense parameter of a transposed
-    experts module (gpt-oss). ARMOR experts replacing it are ``(E, out, in)`` whatever the module's layout."""
-    return bool(getattr(module, "is_transposed", False)) and type(getattr(module, attr)) in (torch.Tensor, nn.Parameter)
+    experts module (gpt-oss), or DBRX's ``w2``. ARMOR experts replacing it are ``(E, out, in)`` whatever the
+    module's layout."""
+    if not _is_dense(getattr(module, attr)):
+        return False
+    if flat_experts_count(module) is not None:
+        return attr == _FLAT[-1]
+    return bool(getattr(module, "is_transposed", False))
+
+
+def _dense_expert(module: nn.Module, attr: str, e: int) -> torch.Tensor:
+    w = getattr(module, attr)
+    count = flat_experts_count(module)
+    return w.view(count, -1, w.shape[-1])[e] if count is not None and _is_dense(w) else w[e]
 
 
 def expert_weight(module: nn.Module, attr: str, e: int) -> torch.Tensor:
     """Expert ``e``'s ``(out, in)`` weight of ``module.<attr>``: a view (writes go through)."""
-    w = getattr(module, attr)[e]
+    w = _dense_expert(module, attr, e)
     return w.T if stores_in_by_out(module, attr) else w
 
 
 def out_in_shape(module: nn.Module, attr: str) -> Tuple[int, ...]:
     """The shape of ``module.<attr>`` with each expert as ``(out, in)`` (what ARMOR experts of it have)."""
-    shape = tuple(getattr(module, attr).shape)
+    w = getattr(module, attr)
+    count = flat_experts_count(module)
+    shape = (count, w.shape[0] // count, w.shape[1]) if count is not None and _is_dense(w) else tuple(w.shape)
     return shape[:-2] + (shape[-1], shape[-2]) if stores_in_by_out(module, attr) else shape
 
 
-def _layout(module: nn.Module) -> Optional[Tuple[str, str]]:
-    """The module's ``(input projection, down projection)`` names, or ``None`` if it is a layout
+def _layout(module: nn.Module) -> Optional[Tuple[str, ...]]:
+    """The module's ``(input projection(s)…, down projection)`` names, or ``None`` if it is a layout
     the per-expert statistics do not understand (other names)."""
+    if flat_experts_count(module) is not None:
+        return _FLAT
     names = {n for n, p in module.named_parameters(recurse=False) if p.dim() == 3}
     return next((layout for layout in _LAYOUTS if set(layout) <= names), None)
+
+
+def square_flat_experts(module: nn.Module) -> bool:
+    """A flat experts module whose experts are square (``I == H``): DBRX's forward reads ``w2`` through
+    ``view(-1, I, H)``, which cannot tell ARMOR's ``(E, H, I)`` experts from their transpose then."""
+    count = flat_experts_count(module)
+    return count is not None and len(set(out_in_shape(module, _FLAT[0])[1:])) == 1
 
 
 def holds_fused_experts(module: nn.Module) -> bool:
@@ -134,7 +197,11 @@ def unsupported_experts(model: nn.Module) -> Dict[str, str]:
     holding 3-D parameters not in a layout pruned as experts (JetMoE's ``input_linear``)."""
     out = {}
     for name, module in model.named_modules():
-        if (is_experts_module(module) or holds_fused_experts(module)) and _layout(module) is None:
+        if square_flat_experts(module):
+            out[name] = ("square flat experts (ffn_hidden_size == hidden_size): DBRX's forward reads w2 through a "
+                         "view that cannot tell ARMOR's (E, H, I) experts from their transpose")
+        elif (is_experts_module(module) or holds_fused_experts(module)) and _layout(module) is None \
+                and not is_grouped_experts(module):
             out[name] = ("experts layout not supported yet: 3-D weights other than gate_up_proj/up_proj + down_proj "
                          "(E, out, in) or transposed")
     return out
@@ -144,7 +211,11 @@ def expert_params(model: nn.Module) -> List[ExpertParam]:
     """Every fused expert parameter of ``model`` that is pruned as E layers, in module order."""
     out = []
     for name, module in model.named_modules():
-        if not is_experts_module(module):
+        if is_grouped_experts(module):
+            e_count, d_out, d_in = getattr(module, _GROUPED).shape
+            out.append(ExpertParam(name, _GROUPED, int(e_count), (int(d_out), int(d_in))))
+            continue
+        if not (is_experts_module(module) or flat_experts_count(module) is not None) or square_flat_experts(module):
             continue
         layout = _layout(module)
         if layout is None:
@@ -163,7 +234,7 @@ def expert_layer_names(model: nn.Module) -> List[str]:
 def split_expert_name(name: str) -> Optional[Tuple[str, int]]:
     """``(param fqn, expert index)`` of an expert layer name, or ``None`` for another name."""
     head, _, tail = name.rpartition(".")
-    if not tail.isdigit() or head.rsplit(".", 1)[-1] not in {a for layout in _LAYOUTS for a in layout}:
+    if not tail.isdigit() or head.rsplit(".", 1)[-1] not in {_GROUPED}.union(_FLAT, *_LAYOUTS):
         return None
     return head, int(tail)
 
@@ -177,30 +248,78 @@ def _call_args(args: tuple, kwargs: dict) -> Tuple[torch.Tensor, torch.Tensor]:
     return hidden, index
 
 
-class ExpertsObserver:
+class _PerExpertStatistics:
+    """What both observers share: the mode, the experts observed and their routed-token counts, and
+    the fallback of an expert under ``min_tokens`` to every input kept in ``_inputs`` (one warning each)."""
+
+    #: what the fallback's inputs are, for its warning
+    fallback_inputs = ""
+
+    def __init__(self, num_experts: int, mode: str, min_tokens: int, experts: Optional[Sequence[int]]) -> None:
+        if mode not in EXPERT_CALIBRATIONS:
+            raise ArmorInputError(f"expert_calibration must be one of {EXPERT_CALIBRATIONS}, got {mode!r}")
+        self.mode, self.min_tokens = mode, int(min_tokens)
+        self.experts = list(range(num_experts)) if experts is None else sorted(set(int(e) for e in experts))
+        self.routed_tokens: Dict[int, int] = {e: 0 for e in self.experts}
+        self._inputs: List[torch.Tensor] = []  # the fallback's inputs (unpadded)
+
+    def remove(self) -> None:
+        raise NotImplementedError
+
+    def _refill(self, e: int) -> None:
+        """Expert ``e``'s statistics again, from ``_inputs``."""
+        raise NotImplementedError
+
+    def _named(self) -> Dict[str, LayerStatistics]:
+        raise NotImplementedError
+
+    def statistics(self) -> Dict[str, LayerStatistics]:
+        """``{f"{param}.{e}": LayerStatistics}``; experts under ``min_tokens`` fall back (one
+        warning each) to ``fallback_inputs``."""
+        self.remove()
+        if self.mode == "routed":
+            for e in self.experts:
+                count = self.routed_tokens[e]
+                if count >= self.min_tokens:
+                    continue
+                total = sum(x.shape[0] for x in self._inputs)
+                warnings.warn(f"expert {self.name}.{e} received {count} routed calibration tokens (fewer than "
+                              f"min_expert_tokens={self.min_tokens}): its statistics are those of all {total} "
+                              f"{self.fallback_inputs}; use more calibration windows to avoid it", stacklevel=2)
+                with torch.no_grad(), token_mask(None):
+                    self._refill(e)
+        self._inputs = []
+        return self._named()
+
+
+class ExpertsObserver(_PerExpertStatistics):
     """Per-expert input statistics of one fused experts module (see the module docstring).
 
     ``experts``: the expert indices to observe (default: all); ``mode``: ``"routed"`` or ``"all"``;
-    ``min_tokens``: the routed-token count below which an expert falls back to all tokens.
+    ``min_tokens``: the routed-token count below which an expert falls back to all tokens; ``called``:
+    the module whose forward takes ``(hidden_states, top_k_index, …)`` when it is not ``module`` itself
+    (DBRX's ``experts``, holding the flat ``experts.mlp``).
     """
 
+    fallback_inputs = "tokens reaching the block, through its own weights"
+
     def __init__(self, module: nn.Module, name: str, *, track_xtx: bool = False, mode: str = "routed",
-                 min_tokens: int = 0, experts: Optional[Sequence[int]] = None) -> None:
-        if mode not in EXPERT_CALIBRATIONS:
-            raise ArmorInputError(f"expert_calibration must be one of {EXPERT_CALIBRATIONS}, got {mode!r}")
+                 min_tokens: int = 0, experts: Optional[Sequence[int]] = None,
+                 called: Optional[nn.Module] = None) -> None:
         layout = _layout(module)
         if layout is None:
             raise ArmorInputError(f"experts module {name!r} ({type(module).__name__}) has a layout the per-expert "
                                   "statistics do not understand; leave its experts out of the selection")
-        self.module, self.name, self.mode, self.min_tokens = module, name, mode, int(min_tokens)
-        self.first, self.second = layout
-        self.track_xtx = track_xtx
-        num = int(getattr(module, self.first).shape[0])
-        self.experts = list(range(num)) if experts is None else sorted(set(int(e) for e in experts))
-        self.routed_tokens: Dict[int, int] = {e: 0 for e in self.experts}
-        self._obs = {(attr, e): ActSqNormObserver(track_xtx=track_xtx) for attr in layout for e in self.experts}
-        self._inputs: List[torch.Tensor] = []  # every (unpadded) token reaching the experts: the fallback
-        self._handle = module.register_forward_pre_hook(self._hook, with_kwargs=True)
+        self.firsts, self.second = layout[:-1], layout[-1]
+        self.first = self.firsts[0]
+        super().__init__(int(out_in_shape(module, self.first)[0]), mode, min_tokens, experts)
+        self.module, self.name, self.track_xtx = module, name, track_xtx
+        self._obs = {}
+        for e in self.experts:  # the input projections read the same tokens: one observer
+            shared = ActSqNormObserver(track_xtx=track_xtx)
+            self._obs.update({(attr, e): shared for attr in self.firsts})
+            self._obs[(self.second, e)] = ActSqNormObserver(track_xtx=track_xtx)
+        self._handle = (called or module).register_forward_pre_hook(self._hook, with_kwargs=True)
 
     def remove(self) -> None:
         if self._handle is not None:
@@ -211,6 +330,9 @@ class ExpertsObserver:
         """The down projection's input for tokens ``x`` through expert ``e``'s current weights."""
         m = self.module
         w = expert_weight(m, self.first, e)
+        if len(self.firsts) == 2:  # DBRX: act(w1 x) * (v1 x)
+            x = x.to(w.dtype)
+            return m.activation_fn(F.linear(x, w)) * F.linear(x, expert_weight(m, self.firsts[1], e))
         bias = getattr(m, f"{self.first}_bias", None)
         h = F.linear(x.to(w.dtype), w, None if bias is None else bias[e])
         if self.first != "gate_up_proj":
@@ -241,38 +363,105 @@ class ExpertsObserver:
             if self.mode == "routed" and self.min_tokens > 0:
                 self._inputs.append(x)
 
-    def statistics(self) -> Dict[str, LayerStatistics]:
-        """``{f"{param}.{e}": LayerStatistics}``; experts under ``min_tokens`` fall back (one
-        warning each) to all the tokens that reached the block."""
-        self.remove()
-        if self.mode == "routed":
-            for e in self.experts:
-                count = self.routed_tokens[e]
-                if count >= self.min_tokens:
-                    continue
-                total = sum(x.shape[0] for x in self._inputs)
-                warnings.warn(f"expert {self.name}.{e} received {count} routed calibration tokens (fewer than "
-                              f"min_expert_tokens={self.min_tokens}): its statistics are those of all {total} tokens "
-                              "reaching the block, through its own weights; use more calibration windows to avoid it",
-                              stacklevel=2)
-                for attr in (self.first, self.second):
-                    self._obs[(attr, e)].reset()
-                with torch.no_grad():
-                    for x in self._inputs:
-                        self._add(e, x)
-        self._inputs = []
+    def _refill(self, e: int) -> None:
+        for attr in (self.first, self.second):  # the other input projections share the first's
+            self._obs[(attr, e)].reset()
+        for x in self._inputs:
+            self._add(e, x)
+
+    def _named(self) -> Dict[str, LayerStatistics]:
         return {f"{self.name}.{attr}.{e}": obs.statistics() for (attr, e), obs in self._obs.items()}
 
 
+class GroupedExpertsObserver(_PerExpertStatistics):
+    """Per-expert input statistics of one grouped experts module (JetMoE's ``input_linear``/``output_linear``).
+
+    Its forward receives ``(inputs, expert_size)``: the rows grouped by expert, expert ``e``'s
+    ``expert_size[e]`` rows in a row. ``"routed"``: expert ``e``'s statistics are its rows. ``"all"``,
+    and the fallback of an expert under ``min_tokens``: every row the module received (for an output
+    projection these are the other experts' intermediates: the module alone cannot run another
+    expert's input projection). Padding is left out through each row's token, which the sibling
+    router (``parent.router``, JetMoE's top-k gating: ``batch_index`` is its second output) gives.
+    """
+
+    fallback_inputs = "rows reaching its grouped experts module"
+
+    def __init__(self, module: nn.Module, name: str, *, parent: Optional[nn.Module], track_xtx: bool = False,
+                 mode: str = "routed", min_tokens: int = 0, experts: Optional[Sequence[int]] = None) -> None:
+        super().__init__(int(getattr(module, _GROUPED).shape[0]), mode, min_tokens, experts)
+        self.module, self.name = module, name
+        self._obs = {e: ActSqNormObserver(track_xtx=track_xtx) for e in self.experts}
+        self._row_tokens: Optional[torch.Tensor] = None
+        router = getattr(parent, "router", None) if parent is not None else None
+        self._handles = [module.register_forward_pre_hook(self._hook, with_kwargs=True)]
+        if isinstance(router, nn.Module):
+            self._handles.append(router.register_forward_hook(self._rows_of))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _rows_of(self, _module: nn.Module, _args: tuple, out) -> None:
+        rows = out[1] if isinstance(out, (tuple, list)) and len(out) > 1 else None
+        self._row_tokens = rows.detach() if isinstance(rows, torch.Tensor) and not rows.is_floating_point() else None
+
+    def _hook(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
+        rows = args[0] if args else kwargs.get("inputs")
+        sizes = args[1] if len(args) > 1 else kwargs.get("expert_size")
+        if not isinstance(rows, torch.Tensor) or sizes is None:
+            raise ArmorInputError(f"grouped experts module {self.name!r} was called without (inputs, expert_size); "
+                                  "its forward is not JetMoE's ParallelExperts signature")
+        x = rows.detach().reshape(-1, rows.shape[-1])
+        sizes = [int(n) for n in (sizes.tolist() if isinstance(sizes, torch.Tensor) else sizes)]
+        keep = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+        mask = current_token_mask()
+        if mask is not None:
+            tokens = self._row_tokens
+            if tokens is None or tokens.shape[0] != x.shape[0]:
+                raise ArmorInputError(f"grouped experts module {self.name!r}: padded calibration batches need each "
+                                      "row's token from the sibling router (JetMoE's top-k gating), which was not "
+                                      "seen; calibrate with unpadded batches (equal-length windows)")
+            keep = mask.reshape(-1).to(x.device)[tokens.to(x.device)]
+        with torch.no_grad(), token_mask(None):  # rows are already the chosen tokens
+            for e, (chunk, kept) in enumerate(zip(x.split(sizes), keep.split(sizes))):
+                if e not in self._obs:
+                    continue
+                chunk = chunk[kept]
+                self.routed_tokens[e] += int(chunk.shape[0])
+                if self.mode == "routed":
+                    self._obs[e].update(chunk)
+            if self.mode == "all":
+                for e in self.experts:
+                    self._obs[e].update(x[keep])
+            elif self.min_tokens > 0:
+                self._inputs.append(x[keep])
+
+    def _refill(self, e: int) -> None:
+        self._obs[e].reset()
+        for x in self._inputs:
+            self._obs[e].update(x)
+
+    def _named(self) -> Dict[str, LayerStatistics]:
+        return {f"{self.name}.{_GROUPED}.{e}": obs.statistics() for e, obs in self._obs.items()}
+
+
 def observe_experts(slots: Mapping[str, ExpertSlot], *, track_xtx: bool, mode: str,
-                    min_tokens: int) -> Dict[str, ExpertsObserver]:
-    """One :class:`ExpertsObserver` per experts module holding a layer of ``slots`` (``{name: ExpertSlot}``)."""
-    wanted: Dict[str, Tuple[nn.Module, set]] = {}
+                    min_tokens: int) -> Dict[str, "ExpertsObserver | GroupedExpertsObserver"]:
+    """One observer per experts module holding a layer of ``slots`` (``{name: ExpertSlot}``):
+    :class:`GroupedExpertsObserver` for a grouped experts module, else :class:`ExpertsObserver`."""
+    wanted: Dict[str, Tuple[ExpertSlot, set]] = {}
     for name, slot in slots.items():
         if split_expert_name(name) is None:
             raise ArmorInputError(f"layer {name!r} is not an expert layer name (expected <experts>.<param>.<e>)")
         module_name = slot.param_fqn.rsplit(".", 1)[0]
-        wanted.setdefault(module_name, (slot.module, set()))[1].add(slot.index)
-    return {module_name: ExpertsObserver(module, module_name, track_xtx=track_xtx, mode=mode, min_tokens=min_tokens,
-                                         experts=sorted(experts))
-            for module_name, (module, experts) in wanted.items()}
+        wanted.setdefault(module_name, (slot, set()))[1].add(slot.index)
+    out: Dict[str, "ExpertsObserver | GroupedExpertsObserver"] = {}
+    for module_name, (slot, experts) in wanted.items():
+        kw = dict(track_xtx=track_xtx, mode=mode, min_tokens=min_tokens, experts=sorted(experts))
+        if is_grouped_experts(slot.module):
+            out[module_name] = GroupedExpertsObserver(slot.module, module_name, parent=slot.parent, **kw)
+        else:
+            called = slot.parent if flat_experts_count(slot.module) is not None else None
+            out[module_name] = ExpertsObserver(slot.module, module_name, called=called, **kw)
+    return out

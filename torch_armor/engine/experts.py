@@ -32,7 +32,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from torch_armor.calibration.experts import ExpertSlot, split_expert_name, unsupported_experts
+from torch_armor.calibration.experts import (ExpertSlot, flat_experts_count, out_in_shape, split_expert_name,
+                                             unsupported_experts)
 from torch_armor.calibration.routers import moe_blocks, router_names
 from torch_armor.calibration.selection import prunable_names  # noqa: F401  (doctest)
 from torch_armor.errors import ArmorInputError
@@ -52,10 +53,12 @@ def layer_module(model: nn.Module, name: str) -> Any:
         module_name, attr = param_fqn.rsplit(".", 1)
         module = model.get_submodule(module_name)
         param = getattr(module, attr, None)
-        if isinstance(param, torch.Tensor) and param.dim() == 3:
-            if not 0 <= e < param.shape[0]:
-                raise ArmorInputError(f"layer {name!r}: {param_fqn} holds {param.shape[0]} experts, not {e + 1}")
-            return ExpertSlot(module, attr, e, name)
+        if isinstance(param, torch.Tensor) and (param.dim() == 3 or flat_experts_count(module) is not None):
+            count = out_in_shape(module, attr)[0]
+            if not 0 <= e < count:
+                raise ArmorInputError(f"layer {name!r}: {param_fqn} holds {count} experts, not {e + 1}")
+            parent = model.get_submodule(module_name.rpartition(".")[0])
+            return ExpertSlot(module, attr, e, name, parent=parent)
     return model.get_submodule(name)
 
 
@@ -82,10 +85,11 @@ def write_experts(slots: Mapping[str, ExpertSlot], solutions: Mapping[str, Any],
                     slots[n].weight.copy_(solutions[n].pruned.to(dtype=old.dtype, device=old.device))
             continue
         by_index = {slots[n].index: solutions[n].factors for n in names}
-        if sorted(by_index) != list(range(old.shape[0])):
-            raise ArmorInputError(f"{param_fqn}: ARMOR converts all {old.shape[0]} experts of a fused parameter "
+        count = out_in_shape(module, attr)[0]
+        if sorted(by_index) != list(range(count)):
+            raise ArmorInputError(f"{param_fqn}: ARMOR converts all {count} experts of a fused parameter "
                                   f"together, {len(by_index)} were selected; select every expert of it or none")
-        factors = [by_index[e] for e in range(old.shape[0])]
+        factors = [by_index[e] for e in range(count)]
         armor_experts_from_factors(module, attr, factors, storage=storage, name=param_fqn)
 
 

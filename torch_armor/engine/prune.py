@@ -40,6 +40,7 @@ from torch import nn
 
 from torch_armor._io import stop_here_for_tests
 from torch_armor.calibration.blocks import decoder_blocks
+from torch_armor.calibration.experts import out_in_shape
 from torch_armor.calibration.selection import LayerSelection, select_layers
 from torch_armor.calibration.validate import check_token_ids, vocab_size_of
 from torch_armor.core.config import ArmorConfig
@@ -197,7 +198,8 @@ def prune_model(
     warn_unfit(unfit)
     experts = group_by_param(names)
     for param, chosen in experts.items():
-        total = model.get_parameter(param).shape[0]
+        module_name, _, attr = param.rpartition(".")
+        total = out_in_shape(model.get_submodule(module_name), attr)[0]
         if method.factorizes and len(chosen) != total:
             raise ArmorInputError(f"{param}: ARMOR converts all {total} experts of a fused parameter together, "
                                   f"the layer selection holds {len(chosen)}; select every expert of it or none")

@@ -35,7 +35,8 @@ from torch_armor.calibration.blocks import BlockInput, to_device as _to
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.core.levers import ReconstructConfig
 from torch_armor.engine.reconstruct_data import Unit, set_scheduled_lr, split_windows, take_rows
-from torch_armor.engine.reconstruct_weights import FactoredLinears, FactorLeaves, build_weights, weight_names
+from torch_armor.engine.reconstruct_weights import (FactoredLinears, FactorLeaves, build_weights, expert_layouts,
+                                                    weight_names)
 from torch_armor.errors import ArmorInputError
 
 __all__ = ["Reconstruction", "reconstruct_block", "stages_of"]
@@ -108,18 +109,20 @@ def reconstruct_block(block: nn.Module, factors: Mapping[str, ArmorFactors], inp
                                 held_out_from)
     groups = weight_names(block, factors)
     leaves = {n: FactorLeaves(f, device) for n, f in factors.items()}
+    layouts = expert_layouts(block, groups)
     with FactoredLinears(block, groups, leaves) as linears:
         return _reconstruct(block, factors, inputs, targets, config, device, seed, held, train, leaves, linears,
-                            {p: m for p, m in groups.items() if p not in linears.params})
+                            {p: m for p, m in groups.items() if p not in linears.params}, layouts)
 
 
 def _reconstruct(block, factors, inputs, targets, config, device, seed, held, train, leaves, linears,
-                 groups) -> Reconstruction:
-    """:func:`reconstruct_block`'s loop; ``groups``: the weights built for ``functional_call``."""
+                 groups, layouts) -> Reconstruction:
+    """:func:`reconstruct_block`'s loop; ``groups``: the weights built for ``functional_call``, ``layouts``:
+    the experts parameters among them stored otherwise than ``(E, out, in)``."""
 
     def held_out_error() -> float:
         with torch.no_grad():
-            weights = build_weights(groups, leaves, trainable=set())
+            weights = build_weights(groups, leaves, trainable=set(), layouts=layouts)
             err = den = 0.0
             for unit in held:
                 e, d = _squared(block, weights, *take_rows(inputs[unit.batch], targets[unit.batch], unit), device)
@@ -138,7 +141,7 @@ def _reconstruct(block, factors, inputs, targets, config, device, seed, held, tr
         trainable = linears.trainable = set(stage)
         frozen = None
         if len(stages) > 1:
-            frozen = {p: w for p, w in build_weights(groups, leaves, trainable=set()).items()
+            frozen = {p: w for p, w in build_weights(groups, leaves, trainable=set(), layouts=layouts).items()
                       if not any(m in trainable for m in groups[p])}
         tensors = [t for n in stage for t in leaves[n].tensors]
         optimizer = torch.optim.Adam([{"params": [t], "lr": config.lr * (float(t.detach().square().mean().sqrt()) or 1.0)}
@@ -157,7 +160,7 @@ def _reconstruct(block, factors, inputs, targets, config, device, seed, held, tr
             den = target.to(device=device, dtype=torch.float32).square().sum().clamp_min(torch.finfo(torch.float32).tiny)
             for row in range(target.shape[0]):  # one window's graph at a time: its activations are the big tensors
                 one = take_rows(inp, target, Unit(unit.batch, (row,))) if target.shape[0] > 1 else (inp, target)
-                err = _error(block, build_weights(groups, leaves, trainable, frozen), *one, device)
+                err = _error(block, build_weights(groups, leaves, trainable, frozen, layouts), *one, device)
                 (err / den).backward()
                 del err
             optimizer.step()

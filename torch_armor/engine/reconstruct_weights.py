@@ -9,28 +9,31 @@ recomputing once ``Ŵ`` exists, before the matmul), so no weight-sized tensor of
 there. Other weights (fused experts) are built as tensors for ``functional_call``
 (:func:`build_weights`), checkpointed so the graph keeps ``Ŵ`` and not the products that build it.
 
-Names: a factor named ``f"{P}.{e}"`` where ``P`` is a 3-D parameter of the block (fused experts,
-``(E, out, in)``) is expert ``e``'s slice of ``P``, and ``P`` is built as the stack of the
-experts' ``Ŵ``; any other factor ``n`` gives ``n.weight``.
+Names: a factor named ``f"{P}.{e}"`` where ``P`` is a fused experts parameter of the block (3-D, or
+DBRX's flat 2-D ``w1``/``v1``/``w2``) is expert ``e``'s ``(out, in)`` layer of ``P``, and ``P`` is built as
+the stack of the experts' ``Ŵ``, put in the module's own layout (:func:`expert_layouts`: transposed for
+gpt-oss and DBRX's ``w2``, flattened to ``(E·rows, cols)`` for DBRX); any other factor ``n`` gives ``n.weight``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Dict, List, Mapping, Optional, Set
+from typing import Callable, Dict, List, Mapping, Optional, Set, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from torch_armor.calibration.experts import flat_experts_count, out_in_shape, stores_in_by_out
 from torch_armor.core.blockdiag import block_diag_left, block_diag_right
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.packing import scatter_groups
 
-__all__ = ["FactorLeaves", "FactoredLinears", "weight_names", "build_weights", "kept_index", "scatter_core"]
+__all__ = ["FactorLeaves", "FactoredLinears", "weight_names", "build_weights", "expert_layouts", "kept_index",
+           "scatter_core"]
 
 
 def kept_index(mask: torch.Tensor) -> torch.Tensor:
@@ -128,12 +131,14 @@ def weight_names(block: nn.Module, names: Mapping[str, object]) -> Dict[str, Lis
     experts: Dict[str, Dict[int, str]] = {}
     for name in names:
         head, _, tail = name.rpartition(".")
-        if tail.isdigit() and head in params and params[head].dim() == 3:
+        if tail.isdigit() and head in params and (params[head].dim() == 3 or flat_experts_count(
+                block.get_submodule(head.rpartition(".")[0])) is not None):
             experts.setdefault(head, {})[int(tail)] = name
         else:
             out[f"{name}.weight"] = [name]
     for head, by_index in experts.items():
-        count = params[head].shape[0]
+        module_name, _, attr = head.rpartition(".")
+        count = out_in_shape(block.get_submodule(module_name), attr)[0]
         if sorted(by_index) != list(range(count)):
             missing = sorted(set(range(count)) - set(by_index))
             raise ArmorInputError(f"block reconstruction: fused expert parameter {head!r} has {count} experts but "
@@ -142,11 +147,34 @@ def weight_names(block: nn.Module, names: Mapping[str, object]) -> Dict[str, Lis
     return out
 
 
+def _in_module_layout(stack: torch.Tensor, in_by_out: bool, shape: Tuple[int, ...]) -> torch.Tensor:
+    return (stack.transpose(-2, -1) if in_by_out else stack).reshape(shape)
+
+
+def expert_layouts(block: nn.Module, groups: Mapping[str, List[str]]
+                   ) -> Dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """``{parameter: stack -> parameter}`` for the experts parameters of ``groups`` (:func:`weight_names`)
+    that the module does not store as the ``(E, out, in)`` stack of its experts: ``(E, in, out)``
+    (gpt-oss, DBRX's ``w2``), or flat ``(E·rows, cols)`` (DBRX)."""
+    out = {}
+    for param, members in groups.items():
+        if param == f"{members[0]}.weight":
+            continue
+        module_name, _, attr = param.rpartition(".")
+        module = block.get_submodule(module_name)
+        in_by_out, shape = stores_in_by_out(module, attr), tuple(getattr(module, attr).shape)
+        if in_by_out or len(shape) != 3:
+            out[param] = functools.partial(_in_module_layout, in_by_out=in_by_out, shape=shape)
+    return out
+
+
 def build_weights(groups: Mapping[str, List[str]], leaves: Mapping[str, FactorLeaves],
-                  trainable: Optional[set] = None, frozen: Optional[Dict[str, torch.Tensor]] = None
+                  trainable: Optional[set] = None, frozen: Optional[Dict[str, torch.Tensor]] = None,
+                  layouts: Optional[Mapping[str, Callable[[torch.Tensor], torch.Tensor]]] = None
                   ) -> Dict[str, torch.Tensor]:
     """The block's weights for :func:`torch.func.functional_call`: a group whose factors are all
-    outside ``trainable`` (``None``: all trainable) is taken from ``frozen`` when given there."""
+    outside ``trainable`` (``None``: all trainable) is taken from ``frozen`` when given there; an
+    experts parameter in ``layouts`` (:func:`expert_layouts`) is put in its module's layout."""
     out = {}
     for param, members in groups.items():
         if frozen is not None and param in frozen:
@@ -154,7 +182,11 @@ def build_weights(groups: Mapping[str, List[str]], leaves: Mapping[str, FactorLe
             continue
         grad = trainable is None or any(m in trainable for m in members)
         built = [leaves[m].weight(grad) for m in members]
-        out[param] = built[0] if param == f"{members[0]}.weight" else torch.stack(built)
+        if param == f"{members[0]}.weight":
+            out[param] = built[0]
+        else:
+            stack = torch.stack(built)
+            out[param] = layouts[param](stack) if layouts and param in layouts else stack
     return out
 
 

@@ -14,8 +14,10 @@ As for :class:`~torch_armor.tensor.armor_tensor.ArmorTensor`, each core storage 
 ``w[e]`` (an int or a 0-d tensor: what transformers' eager experts loop does,
 ``F.linear(x, self.gate_up_proj[expert_idx])``) and :meth:`ArmorExpertsTensor.expert` return
 expert ``e``'s 2-D ArmorTensor, whose inner tensors are views of the stacked ones, so ``F.linear``
-runs ARMOR's linear. ``.to()`` / ``.half()`` move every expert and choose the storage
-again; ``detach``/``clone``/``copy_`` work part by part; any other op raises, naming the op and what
+runs ARMOR's linear. ``w.view(E, d_out, d_in)`` is ``w`` itself and ``w.view(E, d_in, d_out)`` its
+:class:`~torch_armor.tensor.transposed.ArmorTransposed` (how DBRX reads the experts it stores as
+``(E·in, out)`` rows, ``w2.view(-1, I, H)[e]``; ``w1.view(-1, I, H)[e].T``). ``.to()`` / ``.half()`` move every
+expert and choose the storage again; ``detach``/``clone``/``copy_`` work part by part; any other op raises, naming the op and what
 to use instead (``experts_implementation="armor"``, ``dense_weight()``).
 
 Example::
@@ -34,13 +36,14 @@ Example::
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Callable, ClassVar, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
 from torchao.utils import TorchAOBaseTensor
 
-from torch_armor.calibration.experts import out_in_shape
+from torch_armor.calibration.experts import flat_experts_count, out_in_shape, square_flat_experts
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor import interop  # noqa: F401  (the handlers _SHARED_ATEN delegates to)
@@ -48,6 +51,7 @@ from torch_armor.tensor.armor_tensor import ArmorTensor
 from torch_armor.tensor.experts_forward import prefer_armor_experts
 from torch_armor.tensor.formats import CompactArmorTensor, DenseArmorTensor
 from torch_armor.tensor.semi_structured import CusparseltArmorTensor, CutlassArmorTensor
+from torch_armor.tensor.transposed import ArmorTransposed
 
 __all__ = ["ArmorExpertsTensor", "armor_experts_from_factors", "experts_class_of", "experts_from_parts", "stack_experts",
            "EXPERTS_HINT"]
@@ -278,9 +282,12 @@ def armor_experts_from_factors(module: nn.Module, param_name: str, factors: Sequ
     """
     where = name or f"{type(module).__name__}.{param_name}"
     old = module._parameters.get(param_name) if isinstance(module, nn.Module) else None
-    if old is None or old.dim() != 3:
+    if old is None or (old.dim() != 3 and flat_experts_count(module) is None):
         raise ArmorInputError(f"{where}: expected a 3-D (experts, d_out, d_in) parameter {param_name!r} on "
                               f"{type(module).__name__}, found {None if old is None else tuple(old.shape)}")
+    if square_flat_experts(module):
+        raise ArmorInputError(f"{where}: DBRX-style flat experts with ffn_hidden_size == hidden_size cannot hold ARMOR "
+                              "experts (its forward's w2 view could not tell them from their transpose); keep them dense")
     factors = list(factors)
     e_count, d_out, d_in = out_in_shape(module, param_name)
     if len(factors) != e_count:
@@ -360,5 +367,22 @@ def _requires_grad(func, types, args, kwargs):
         return func(*args, **kwargs)
 
 
+def _view(func, types, args, kwargs):
+    self, shape = args[0], args[1:]
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+        shape = tuple(shape[0])
+    shape = tuple(kwargs.get("size", shape))
+    known = math.prod(s for s in shape if s != -1) if all(isinstance(s, int) for s in shape) else 0
+    resolved = tuple(math.prod(self.shape) // known if s == -1 else s for s in shape) if known else shape
+    e_count, d_out, d_in = self.shape
+    if resolved == tuple(self.shape):
+        return self
+    if resolved == (e_count, d_in, d_out):  # a module storing its experts (in, out) (DBRX's w2) reads them so
+        return ArmorTransposed(self)
+    raise NotImplementedError(f"{self.layer_name or 'ArmorExpertsTensor'} {tuple(self.shape)} does not support "
+                              f"aten.view to {shape}: only to its own shape or its transpose (E, in, out); {EXPERTS_HINT}")
+
+
 _ATEN: Dict[object, Callable] = {aten.select.int: _select, aten.index.Tensor: _index_tensor, aten.copy_.default: _copy}
-_TORCH_FUNCTIONS: Dict[object, Callable] = {torch.Tensor.storage: _storage, torch.Tensor.requires_grad_: _requires_grad}
+_TORCH_FUNCTIONS: Dict[object, Callable] = {torch.Tensor.storage: _storage, torch.Tensor.requires_grad_: _requires_grad,
+                                             torch.Tensor.view: _view}

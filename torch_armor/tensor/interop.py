@@ -2,7 +2,8 @@
 
 * ``.to()``, ``.cuda()``, ``.half()``, ``module.to(...)``: every inner tensor is moved and cast and the
   storage is chosen again for the target (:meth:`ArmorTensor.moved`); ``detach``/``clone``/``alias``
-  apply to every inner tensor; ``.t()`` and other ops on the factored matrix raise, saying what to use.
+  apply to every inner tensor; ``w.T`` / ``w.t()`` give :class:`~torch_armor.tensor.transposed.ArmorTransposed`
+  (``x.matmul(w.T)`` runs ``F.linear(x, w)``); other ops on the factored matrix raise, saying what to use.
 * ``torch.save(model.state_dict())`` + ``torch.load(..., weights_only=True)``: every format class
   registers itself as a safe global (each in its own module).
 * ``load_state_dict`` between models with ArmorTensor layers copies part by part (``copy_``); a
@@ -39,6 +40,7 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from torch_armor.tensor.file_checks import copy_mismatch
 from torch_armor.tensor.armor_tensor import ArmorTensor, implements, implements_torch_function
+from torch_armor.tensor.transposed import ArmorTransposed
 
 aten = torch.ops.aten
 
@@ -91,6 +93,11 @@ def _(func, types, args, kwargs):
         "ArmorTensor does not support transposition (.t()); use F.linear(x, weight) or "
         "weight.dense_weight().t() if you need the materialized matrix"
     )
+
+
+@implements_torch_function([torch.Tensor.T.__get__, torch.Tensor.t])
+def _(func, types, args, kwargs):
+    return ArmorTransposed(args[0])
 
 
 @implements_torch_function(torch._has_compatible_shallow_copy_type)
