@@ -58,7 +58,6 @@ _EXPORTS = {
     "prune_model": "torch_armor.engine.prune",
     "PruneOptions": "torch_armor.engine.options",
     "PruneReport": "torch_armor.engine.report",
-    "PruningSparsifier": "torch_armor.sparsifier",
     "ReconstructConfig": "torch_armor.core.config",
     "RefineConfig": "torch_armor.core.config",
     "register_method": "torch_armor.engine.methods",
