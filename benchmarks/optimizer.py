@@ -34,7 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from layer_stats import layer_problem  # noqa: E402
 
 factorize_module = importlib.import_module("torch_armor.core.factorize")  # the module, not the function
-from torch_armor import AdamConfig, ArmorConfig, BcdConfig, factorize  # noqa: E402
+from torch_armor import ArmorConfig  # noqa: E402
+from torch_armor.core.config import AdamConfig, BcdConfig  # noqa: E402
+from torch_armor.core.factorize import factorize  # noqa: E402
 
 LAYERS = ("q_proj", "k_proj", "up_proj", "down_proj")
 PAPER = {  # relative proxy loss of the paper's recipe at block 32, from the issue

@@ -35,7 +35,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from torch_armor import ArmorConfig, DistillConfig, ReconstructConfig, RefineConfig  # noqa: E402
+from torch_armor import ArmorConfig  # noqa: E402
+from torch_armor.core.config import DistillConfig, ReconstructConfig, RefineConfig  # noqa: E402
 from torch_armor.core.levers import OPTIMIZERS  # noqa: E402
 from torch_armor.core.presets import PRESETS  # noqa: E402
 from torch_armor.recipes.quality import DEMO_METHODS, run_quality  # noqa: E402

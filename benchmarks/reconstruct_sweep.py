@@ -37,7 +37,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torch_armor import ArmorConfig, BcdConfig, DistillConfig, PruneOptions, ReconstructConfig, RefineConfig, prune_model  # noqa: E402
+from torch_armor import ArmorConfig, PruneOptions, prune_model  # noqa: E402
+from torch_armor.core.config import BcdConfig, DistillConfig, ReconstructConfig, RefineConfig  # noqa: E402
 from torch_armor.core.levers import DEFAULT_RECONSTRUCT, DEFAULT_REFINE  # noqa: E402
 from torch_armor.core.presets import PRESETS  # noqa: E402
 from torch_armor.engine.options import check_device  # noqa: E402

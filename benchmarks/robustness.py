@@ -40,7 +40,8 @@ sys.path.insert(0, str(CODE))
 import torch  # noqa: E402
 
 from torch_armor.errors import ArmorError  # noqa: E402
-from torch_armor import AdamConfig, PruneOptions, WandaConfig  # noqa: E402
+from torch_armor import PruneOptions, WandaConfig  # noqa: E402
+from torch_armor.core.config import AdamConfig  # noqa: E402
 
 CASES: List[Tuple[str, str, Callable[[], object], str]] = []  # (group, name, run, what the message must name)
 
@@ -77,7 +78,8 @@ def check(cond: bool, what: str) -> None:
 
 # ------------------------------------------------------------------------------------------ core
 def _factorize(w, h, name="blk.proj", **cfg):
-    from torch_armor import ArmorConfig, BcdConfig
+    from torch_armor import ArmorConfig
+    from torch_armor.core.config import BcdConfig
     from torch_armor.core.factorize import factorize
     from torch_armor.core.proxy import nowag_prune, proxy_loss
 
@@ -154,7 +156,8 @@ def _():
 
 
 def _factorize_zero(w, h):
-    from torch_armor import ArmorConfig, BcdConfig
+    from torch_armor import ArmorConfig
+    from torch_armor.core.config import BcdConfig
     from torch_armor.core.factorize import factorize
 
     return factorize(w, h, ArmorConfig(block_size=16, optimizer=BcdConfig(iters=3)), name="blk.proj")
@@ -221,7 +224,8 @@ def _():
 
 @case("config", "negative ridge", "ridge")
 def _():
-    from torch_armor import ArmorConfig, BcdConfig
+    from torch_armor import ArmorConfig
+    from torch_armor.core.config import BcdConfig
 
     ArmorConfig(optimizer=BcdConfig(ridge=-1.0))
 
@@ -255,10 +259,10 @@ def _():
 
 @case("calibration", "activations overflowing float32 (|x| ~ 1e20)", "0")
 def _():
-    from torch_armor.sparsifier import PruningSparsifier
+    from torch_armor.sparsifier import ArmorSparsifier
 
     model = torch.nn.Sequential(torch.nn.Linear(16, 16))
-    sp = PruningSparsifier(WandaConfig(), progress=False)
+    sp = ArmorSparsifier(WandaConfig(), progress=False)
     sp.prepare(model, [{"tensor_fqn": "0.weight"}])
     model(torch.randn(4, 16) * 1e20)
 
@@ -266,7 +270,8 @@ def _():
 @case("python api", "prune_model on an already pruned model", "already pruned")
 def _():
     from conftest import make_tiny_llama
-    from torch_armor import ArmorConfig, BcdConfig, prune_model
+    from torch_armor import ArmorConfig, prune_model
+    from torch_armor.core.config import BcdConfig
 
     model = make_tiny_llama()
     ids = torch.randint(0, 128, (2, 8))

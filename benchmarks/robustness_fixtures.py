@@ -33,7 +33,8 @@ def calib_ids(vocab: int = 128, n: int = 2) -> torch.Tensor:
 
 
 def armor_cfg():
-    from torch_armor import ArmorConfig, BcdConfig
+    from torch_armor import ArmorConfig
+    from torch_armor.core.config import BcdConfig
 
     return ArmorConfig(block_size=16, optimizer=BcdConfig(iters=1))
 

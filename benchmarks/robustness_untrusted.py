@@ -14,7 +14,8 @@ import shutil
 from pathlib import Path
 
 
-from torch_armor import ArmorConfig, BcdConfig, PruneOptions  # noqa: E402
+from torch_armor import ArmorConfig, PruneOptions  # noqa: E402
+from torch_armor.core.config import BcdConfig  # noqa: E402
 from robustness_fixtures import (  # noqa: E402
     calib_ids,
     dense_dir,

@@ -69,7 +69,8 @@ SMOL_BLOCK, SMOL_ITERS = 16, 3
 
 def smol_config():
     """``ArmorConfig(block_size=16, optimizer=BcdConfig(iters=3))`` (torch_armor imported on use)."""
-    from torch_armor import ArmorConfig, BcdConfig
+    from torch_armor import ArmorConfig
+    from torch_armor.core.config import BcdConfig
 
     return ArmorConfig(block_size=SMOL_BLOCK, optimizer=BcdConfig(iters=SMOL_ITERS))
 SMOL_WINDOWS = 8
@@ -140,7 +141,8 @@ def _last_json(proc: subprocess.CompletedProcess, what: str) -> dict:
 def cmd_measure(args: argparse.Namespace) -> None:
     """(fresh process) factorize one random layer; print peak memory and times as JSON."""
     torch.set_num_threads(args.threads)
-    from torch_armor import ArmorConfig, factorize
+    from torch_armor import ArmorConfig
+    from torch_armor.core.factorize import factorize
     from torch_armor.core.levers import OPTIMIZERS
 
     g = torch.Generator().manual_seed(0)

@@ -256,7 +256,8 @@ def test_python_dash_m_help():
 
 
 def test_block_size_default_is_the_config_default():
-    from torch_armor import ArmorConfig, ReconstructConfig
+    from torch_armor import ArmorConfig
+    from torch_armor.core.config import ReconstructConfig
     from torch_armor.cli import build_parser
     from torch_armor.cli_commands import armor_config as _armor_config
 
@@ -300,7 +301,8 @@ def test_prune_prints_stored_and_dense_sizes(tmp_path, capsys, tiny_hf_dir, text
     """The prune report gives both sizes: what is stored and what the dense model holds."""
     import re
 
-    from torch_armor import load_pretrained, model_size
+    from torch_armor import load_pretrained
+    from torch_armor.tensor.finetune import model_size
 
     calib, _ = text_files
     out = tmp_path / "armor"

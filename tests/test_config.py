@@ -3,7 +3,8 @@ import dataclasses
 import pytest
 import torch
 
-from torch_armor import AdamConfig, ArmorConfig, BcdConfig, ReconstructConfig, RefineConfig, SparseGPTConfig
+from torch_armor import ArmorConfig, SparseGPTConfig
+from torch_armor.core.config import AdamConfig, BcdConfig, ReconstructConfig, RefineConfig
 from torch_armor.errors import ArmorInputError
 from torch_armor.core.pattern import parse_pattern
 

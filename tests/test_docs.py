@@ -320,8 +320,10 @@ def test_api_reference_shows_every_field_with_its_real_default():
     import dataclasses
 
     import torch_armor
+    import torch_armor.core.config as configs  # ARMOR's nested configs live there, not at the top level
 
-    namespace = {"torch": torch, **{n: getattr(torch_armor, n) for n in torch_armor.__all__}}
+    namespace = {"torch": torch, **{n: getattr(configs, n) for n in configs.__all__},
+                 **{n: getattr(torch_armor, n) for n in torch_armor.__all__}}
     checked = set()
     for block in python_blocks(ROOT / "docs" / "api.md"):
         try:
@@ -332,7 +334,7 @@ def test_api_reference_shows_every_field_with_its_real_default():
             call = statement.value if isinstance(statement, ast.Expr) else None
             if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.keywords):
                 continue
-            cls = getattr(torch_armor, call.func.id)
+            cls = namespace[call.func.id]
             documented = {kw.arg: eval(compile(ast.Expression(kw.value), "api.md", "eval"), namespace)
                           for kw in call.keywords}
             actual = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()

@@ -16,7 +16,8 @@ from torchao.quantization import Int8WeightOnlyConfig, quantize_
 from transformers import AutoModelForCausalLM
 
 from conftest import make_tiny_llama
-from torch_armor import (ArmorConfig, ArmorCoreConfig, ArmorTensor, BcdConfig, load_pretrained, prune_model, PruneOptions, save_pretrained)
+from torch_armor import ArmorConfig, ArmorCoreConfig, ArmorTensor, load_pretrained, prune_model, PruneOptions, save_pretrained
+from torch_armor.core.config import BcdConfig
 from torch_armor.tensor.flatten import flatten_armor_state
 
 VOCAB = 128
@@ -215,7 +216,7 @@ def test_moe_save_pretrained_from_pretrained_bit_identical(arch, tmp_path, one_t
 
 
 def torch_armor_model_size(model):
-    from torch_armor import model_size
+    from torch_armor.tensor.finetune import model_size
 
     return model_size(model)
 
@@ -223,7 +224,7 @@ def torch_armor_model_size(model):
 def test_moe_model_size_counts_expert_parts(one_thread):
     """Each expert counts A, B (d_b² per block) and its kept half of the core, as a linear does."""
     from _tiny_moe import armor_moe, experts_modules
-    from torch_armor import model_size
+    from torch_armor.tensor.finetune import model_size
 
     model, reference = armor_moe("qwen3_moe", block_size=8)
     dense, size = model_size(reference), model_size(model)

@@ -8,7 +8,8 @@ from torch.utils.data import Dataset
 from transformers import AutoModelForCausalLM
 
 from conftest import make_tiny_llama
-from torch_armor import ArmorConfig, ArmorTensor, BcdConfig, PruneOptions, enable_finetuning, prune_model
+from torch_armor import ArmorConfig, ArmorTensor, PruneOptions, enable_finetuning, prune_model
+from torch_armor.core.config import BcdConfig
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.finetune import trainable_parts
 

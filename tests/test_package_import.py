@@ -65,6 +65,28 @@ def test_every_import_registers_the_same(argv, modules):
     assert _registrations_after_each(argv, modules) == [REGISTERED] * len(modules)
 
 
+def test_at_most_15_public_names_each_importing_from_the_package():
+    """One front door per job: at most 15 names, each one importable from torch_armor and defined by the
+    module the package names for it; the names that left the top level are gone, not aliased."""
+    assert len(torch_armor.__all__) <= 15
+    assert len(set(torch_armor.__all__)) == len(torch_armor.__all__)
+    namespace: dict = {}
+    exec("from torch_armor import *", namespace)
+    assert set(torch_armor.__all__) <= set(namespace)
+    for name in torch_armor.__all__:
+        value = getattr(torch_armor, name)
+        assert value is namespace[name]
+        assert getattr(value, "__name__", name) == name  # the object itself, under its own name
+    removed = ["PruningSparsifier", "attach_quantizer", "factorize", "model_size", "BcdConfig", "AdamConfig",
+               "RefineConfig", "ReconstructConfig", "DistillConfig", "ArmorFactors", "config_for_method",
+               "register_method", "RunMismatchError"]
+    assert [n for n in removed if hasattr(torch_armor, n)] == []
+    import torch_armor.hf as hf
+    import torch_armor.sparsifier as sparsifier
+
+    assert not hasattr(sparsifier, "PruningSparsifier") and not hasattr(hf, "from_pretrained")
+
+
 PUBLIC_MODULES = sorted({"torch_armor", "torch_armor.cli", "torch_armor.hf",
                          *(getattr(torch_armor, name).__module__ for name in torch_armor.__all__)})
 

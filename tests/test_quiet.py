@@ -190,7 +190,8 @@ def test_every_stage_of_an_in_memory_prune_reports_in_a_log(capsys, monkeypatch,
     """Not a terminal (captured): sampling, the dense teacher, the block pass (its reconstruction named
     as it starts) and distillation each report; with the interval at 0 s, every status is a line, as
     a stage longer than LOG_EVERY_S does on a real model."""
-    from torch_armor import DistillConfig, PruneOptions, ReconstructConfig, prune_model
+    from torch_armor import PruneOptions, prune_model
+    from torch_armor.core.config import DistillConfig, ReconstructConfig
 
     monkeypatch.setattr(progress_module, "LOG_EVERY_S", 0.0)
     config = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=1), reconstruct=ReconstructConfig(steps=2),

@@ -1,7 +1,7 @@
 """Tests for torch_armor.sparsifier: the prepare → calibrate → step → convert shell.
 
-ArmorSparsifier runs tiny BCD budgets on small layers; PruningSparsifier is checked against
-the direct pruning functions on statistics recomputed here from the calibration inputs.
+ArmorSparsifier runs tiny BCD budgets on small layers; with a baseline's config the same class is
+checked against the direct pruning functions on statistics recomputed here from the calibration inputs.
 """
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ from torch import nn
 import torch_armor.engine.methods as runner_module  # where the ARMOR method calls factorize
 import torch_armor.sparsifier as sparsifier_module
 from torch_armor.core import baselines
-from torch_armor import (ArmorConfig, BcdConfig, MagnitudeConfig, SparseGPTConfig, WandaConfig,
-                         config_for_method)
+from torch_armor import ArmorConfig, MagnitudeConfig, SparseGPTConfig, WandaConfig
+from torch_armor.core.config import BcdConfig
+from torch_armor.engine.methods import config_for_method
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.core.proxy import nowag_prune
-from torch_armor.sparsifier import ArmorSparsifier, PruningSparsifier
+from torch_armor.sparsifier import ArmorSparsifier
 from torch_armor.tensor.armor_tensor import ArmorTensor
 
 FAST_CONFIG = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=2))
@@ -162,8 +163,8 @@ def test_settings_only_in_the_config():
         ArmorSparsifier(block_size=16)
     with pytest.raises(ValueError, match="storage"):
         ArmorSparsifier(storage="sparse")
-    with pytest.raises(ValueError, match="config must be an ArmorConfig"):
-        ArmorSparsifier("armor")
+    with pytest.raises(ValueError, match=r"config must be a method config \(.*ArmorConfig\(\).*\), got str"):
+        ArmorSparsifier("armor")  # the config's type is the method: a method name is no config
 
 
 def test_per_layer_block_size_override():
@@ -244,10 +245,10 @@ def test_convert_in_place_outputs_and_errors(caplog):
 
 def test_step_logs_and_on_layer_done():
     calls = []
-    sp = prepared(make_mlp(), on_layer_done=lambda fqn, f: calls.append((fqn, f)))
+    sp = prepared(make_mlp(), on_layer_done=lambda fqn, sol: calls.append((fqn, sol)))
     sp.step()
     assert [c[0] for c in calls] == LAYERS
-    assert all(isinstance(f, ArmorFactors) and f is sp.factors[fqn] for fqn, f in calls)
+    assert all(isinstance(sol.factors, ArmorFactors) and sol.factors is sp.factors[fqn] for fqn, sol in calls)
     sp.step()  # nothing left to do
     assert len(calls) == len(LAYERS)
     with pytest.raises(ValueError, match="on_layer_done"):
@@ -311,7 +312,7 @@ def test_resume_computes_only_unfinished_layers(tmp_path, monkeypatch):
     class Stop(Exception):
         pass
 
-    def checkpoint(fqn, factors):  # save after every layer, die after the second
+    def checkpoint(fqn, solution):  # save after every layer, die after the second
         torch.save(interrupted.state_dict(), tmp_path / "ckpt.pt")
         if fqn == LAYERS[1]:
             raise Stop
@@ -363,9 +364,9 @@ def test_load_state_dict_errors(caplog):
     assert "0.weight: loaded result was computed with different settings {'optimizer.iters': 2}" in caplog.text
     with pytest.raises(ValueError, match="prepare"):
         ArmorSparsifier(FAST_CONFIG, **FAST).load_state_dict(state)
-    other = PruningSparsifier(WandaConfig(), progress=False)
+    other = ArmorSparsifier(WandaConfig(), progress=False)
     other.prepare(make_mlp(), [{"tensor_fqn": f} for f in LAYERS])
-    with pytest.raises(ValueError, match="ArmorSparsifier"):
+    with pytest.raises(ValueError, match=r"comes from ArmorSparsifier\(method='armor'\).*not ArmorSparsifier\(method='wanda'\)"):
         other.load_state_dict(state)
     partial = ArmorSparsifier(FAST_CONFIG, **FAST)
     partial.prepare(make_mlp(), [{"tensor_fqn": "0.weight"}])
@@ -402,10 +403,10 @@ def test_state_from_other_weights_is_refused(tmp_path):
     same.load_state_dict(state)
     assert list(same.factors) == LAYERS
     assert torch.equal(same.statistics("4.weight").act_sq_norm, sp.statistics("4.weight").act_sq_norm)
-    pruning = PruningSparsifier(MagnitudeConfig(), progress=False)
+    pruning = ArmorSparsifier(MagnitudeConfig(), progress=False)
     pruning.prepare(make_mlp(), [{"tensor_fqn": "4.weight"}])
     pruning_state = pruning.state_dict()
-    pruning = PruningSparsifier(MagnitudeConfig(), progress=False)
+    pruning = ArmorSparsifier(MagnitudeConfig(), progress=False)
     pruning.prepare(changed, [{"tensor_fqn": "4.weight"}])
     with pytest.raises(ValueError, match="'4.weight'.*other weights"):
         pruning.load_state_dict(pruning_state)
@@ -424,7 +425,35 @@ def test_state_without_hashes_is_refused():
         assert fresh.statistics("0.weight").num_tokens == 0
 
 
-# --- PruningSparsifier -------------------------------------------------------------------------
+@pytest.mark.parametrize("method", ["armor", "sparsegpt", "wanda", "nowag", "magnitude"])
+def test_one_sparsifier_converts_with_every_method(method):
+    """One class for the torch.ao protocol whatever the config: ARMOR swaps in ArmorTensor weights, a
+    baseline writes its pruned dense weight, through the same prepare → calibrate → convert."""
+    config = FAST_CONFIG if method == "armor" else config_for_method(method, **({"block_size": 16} if method == "sparsegpt" else {}))
+    model = make_mlp()
+    dense = copy.deepcopy(model)
+    sp = ArmorSparsifier(config, **FAST)
+    assert sp.method_config is config
+    sp.prepare(model, [{"tensor_fqn": f} for f in LAYERS])
+    with torch.no_grad():
+        for x in calib_batches():
+            model(x)
+    assert sp.convert(model) is model
+    for fqn in LAYERS:
+        w, original = model.get_submodule(fqn[:-7]).weight, dense.get_submodule(fqn[:-7]).weight.detach()
+        if method == "armor":
+            assert isinstance(w, ArmorTensor) and sp.factors[fqn].pattern == "2:4"
+            approx = w.dense_weight()
+        else:
+            assert type(w) is nn.Parameter and not isinstance(w, ArmorTensor) and not sp.factors
+            approx = w.detach()
+            assert ((approx != 0).reshape(approx.shape[0], -1, 4).sum(-1) <= 2).all()  # 2:4 in the weight itself
+        torch.testing.assert_close(approx, sp.approximation(fqn).to(approx.dtype), rtol=1e-5, atol=1e-6)
+        assert 0 < (approx - original).norm() < original.norm()
+    assert all(no_hooks(m) for m in model.modules())
+
+
+# --- baselines through ArmorSparsifier -------------------------------------------------------------------------
 def independent_stats(model: nn.Sequential, batches: list[torch.Tensor]) -> dict:
     """Σx² and XᵀX of every linear's input, recomputed in float64 from the calibration inputs."""
     out = {}
@@ -444,7 +473,7 @@ def test_pruning_matches_direct_functions(method, tmp_path):
     model = make_mlp()
     dense = copy.deepcopy(model)
     kwargs = {"block_size": 16} if method == "sparsegpt" else {}
-    sp = PruningSparsifier(config_for_method(method, **kwargs), progress=False)
+    sp = ArmorSparsifier(config_for_method(method, **kwargs), progress=False)
     config = [{"tensor_fqn": "0.weight"}, {"tensor_fqn": "2.weight", "pattern": "4:8"}, {"tensor_fqn": "4.weight"}]
     sp.prepare(model, config)
     batches = calib_batches()
@@ -487,7 +516,7 @@ def test_pruning_matches_direct_functions(method, tmp_path):
 def test_sparsegpt_uses_collected_xtx_exactly():
     model = make_mlp()
     dense = copy.deepcopy(model)
-    sp = PruningSparsifier(SparseGPTConfig(block_size=16, damp=0.05), progress=False)
+    sp = ArmorSparsifier(SparseGPTConfig(block_size=16, damp=0.05), progress=False)
     sp.prepare(model, [{"tensor_fqn": "0.weight"}, {"tensor_fqn": "2.weight"}])
     batches = calib_batches()
     with torch.no_grad():
@@ -508,31 +537,31 @@ def test_sparsegpt_uses_collected_xtx_exactly():
 def test_pruning_options_and_resume(tmp_path):
     # the config's type is the method: a method name is no config
     with pytest.raises(ValueError, match="config must be a method config"):
-        PruningSparsifier("wanda")
+        ArmorSparsifier("wanda")
     with pytest.raises(TypeError, match="damp"):
-        PruningSparsifier(WandaConfig(), damp=0.1)
+        ArmorSparsifier(WandaConfig(), damp=0.1)
     # magnitude needs no calibration
     model = make_mlp()
-    sp = PruningSparsifier(MagnitudeConfig(), progress=False)
+    sp = ArmorSparsifier(MagnitudeConfig(), progress=False)
     sp.prepare(model, [{"tensor_fqn": "0.weight"}])
     assert no_hooks(model[0])
     sp.convert(model)
     assert float((model[0].weight == 0).float().mean()) == 0.5
     # wanda without calibration names the layer
-    sp = PruningSparsifier(WandaConfig(), progress=False)
+    sp = ArmorSparsifier(WandaConfig(), progress=False)
     sp.prepare(make_mlp(), [{"tensor_fqn": "2.weight"}])
     with pytest.raises(ValueError, match="'2.weight' saw no calibration"):
         sp.step()
     # save / load through weights_only
     model, dense = make_mlp(), make_mlp()
-    sp = PruningSparsifier(SparseGPTConfig(block_size=16), progress=False)
+    sp = ArmorSparsifier(SparseGPTConfig(block_size=16), progress=False)
     sp.prepare(model, [{"tensor_fqn": f} for f in LAYERS])
     model(calib_batches()[1])
     state = sp.state_dict()
     assert_plain(state)
     torch.save(state, tmp_path / "p.pt")
     sp.convert(model)
-    again = PruningSparsifier(SparseGPTConfig(block_size=16), progress=False)
+    again = ArmorSparsifier(SparseGPTConfig(block_size=16), progress=False)
     again.prepare(dense, [{"tensor_fqn": f} for f in LAYERS])
     again.load_state_dict(torch.load(tmp_path / "p.pt", weights_only=True))
     again.convert(dense)
@@ -550,7 +579,7 @@ def test_auto_block_size_is_resolved_per_layer():
     sp.prepare(model, [{"tensor_fqn": "0.weight"}, {"tensor_fqn": "2.weight", "max_overhead": 0.2}])
     first, second = sp.config_for("0.weight"), sp.config_for("2.weight")
     assert first.block_size == 8 and second.block_size == 4  # largest within 50% / 20% overhead
-    assert per_sweep(first) == 4 and sp.armor_config.block_size == "auto"
+    assert per_sweep(first) == 4 and sp.method_config.block_size == "auto"
     model(torch.randn(20, 48))
     sp.convert(model)
     assert model[0].weight.block_size == 8 and model[2].weight.block_size == 4

@@ -5,7 +5,8 @@ outputs of the already-pruned blocks before it)::
 
     >>> import torch
     >>> from transformers import LlamaConfig, LlamaForCausalLM
-    >>> from torch_armor import ArmorConfig, BcdConfig, PruneOptions, prune_model
+    >>> from torch_armor import ArmorConfig, PruneOptions, prune_model
+    >>> from torch_armor.core.config import BcdConfig
     >>> llama = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
     ...                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=50))
     >>> report = prune_model(llama, torch.randint(0, 50, (4, 16)), ArmorConfig(optimizer=BcdConfig(iters=2)),
@@ -16,7 +17,8 @@ outputs of the already-pruned blocks before it)::
 The config's type is the method: ``SparseGPTConfig()``, ``WandaConfig()``, ``NoWagConfig()`` and
 ``MagnitudeConfig()`` run the baselines through the same call.
 
-The ``torch.ao.pruning`` protocol works on any model, with your own forward passes::
+The ``torch.ao.pruning`` protocol works on any model, with your own forward passes, one sparsifier
+whatever the config::
 
     >>> import torch
     >>> from torch import nn
@@ -28,6 +30,9 @@ The ``torch.ao.pruning`` protocol works on any model, with your own forward pass
     >>> model = sparsifier.convert(model)     # factorize and swap in ArmorTensor weights
     >>> type(model[0].weight).__name__
     'CompactArmorTensor'
+
+``save_pretrained(model, directory)`` writes the Hugging Face format (``AutoModelForCausalLM.from_pretrained``
+reads it after ``import torch_armor``) and ``load_pretrained(directory)`` reads it back, checked.
 """
 
 import importlib as _importlib
@@ -35,38 +40,30 @@ import importlib as _importlib
 from torch_armor import _quiet
 
 
-# What a user needs, by the module that defines it; the math and the plumbing stay importable from
-# their subpackages (torch_armor.core, .calibration, .tensor, .engine, .recipes).
+# The front doors, by the module that defines each (15 at most): one call prunes a model, the
+# config's type is the method, one sparsifier serves the torch.ao protocol whatever the config, one
+# function saves (the Hugging Face format) and one loads. Everything else is imported from the module
+# where it lives: nested configs (BcdConfig, RefineConfig, …) from torch_armor.core.config, the
+# per-layer math from torch_armor.core, the tensor plumbing from torch_armor.tensor.
 _EXPORTS = {
-    "AdamConfig": "torch_armor.core.config",
-    "ArmorConfig": "torch_armor.core.config",
-    "ArmorCoreConfig": "torch_armor.tensor.quant",  # (registers the torchao handler)
-    "ArmorFactors": "torch_armor.core.factors",
-    "ArmorSparsifier": "torch_armor.sparsifier",
-    "ArmorTensor": "torch_armor.tensor.armor_tensor",
-    "attach_quantizer": "torch_armor.hf",  # (registers quant_method "armor" with transformers)
-    "BcdConfig": "torch_armor.core.config",
-    "config_for_method": "torch_armor.engine.methods",
-    "DistillConfig": "torch_armor.core.config",
-    "enable_finetuning": "torch_armor.tensor.finetune",
-    "evaluate": "torch_armor.recipes.harness",  # lm-evaluation-harness: the eval extra
-    "factorize": "torch_armor.core.factorize",
-    "load_pretrained": "torch_armor.tensor.serialization",
-    "MagnitudeConfig": "torch_armor.core.method_config",
-    "model_size": "torch_armor.tensor.finetune",
-    "NoWagConfig": "torch_armor.core.method_config",
     "prune_model": "torch_armor.engine.prune",
     "PruneOptions": "torch_armor.engine.options",
     "PruneReport": "torch_armor.engine.report",
-    "PruningSparsifier": "torch_armor.sparsifier",
-    "ReconstructConfig": "torch_armor.core.config",
-    "RefineConfig": "torch_armor.core.config",
-    "register_method": "torch_armor.engine.methods",
-    "RunMismatchError": "torch_armor.errors",
-    "save_pretrained": "torch_armor.tensor.serialization",
+    "ArmorConfig": "torch_armor.core.config",
     "SparseGPTConfig": "torch_armor.core.method_config",
     "WandaConfig": "torch_armor.core.method_config",
+    "NoWagConfig": "torch_armor.core.method_config",
+    "MagnitudeConfig": "torch_armor.core.method_config",
+    "ArmorSparsifier": "torch_armor.sparsifier",
+    "save_pretrained": "torch_armor.tensor.serialization",
+    "load_pretrained": "torch_armor.tensor.serialization",
+    "ArmorTensor": "torch_armor.tensor.armor_tensor",
+    "ArmorCoreConfig": "torch_armor.tensor.quant",  # (registers the torchao handler)
+    "enable_finetuning": "torch_armor.tensor.finetune",
+    "evaluate": "torch_armor.recipes.harness",  # lm-evaluation-harness: the eval extra
 }
+# imported for what importing them registers: quant_method "armor" with transformers
+_REGISTERS = ("torch_armor.hf",)
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"
 
@@ -77,6 +74,8 @@ def _load() -> None:
     package is imported first), whatever ``sys.argv`` says, so the registrations never depend on
     how the process was started or what it imported first."""
     _quiet.import_torchao_quietly()
+    for module in _REGISTERS:
+        _importlib.import_module(module)
     for name, module in _EXPORTS.items():
         globals()[name] = getattr(_importlib.import_module(module), name)
 

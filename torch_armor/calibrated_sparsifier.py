@@ -1,11 +1,11 @@
-"""The shell shared by the ``torch.ao``-style sparsifiers (:mod:`torch_armor.sparsifier`).
+"""The method-blind shell of :class:`~torch_armor.sparsifier.ArmorSparsifier`, the ``torch.ao``-style sparsifier.
 
 :class:`CalibratedSparsifier` attaches statistics hooks in ``prepare``, solves each layer with
 the one per-layer runner (:func:`~torch_armor.engine.runner.solve_layer`: the base config's
 method) in ``step``, writes results with :meth:`~torch_armor.engine.runner.LayerSolution.apply`
-in ``convert``, and saves / restores statistics and finished layers. A subclass passes its base
-method config (an :class:`~torch_armor.core.config.ArmorConfig` or a baseline's); a layer may
-override the config's fields in ``prepare``.
+in ``convert``, and saves / restores statistics and finished layers. It takes any method config
+(an :class:`~torch_armor.core.config.ArmorConfig` or a baseline's); a layer may override the
+config's fields in ``prepare``.
 """
 
 from __future__ import annotations
@@ -208,9 +208,9 @@ class CalibratedSparsifier(BaseSparsifier):
         Example::
 
             >>> from torch_armor.core.method_config import WandaConfig
-            >>> from torch_armor.sparsifier import PruningSparsifier
+            >>> from torch_armor.sparsifier import ArmorSparsifier
             >>> lin = nn.Sequential(nn.Linear(8, 4))
-            >>> sp = PruningSparsifier(WandaConfig(), progress=False)
+            >>> sp = ArmorSparsifier(WandaConfig(), progress=False)
             >>> sp.prepare(lin, [{"tensor_fqn": "0.weight"}])
             >>> _ = lin(torch.ones(2, 3, 8))
             >>> sp.statistics("0.weight").num_tokens

@@ -4,8 +4,8 @@ Importing :mod:`torch_armor`, or any module of it (the package's ``__init__`` ru
 this one, whatever ``sys.argv`` says), registers :class:`ArmorQuantizationConfig` and
 :class:`ArmorHfQuantizer` with transformers, so that
 
-* ``model.save_pretrained(d)`` on a converted model (``prune_model``, ``ArmorSparsifier.convert``,
-  ``load_pretrained``, ``from_pretrained``; any other model after :func:`attach_quantizer`) writes
+* :func:`torch_armor.save_pretrained` writes, and ``model.save_pretrained(d)`` on a model converted by
+  ``prune_model``, ``ArmorSparsifier.convert`` or ``load_pretrained`` writes too,
   safetensors with the compact cores, ``A`` and ``B`` (the format of :mod:`torch_armor.tensor.layout`)
   and ``config.json`` with ``quantization_config`` (:mod:`torch_armor.tensor.hf_format`): the
   pattern, every converted layer (shape, block size, storage, dtype, core quantization) and the
@@ -50,16 +50,10 @@ from torch_armor.tensor.file_checks import (check_checkpoint_files, check_layer_
                                             refuse_meta_device_map)
 from torch_armor.tensor.finetune import trainable_parts
 from torch_armor.tensor.flatten import flatten_armor_state
-from torch_armor.tensor.hf_format import (QUANT_METHOD, attach_quantizer, load_hf_quantized,
-                                          nonpersistent_buffer_dtypes, quantization_config_dict, quantization_pattern,
-                                          write_hf_config, write_hf_index)
+from torch_armor.tensor.hf_format import QUANT_METHOD, nonpersistent_buffer_dtypes, quantization_config_dict, quantization_pattern
 from torch_armor.tensor.layout import DTYPES, FORMAT_VERSION, build_layer, layer_keys, part_key, validate_layer
 
-__all__ = ["QUANT_METHOD", "ArmorQuantizationConfig", "ArmorHfQuantizer", "attach_quantizer", "quantization_config_of",
-           "from_pretrained", "write_hf_config", "write_hf_index"]
-
-#: ``from_pretrained(path, device, storage)``: load a directory written by ``model.save_pretrained``.
-from_pretrained = load_hf_quantized
+__all__ = ["ArmorQuantizationConfig", "ArmorHfQuantizer", "quantization_config_of"]
 
 
 class ArmorQuantizationConfig(QuantizationConfigMixin):

@@ -1,12 +1,12 @@
-"""``torch.ao.pruning``-style sparsifiers: statistics hooks → per-layer solve → weight swap.
+"""The ``torch.ao.pruning``-style sparsifier of every method: statistics hooks → per-layer solve → weight swap.
 
-:class:`ArmorSparsifier` factorizes every prepared linear with ARMOR;
-:class:`PruningSparsifier` runs a baseline (:class:`~torch_armor.core.method_config.MagnitudeConfig`,
-``WandaConfig``, ``NoWagConfig``, ``SparseGPTConfig``) through the same ``prepare → calibrate →
-step → convert`` shell, so every method sees the same data. Both take the same configs as
-:func:`~torch_armor.prune_model`. Both
-are thin: each layer is solved by the one per-layer runner,
-:func:`~torch_armor.engine.runner.solve_layer`, and written back with
+:class:`ArmorSparsifier` takes any method config, like :func:`~torch_armor.prune_model`: the
+config's type is the method. :class:`~torch_armor.core.config.ArmorConfig` factorizes every prepared
+linear into an :class:`~torch_armor.tensor.armor_tensor.ArmorTensor`; a baseline
+(:class:`~torch_armor.core.method_config.MagnitudeConfig`, ``WandaConfig``, ``NoWagConfig``,
+``SparseGPTConfig``) writes the pruned dense weight. Every method sees the same data through the
+same ``prepare → calibrate → step → convert`` shell, and each layer is solved by the one per-layer
+runner, :func:`~torch_armor.engine.runner.solve_layer`, and written back with
 :meth:`~torch_armor.engine.runner.LayerSolution.apply`.
 
 The protocol:
@@ -27,7 +27,7 @@ The protocol:
 ``state_dict()`` holds only tensors, strings and numbers (``torch.load(weights_only=True)``
 reads it): the statistics, every finished layer and the weight hashes, so a long run can be
 checkpointed and resumed on a freshly prepared copy of the same dense model without
-recalibrating or recomputing; a state from other weights is refused.
+recalibrating or recomputing; a state from other weights, or of another method, is refused.
 """
 
 from __future__ import annotations
@@ -39,33 +39,38 @@ from torch import nn
 from torch_armor.calibrated_sparsifier import CalibratedSparsifier
 from torch_armor.core.config import ArmorConfig
 from torch_armor.core.factors import ArmorFactors
-from torch_armor.engine.methods import method_for
+from torch_armor.engine.runner import LayerSolution
 from torch_armor.errors import ArmorInputError
 from torch_armor.sparsifier_state import STATE_DICT_VERSION
 from torch_armor.tensor.armor_tensor import STORAGES
 from torch_armor.tensor.hf_format import attach_quantizer
 
-__all__ = ["ArmorSparsifier", "PruningSparsifier", "STATE_DICT_VERSION"]
+__all__ = ["ArmorSparsifier", "STATE_DICT_VERSION"]
 
 class ArmorSparsifier(CalibratedSparsifier):
-    """ARMOR sparsifier following the ``torch.ao.pruning`` protocol.
+    """The sparsifier of every method, following the ``torch.ao.pruning`` protocol.
 
     Args:
-        config: an :class:`~torch_armor.core.config.ArmorConfig` (default ``ArmorConfig()``).
-        storage: how converted weights store the core (``"auto"``, ``"compact"``,
+        config: a method config, whose type is the method (default ``ArmorConfig()``):
+            :class:`~torch_armor.core.config.ArmorConfig` converts to ArmorTensor weights;
+            ``SparseGPTConfig``, ``WandaConfig``, ``NoWagConfig`` and ``MagnitudeConfig`` write the
+            pruned dense weights (with exact zeros). SparseGPT also accumulates ``XᵀX`` per layer
+            (``d_in²`` floats each); magnitude needs no calibration.
+        storage: how converted ArmorTensor weights store the core (``"auto"``, ``"compact"``,
             ``"dense"``, ``"semi_structured"``; see :class:`~torch_armor.tensor.armor_tensor.ArmorTensor`).
         progress: show a tqdm progress bar in :meth:`step`.
-        on_layer_done: called as ``on_layer_done(tensor_fqn, factors)`` after each layer is
-            factorized in :meth:`step` (the factors are already stored), e.g. to checkpoint
-            ``sparsifier.state_dict()``.
+        on_layer_done: called as ``on_layer_done(tensor_fqn, solution)`` after each layer is solved
+            in :meth:`step` (the :class:`~torch_armor.engine.runner.LayerSolution` is already
+            stored: ``solution.factors`` for ARMOR, ``solution.pruned`` for a baseline), e.g. to
+            checkpoint ``sparsifier.state_dict()``.
 
     Per-layer overrides in ``prepare(model, [{"tensor_fqn": ..., "block_size": 16}, ...])`` may
-    set any :class:`ArmorConfig` field. Derived defaults follow: a layer overriding
-    ``block_size`` gets that block size's default ``group_updates`` unless that is set too.
-    Each layer's config is resolved with :meth:`ArmorConfig.for_layer` (``block_size="auto"``
-    picks a block size per layer) and checked against its shape in ``prepare``. Block
-    reconstruction needs decoder blocks and distillation the whole model: the sparsifier, which sees
-    layers, skips both.
+    set any field of the config (e.g. a baseline's ``"pattern"``). For ARMOR, derived defaults
+    follow: a layer overriding ``block_size`` gets that block size's default ``group_updates``
+    unless that is set too. Each layer's config is resolved with the config's ``for_layer``
+    (``block_size="auto"`` picks a block size per layer) and checked against its shape in
+    ``prepare``. Block reconstruction needs decoder blocks and distillation the whole model: the
+    sparsifier, which sees layers, skips both.
 
     Example::
 
@@ -79,40 +84,54 @@ class ArmorSparsifier(CalibratedSparsifier):
         >>> model = sparsifier.convert(model)         # step() + swap the weights
         >>> type(model[0].weight).__name__, sparsifier.factors["0.weight"].relative_loss < 1
         ('CompactArmorTensor', True)
+
+    The same class runs a baseline::
+
+        >>> from torch_armor.core.method_config import WandaConfig
+        >>> model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+        >>> sparsifier = ArmorSparsifier(WandaConfig(pattern="2:4"), progress=False)
+        >>> sparsifier.prepare(model, [{"tensor_fqn": "0.weight"}])
+        >>> _ = model(torch.randn(64, 16))
+        >>> model = sparsifier.convert(model)
+        >>> type(model[0].weight).__name__, float((model[0].weight == 0).float().mean())
+        ('Parameter', 0.5)
     """
 
     def __init__(
         self,
-        config: Optional[ArmorConfig] = None,
+        config: Any = None,
         *,
         storage: str = "auto",
         progress: bool = True,
-        on_layer_done: Optional[Callable[[str, ArmorFactors], None]] = None,
+        on_layer_done: Optional[Callable[[str, LayerSolution], None]] = None,
     ) -> None:
-        if config is not None and not isinstance(config, ArmorConfig):
-            raise ArmorInputError(f"config must be an ArmorConfig or None, got {type(config).__name__}")
         if storage not in STORAGES + ("auto",):
             raise ArmorInputError(f"storage must be one of {STORAGES + ('auto',)}, got {storage!r}")
         if on_layer_done is not None and not callable(on_layer_done):
-            raise ArmorInputError("on_layer_done must be a callable (tensor_fqn, factors) -> None")
-        config = config or ArmorConfig()
-        self.armor_config = config
-        super().__init__(config, progress=progress)
+            raise ArmorInputError("on_layer_done must be a callable (tensor_fqn, solution) -> None")
+        super().__init__(ArmorConfig() if config is None else config, progress=progress)
         self.storage = storage
         self.on_layer_done = on_layer_done
 
     @property
+    def method_config(self) -> Any:
+        """The config every layer starts from (before its per-layer overrides)."""
+        return self._base_config
+
+    @property
     def factors(self) -> Dict[str, ArmorFactors]:
-        """Finished factors by ``tensor_fqn``."""
-        return {fqn: sol.factors for fqn, sol in self.solutions.items()}
+        """Finished ARMOR factors by ``tensor_fqn`` (empty for a baseline, which has none)."""
+        return {fqn: sol.factors for fqn, sol in self.solutions.items() if sol.factors is not None}
 
     def _after_layer(self, fqn: str) -> None:
         if self.on_layer_done is not None:
-            self.on_layer_done(fqn, self.state[fqn]["solution"].factors)
+            self.on_layer_done(fqn, self.state[fqn]["solution"])
 
     def convert(self, module: Optional[nn.Module] = None, *, storage: Optional[str] = None,
                 inplace: bool = True) -> nn.Module:
-        """Swap every prepared weight for an :class:`~torch_armor.tensor.armor_tensor.ArmorTensor`, in place.
+        """Write every solved layer into the model, in place: an
+        :class:`~torch_armor.tensor.armor_tensor.ArmorTensor` weight for ARMOR (its core stored as
+        ``storage``, default the sparsifier's), the pruned dense weight for a baseline.
 
         Runs :meth:`step` first for layers not solved yet, removes the hooks and returns the
         model. Unlike ``BaseSparsifier.convert`` no copy is made (``inplace=False`` raises).
@@ -120,45 +139,7 @@ class ArmorSparsifier(CalibratedSparsifier):
         Raises:
             ArmorInputError: the model was already converted, or ``module`` was not prepared.
         """
+        if storage is not None and storage not in STORAGES + ("auto",):
+            raise ArmorInputError(f"storage must be one of {STORAGES + ('auto',)}, got {storage!r}")
         model = self._convert(module, inplace, storage or self.storage)
-        return attach_quantizer(model)  # model.save_pretrained writes the ARMOR format
-
-
-class PruningSparsifier(CalibratedSparsifier):
-    """Baseline pruning in the same shell: the config's type is the method
-    (:class:`~torch_armor.core.method_config.MagnitudeConfig`, ``WandaConfig``, ``NoWagConfig``,
-    ``SparseGPTConfig``).
-
-    ``convert`` (like ``squash_mask``) writes the pruned weight — dense, with exact zeros —
-    into each prepared layer, in place. Wanda and NoWag-P use ``Σx²``; SparseGPT also
-    accumulates ``XᵀX`` per layer (``d_in²`` floats each); magnitude needs no calibration.
-
-    Args:
-        config: the baseline's config; its fields may be overridden per layer in ``prepare``
-            (e.g. ``"pattern"``).
-        progress: show a progress bar in :meth:`step`.
-
-    Example::
-
-        >>> import torch
-        >>> from torch import nn
-        >>> from torch_armor.core.method_config import WandaConfig
-        >>> model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
-        >>> sparsifier = PruningSparsifier(WandaConfig(pattern="2:4"), progress=False)
-        >>> sparsifier.prepare(model, [{"tensor_fqn": "0.weight"}])
-        >>> _ = model(torch.randn(64, 16))
-        >>> model = sparsifier.convert(model)
-        >>> float((model[0].weight == 0).float().mean())
-        0.5
-    """
-
-    def __init__(self, config: Any, *, progress: bool = True) -> None:
-        if method_for(config).factorizes:
-            raise ArmorInputError(f"PruningSparsifier runs the baselines; for {type(config).__name__} use "
-                                  "ArmorSparsifier")
-        self.baseline_config = config
-        super().__init__(config, progress=progress)
-
-    def convert(self, module: Optional[nn.Module] = None, *, inplace: bool = True) -> nn.Module:
-        """Write every pruned weight into its layer, in place (runs :meth:`step` if needed); returns the model."""
-        return self._convert(module, inplace, "dense")
+        return attach_quantizer(model)  # with ArmorTensor weights, model.save_pretrained writes the ARMOR format

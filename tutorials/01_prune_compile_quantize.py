@@ -42,7 +42,8 @@ from torch_armor.tensor.quant import ArmorCoreConfig
 from torch_armor.tensor.serialization import load_pretrained, save_pretrained
 from torch_armor.sparsifier import ArmorSparsifier
 from torch_armor.tensor.armor_tensor import ArmorTensor
-from torch_armor import ArmorConfig, BcdConfig
+from torch_armor import ArmorConfig
+from torch_armor.core.config import BcdConfig
 
 import torch  # noqa: E402
 from torchao.quantization import Int8WeightOnlyConfig, quantize_  # noqa: E402

@@ -33,7 +33,9 @@ if importlib.util.find_spec("torch_armor") is None:  # run from a checkout witho
 # torch_armor first: it keeps torchao's and torch's import-time warnings about CUDA-only
 # extensions (irrelevant on a CPU build) out of your output
 import torch_armor
-from torch_armor import ArmorConfig, ArmorTensor, BcdConfig, enable_finetuning, model_size, prune_model, PruneOptions
+from torch_armor import ArmorConfig, ArmorTensor, enable_finetuning, prune_model, PruneOptions
+from torch_armor.core.config import BcdConfig
+from torch_armor.tensor.finetune import model_size
 from torch_armor.tensor.finetune import trainable_parts
 from torch_armor.tensor.packing import unpack_nm
 

@@ -37,7 +37,8 @@ if importlib.util.find_spec("torch_armor") is None:  # run from a checkout witho
 import torch
 from torch.utils.data import Dataset
 
-from torch_armor import ArmorConfig, ArmorTensor, BcdConfig, PruneOptions, enable_finetuning, prune_model  # first: quiets torchao's import
+from torch_armor import ArmorConfig, ArmorTensor, PruneOptions, enable_finetuning, prune_model  # first: quiets torchao's import
+from torch_armor.core.config import BcdConfig
 
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
 from transformers.trainer_callback import PrinterCallback  # noqa: E402

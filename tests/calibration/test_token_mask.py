@@ -86,7 +86,8 @@ def test_prune_model_padding_changes_nothing(tiny_llama_factory):
     """The same real tokens with or without junk padding (masked) give the same pruned model:
     Wanda (a function of the statistics alone) bit for bit in its masks, ARMOR to 0.5% in every
     layer's loss (summation order differs; counting the pads instead moves them by up to ~10%)."""
-    from torch_armor import ArmorConfig, BcdConfig, prune_model
+    from torch_armor import ArmorConfig, prune_model
+    from torch_armor.core.config import BcdConfig
 
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(2))
     junk = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(3))
@@ -117,10 +118,10 @@ def test_prune_model_rejects_bad_masks(tiny_llama):
 
 
 def test_sparsifier_set_attention_mask(tiny_llama, tiny_llama_factory):
-    from torch_armor.sparsifier import PruningSparsifier
+    from torch_armor.sparsifier import ArmorSparsifier
 
     names = [n for n in decoder_linear_names(tiny_llama) if ".0." in n]
-    sp = PruningSparsifier(SparseGPTConfig(), progress=False)
+    sp = ArmorSparsifier(SparseGPTConfig(), progress=False)
     sp.prepare(tiny_llama, [{"tensor_fqn": f"{n}.weight"} for n in names])
     ids, mask = _padded(tiny_llama, [3, 7], 7, seed=4)
     sp.set_attention_mask(mask)

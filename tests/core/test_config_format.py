@@ -149,7 +149,8 @@ def test_round_trip(name, data):
 
 
 def test_nested_form_and_own_fields_only():
-    from torch_armor import ArmorConfig, BcdConfig, MagnitudeConfig, SparseGPTConfig, WandaConfig
+    from torch_armor import ArmorConfig, MagnitudeConfig, SparseGPTConfig, WandaConfig
+    from torch_armor.core.config import BcdConfig
     assert WandaConfig().to_dict() == {"type": "WandaConfig", "version": 1, "pattern": "2:4"}
     assert MagnitudeConfig("4:8").to_dict() == {"type": "MagnitudeConfig", "version": 1, "pattern": "4:8"}
     assert SparseGPTConfig(damp=0.1).to_dict() == {"type": "SparseGPTConfig", "version": 1, "pattern": "2:4",

@@ -5,7 +5,10 @@ import math
 import pytest
 import torch
 
-from torch_armor import ArmorConfig, ArmorFactors, BcdConfig, factorize
+from torch_armor import ArmorConfig
+from torch_armor.core.factors import ArmorFactors
+from torch_armor.core.config import BcdConfig
+from torch_armor.core.factorize import factorize
 
 from _helpers import random_layer
 

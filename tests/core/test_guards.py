@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from tests._helpers import check_mask
-from torch_armor import ArmorConfig, BcdConfig
+from torch_armor import ArmorConfig
+from torch_armor.core.config import BcdConfig
 from torch_armor.core.levers import OPTIMIZERS
 from torch_armor.core import factorize as factorize_mod
 from torch_armor.core.factorize import factorize

@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from torch_armor import ArmorConfig, ReconstructConfig
+from torch_armor import ArmorConfig
+from torch_armor.core.config import ReconstructConfig
 from torch_armor.core.presets import PRESETS
 from torch_armor.errors import ArmorInputError
 

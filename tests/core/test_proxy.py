@@ -174,7 +174,8 @@ def test_for_layer_resolves_block_sizes_of_a_model_and_checks_shapes():
     armor_layer_configs): fixed sizes kept, "auto" within the overhead budget, a bad shape named."""
     from torch import nn
 
-    from torch_armor import ArmorConfig, BcdConfig
+    from torch_armor import ArmorConfig
+    from torch_armor.core.config import BcdConfig
 
     model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 48), nn.Linear(30, 8))
 

@@ -18,7 +18,8 @@ import torch
 from conftest import make_tiny_llama
 from torch_armor.calibration.blocks import block_statistics, capture_block_inputs, decoder_blocks
 from torch_armor.calibration.observer import collect_statistics, decoder_linear_names
-from torch_armor import ArmorConfig, BcdConfig, NoWagConfig, PruneOptions, SparseGPTConfig, WandaConfig, prune_model
+from torch_armor import ArmorConfig, NoWagConfig, PruneOptions, SparseGPTConfig, WandaConfig, prune_model
+from torch_armor.core.config import BcdConfig
 from torch_armor.core.proxy import nowag_prune
 from torch_armor.engine.options import RUN_DIR_NAME
 from torch_armor.errors import RunMismatchError

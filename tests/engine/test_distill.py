@@ -14,7 +14,8 @@ import torch
 
 from conftest import make_tiny_llama
 from _helpers import check_mask
-from torch_armor import ArmorConfig, BcdConfig, prune_model, PruneOptions, ReconstructConfig, RefineConfig
+from torch_armor import ArmorConfig, prune_model, PruneOptions
+from torch_armor.core.config import BcdConfig, ReconstructConfig, RefineConfig
 from torch_armor.core.levers import DistillConfig
 from torch_armor.engine.distill import DISTILLED_NAME
 from torch_armor.engine.distill_kl import TopK, coarse_kl, windows_of

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from conftest import make_tiny_llama
-from torch_armor import ArmorConfig, BcdConfig, PruneOptions, RefineConfig, prune_model
+from torch_armor import ArmorConfig, PruneOptions, prune_model
+from torch_armor.core.config import BcdConfig, RefineConfig
 from torch_armor.core.levers import ReconstructConfig
 from torch_armor.core.levers import DistillConfig
 from torch_armor.engine.distill import Distillation

@@ -18,7 +18,8 @@ from _helpers import free_port
 from _processes import CODE
 from conftest import make_tiny_llama
 from test_cli import _assert_same_model  # the same check as the CLI's resume test
-from torch_armor import ArmorConfig, BcdConfig, prune_model, PruneOptions, RefineConfig
+from torch_armor import ArmorConfig, prune_model, PruneOptions
+from torch_armor.core.config import BcdConfig, RefineConfig
 from torch_armor.core.levers import DistillConfig
 from torch_armor.engine.blocks import BLOCKS_DIR
 from torch_armor.engine.distill import STATE_NAME, distill_skip_reason

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from torch_armor import ArmorConfig, BcdConfig
+from torch_armor import ArmorConfig
+from torch_armor.core.config import BcdConfig
 from torch_armor.core.config_format import config_from_dict
 from torch_armor.engine.layers import factorize_layers
 from torch_armor.engine.runstore import MANIFEST_NAME, RunMismatchError, RunStore

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from conftest import make_tiny_llama
-from torch_armor import (ArmorConfig, MagnitudeConfig, NoWagConfig, PruneOptions, ReconstructConfig, SparseGPTConfig,
-                         WandaConfig, config_for_method, prune_model)
+from torch_armor import ArmorConfig, MagnitudeConfig, NoWagConfig, PruneOptions, SparseGPTConfig, WandaConfig, prune_model
+from torch_armor.core.config import ReconstructConfig
+from torch_armor.engine.methods import config_for_method
 from torch_armor.calibration.observer import LayerStatistics
 from torch_armor.core import baselines
 from torch_armor.core.method_config import MethodConfig

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from conftest import make_tiny_llama
-from torch_armor import ArmorConfig, BcdConfig, MagnitudeConfig, PruneOptions, WandaConfig, prune_model
+from torch_armor import ArmorConfig, MagnitudeConfig, PruneOptions, WandaConfig, prune_model
+from torch_armor.core.config import BcdConfig
 from torch_armor.engine.paths import check_prune_paths
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from torch_armor import ArmorConfig, BcdConfig, PruneOptions
+from torch_armor import ArmorConfig, PruneOptions
+from torch_armor.core.config import BcdConfig
 from torch_armor.calibration.observer import decoder_linear_names
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.engine.report import wrapper_overhead

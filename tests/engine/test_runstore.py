@@ -8,7 +8,9 @@ import warnings
 import pytest
 import torch
 
-from torch_armor import ArmorConfig, BcdConfig, factorize
+from torch_armor import ArmorConfig
+from torch_armor.core.config import BcdConfig
+from torch_armor.core.factorize import factorize
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.calibration.observer import LayerStatistics
 from torch_armor.engine.layers import factorize_layers
@@ -208,7 +210,9 @@ def test_layer_file_without_manifest_entry_is_recomputed(tmp_path):
 def test_layer_files_are_byte_identical_across_saves(tmp_path):
     """Issue #14: the same layer saved twice gives the same bytes (safetensors' own writer orders
     the metadata by a randomly seeded hash map); the file still reads back exactly."""
-    from torch_armor import ArmorConfig, BcdConfig, factorize
+    from torch_armor import ArmorConfig
+    from torch_armor.core.config import BcdConfig
+    from torch_armor.core.factorize import factorize
     from torch_armor.engine.identity import hash_statistics
     from torch_armor.engine.runstore import RunStore
 

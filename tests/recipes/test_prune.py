@@ -12,7 +12,9 @@ import torch
 from torch import nn
 
 from conftest import make_tiny_llama
-from torch_armor import ArmorConfig, BcdConfig, PruneOptions, WandaConfig, config_for_method, prune_model
+from torch_armor import ArmorConfig, PruneOptions, WandaConfig, prune_model
+from torch_armor.core.config import BcdConfig
+from torch_armor.engine.methods import config_for_method
 from torch_armor.calibration.observer import collect_statistics, decoder_linear_names
 from torch_armor.core.pattern import auto_block_size
 from torch_armor.core.proxy import relative_proxy_loss

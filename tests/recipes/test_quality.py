@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from torch_armor import ArmorConfig, BcdConfig, NoWagConfig, PruneOptions
+from torch_armor import ArmorConfig, NoWagConfig, PruneOptions
+from torch_armor.core.config import BcdConfig
 from torch_armor.calibration.observer import decoder_linear_names
 from torch_armor.recipes.data import calibration_windows
 from torch_armor.recipes.evaluate import perplexity
@@ -46,7 +47,7 @@ def test_quality_table_formatting():
 def test_default_armor_config_is_load_independent_and_bounded():
     """The shipped default must give the same factors however busy the machine is (no wall-time
     budget decides where it stops) and do a bounded amount of work."""
-    from torch_armor import factorize
+    from torch_armor.core.factorize import factorize
 
     cfg = ArmorConfig()
     g = torch.Generator().manual_seed(3)

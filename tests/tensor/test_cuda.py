@@ -159,7 +159,8 @@ def test_supports_made_once_per_gpu():
 def test_prune_model_on_cuda_returns_the_model_where_it_was():
     """Issue #21 row 8: before, the decoder stayed on the GPU and embeddings/lm_head on the CPU."""
     from conftest import make_tiny_llama
-    from torch_armor import ArmorConfig, BcdConfig, PruneOptions, prune_model
+    from torch_armor import ArmorConfig, PruneOptions, prune_model
+    from torch_armor.core.config import BcdConfig
 
     model = make_tiny_llama()
     calib = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
@@ -194,7 +195,7 @@ def test_from_pretrained_on_cuda_in_bf16_gets_2to4_cores(tmp_path):
         if isinstance(mod, nn.Linear) and ".layers." in name:
             armor_linear_from_factors(mod, random_pattern_factors(mod.out_features, mod.in_features, 16,
                                                                   seed=len(name)), storage="dense")
-    torch_armor.attach_quantizer(model).save_pretrained(tmp_path)
+    torch_armor.save_pretrained(model, tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="cuda", dtype=torch.bfloat16)
     w = loaded.model.layers[0].mlp.up_proj.weight
     assert w.device.type == "cuda" and w.storage_format == "semi_structured"

@@ -135,7 +135,8 @@ def test_hub_cache_links_into_the_repository_pass_and_links_out_of_it_are_refuse
 def test_an_armor_directory_in_the_hub_cache_layout_loads(tmp_path, writer):
     from transformers import AutoModelForCausalLM
 
-    from torch_armor import ArmorConfig, BcdConfig, PruneOptions, load_pretrained, prune_model, save_pretrained
+    from torch_armor import ArmorConfig, PruneOptions, load_pretrained, prune_model, save_pretrained
+    from torch_armor.core.config import BcdConfig
 
     model = make_tiny_llama()
     calib = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -23,7 +23,8 @@ from torch_armor.sparsifier import ArmorSparsifier
 from torch_armor.tensor.armor_tensor import ArmorTensor, armor_linear_from_factors
 
 from conftest import make_tiny_llama
-from torch_armor import ArmorConfig, BcdConfig
+from torch_armor import ArmorConfig
+from torch_armor.core.config import BcdConfig
 
 # set_inductor_config=False: torchao's recommended inductor settings change global state; the
 # tests do not need them (and they only tune GPU kernels).

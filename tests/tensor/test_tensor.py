@@ -239,13 +239,13 @@ def test_storage_is_the_tensor_method_and_says_how_to_save(tmp_path):
     assert w.storage_format == "compact" and w.storage.__func__ is torch.Tensor.storage
     with pytest.raises(TypeError, match="no single storage"):
         w.storage()
-    with pytest.raises(TypeError, match=r"model\.save_pretrained\(directory\)"):
+    with pytest.raises(TypeError, match=r"torch_armor\.save_pretrained\(model, directory\)"):
         save_model(model, str(tmp_path / "x.safetensors"))
-    with pytest.raises(TypeError, match="attach_quantizer"):
+    with pytest.raises(TypeError, match=r"torch_armor\.save_pretrained\(model, directory\)"):
         model.save_pretrained(tmp_path / "hf")
     import torch_armor
 
-    torch_armor.attach_quantizer(model).save_pretrained(tmp_path / "hf")  # by-hand conversions: one call
+    torch_armor.save_pretrained(model, tmp_path / "hf")  # the one way to save, by-hand conversions included
     assert (tmp_path / "hf" / "model.safetensors").is_file()
 
 
@@ -274,7 +274,7 @@ def test_armor_state_dict_into_dense_model_says_what_to_do():
     from conftest import make_tiny_llama
 
     state = _converted_llama().state_dict()
-    with pytest.raises(RuntimeError, match=r"cannot be loaded into a dense model.*from_pretrained"):
+    with pytest.raises(RuntimeError, match=r"cannot be loaded into a dense model.*torch_armor\.load_pretrained\(directory\)"):
         make_tiny_llama().load_state_dict(state)
     dense = make_tiny_llama().state_dict()
     with pytest.raises(RuntimeError, match="dense tensor cannot be copied into an ArmorTensor"):

@@ -11,7 +11,8 @@ import torch
 
 from _helpers import edit_checkpoint
 from conftest import make_tiny_llama
-from torch_armor import ArmorConfig, BcdConfig, MagnitudeConfig, PruneOptions, load_pretrained, prune_model
+from torch_armor import ArmorConfig, MagnitudeConfig, PruneOptions, load_pretrained, prune_model
+from torch_armor.core.config import BcdConfig
 from torch_armor.errors import ArmorInputError
 
 CALIB = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -58,7 +58,7 @@ _Block = Union[int, str]
 @serializable
 @dataclass(frozen=True)
 class ArmorConfig(MethodConfig):
-    """ARMOR's settings, for one layer (:func:`torch_armor.factorize`) or a whole model
+    """ARMOR's settings, for one layer (:func:`torch_armor.core.factorize.factorize`) or a whole model
     (:func:`torch_armor.prune_model`, the sparsifiers, ``torch-armor prune``), immutable.
 
     The defaults are THE defaults of torch_armor: block size 16, 2:4, 20 exact sweeps per layer

@@ -22,7 +22,7 @@ unless you set it; keep ``ranks × threads`` at most the number of cores.
 Example (one process; the same call runs sharded under ``torchrun``)::
 
     >>> import tempfile
-    >>> from torch_armor import ArmorConfig, BcdConfig
+    >>> from torch_armor.core.config import ArmorConfig, BcdConfig
     >>> from torch_armor.engine.runstore import RunStore
     >>> from torch_armor.engine.identity import hash_statistics
     >>> g = torch.Generator().manual_seed(0)

@@ -12,7 +12,7 @@ same pieces out across ``torchrun`` ranks.
 Example::
 
     >>> import tempfile, torch
-    >>> from torch_armor import ArmorConfig, BcdConfig
+    >>> from torch_armor.core.config import ArmorConfig, BcdConfig
     >>> from torch_armor.engine.runstore import RunStore
     >>> from torch_armor.engine.identity import hash_statistics
     >>> g = torch.Generator().manual_seed(0)

@@ -108,7 +108,8 @@ class RunStore:
     Example::
 
         >>> import tempfile
-        >>> from torch_armor import ArmorConfig, BcdConfig, factorize
+        >>> from torch_armor.core.config import ArmorConfig, BcdConfig
+        >>> from torch_armor.core.factorize import factorize
         >>> from torch_armor.engine.identity import hash_statistics
         >>> w, h = torch.randn(16, 32), torch.rand(32) + 0.1
         >>> cfg = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=2))

@@ -255,8 +255,7 @@ class ArmorTensor(TorchAOBaseTensor):
         raise NotImplementedError(
             f"ArmorTensor does not support {func}: it stores W = A·core·B in factored form and only runs "
             "F.linear, device/dtype moves, detach, clone and copy_. To save a converted model use "
-            "model.save_pretrained(directory) (after import torch_armor; for a model converted by hand call "
-            "torch_armor.attach_quantizer(model) first) or torch_armor.save_pretrained(model, directory); to "
+            "torch_armor.save_pretrained(model, directory); to "
             "quantize it with torchao, quantize_(model, torch_armor.tensor.quant.ArmorCoreConfig("
             "Int8WeightOnlyConfig())); for the materialized matrix use weight.dense_weight()"
         )

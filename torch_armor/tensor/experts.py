@@ -354,8 +354,8 @@ def _copy(func, types, args, kwargs):
 def _storage(func, types, args, kwargs):
     raise TypeError(
         "an ArmorExpertsTensor has no single storage: it holds E ARMOR experts as separate stacked tensors. Save "
-        "the model with model.save_pretrained(directory) (after import torch_armor; for a model converted by hand "
-        "call torch_armor.attach_quantizer(model) first) or torch_armor.save_pretrained(model, directory)")
+        "the model with torch_armor.save_pretrained(model, directory) (the Hugging Face format: "
+        "AutoModelForCausalLM.from_pretrained reads it after import torch_armor)")
 
 
 def _requires_grad(func, types, args, kwargs):

@@ -114,9 +114,8 @@ def _(func, types, args, kwargs):
 def _(func, types, args, kwargs):
     raise TypeError(
         "an ArmorTensor has no single storage: it holds W = A·core·B as separate tensors "
-        f"({args[0].storage_format} core). Save a converted model with model.save_pretrained(directory) "
-        "(after import torch_armor; for a model you converted by hand call torch_armor.attach_quantizer(model) "
-        "first) or torch_armor.save_pretrained(model, directory)"
+        f"({args[0].storage_format} core). Save a converted model with torch_armor.save_pretrained(model, directory) "
+        "(the Hugging Face format: AutoModelForCausalLM.from_pretrained reads it after import torch_armor)"
     )
 
 
@@ -163,8 +162,8 @@ def _(func, types, args, kwargs):
              "into a dense model, or prune it with torch_armor.prune_model"
              if dense_into_armor else
              "an ARMOR state dict (ArmorTensor weights, W = A·core·B) cannot be loaded into a dense model: "
-             "load the saved directory with AutoModelForCausalLM.from_pretrained(directory) after import "
-             "torch_armor (or torch_armor.load_pretrained), or load_state_dict(state, assign=True) to take the "
+             "load the saved directory with torch_armor.load_pretrained(directory), or "
+             "load_state_dict(state, assign=True) to take the "
              "ArmorTensors as they are; for a dense weight use weight.dense_weight()")
         )
     if tuple(dst.shape) != tuple(src.shape) or dst.pattern != src.pattern or dst.block_size != src.block_size:

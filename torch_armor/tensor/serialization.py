@@ -207,9 +207,13 @@ def assemble_checkpoint(
 
 
 def save_pretrained(model: nn.Module, directory: Union[str, os.PathLike]) -> None:
-    """Write ``model`` to ``directory`` as ``model.safetensors`` + ``armor_config.json`` (+ ``config.json``).
+    """Write ``model`` to ``directory`` as ``model.safetensors`` + ``armor_config.json`` (+ ``config.json``):
+    torch_armor's one way to save.
 
-    ArmorTensor cores are stored in compact N:M form (about half the dense core bytes for 2:4).
+    A model with a transformers ``config`` is written in the Hugging Face format (``config.json``
+    with the ARMOR ``quantization_config``), which ``AutoModelForCausalLM.from_pretrained`` reads
+    after ``import torch_armor``; ``armor_config.json`` adds the sha256 of every file, which
+    :func:`load_pretrained` checks. ArmorTensor cores are stored in compact N:M form (about half the dense core bytes for 2:4).
     Only safetensors is written; nothing is pickled. Same as :func:`save_shard` of the whole
     model followed by :func:`assemble_checkpoint`.
 
@@ -341,7 +345,8 @@ def load_pretrained(
     storage: Optional[str] = None,
     strict: bool = True,
 ) -> nn.Module:
-    """Load a directory written by :func:`save_pretrained` or :func:`assemble_checkpoint`; outputs are bit-identical.
+    """Load a directory written by :func:`save_pretrained` or :func:`assemble_checkpoint` (or by transformers'
+    ``model.save_pretrained`` of a converted model): torch_armor's one way to load; outputs are bit-identical.
 
     Args:
         directory: the saved directory.
