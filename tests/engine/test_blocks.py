@@ -124,7 +124,8 @@ _SCRIPT = textwrap.dedent("""
     import torch_armor.engine.blocks as blocks
     import torch_armor.engine.methods as engine_runner  # where the ARMOR method calls factorize
     import torch_armor.engine.runstore as runstore
-    from torch_armor import ArmorConfig, BcdConfig, PruneOptions, prune_model
+    from torch_armor import ArmorConfig, PruneOptions, prune_model
+    from torch_armor.core.config import BcdConfig
 
     torch.set_num_threads(1)
     kind, count = (os.environ.get("KILL_AT") or "none:0").split(":")

@@ -177,7 +177,8 @@ WORKER = """
 import json, sys
 import torch
 torch.set_num_threads(1)
-from torch_armor import ArmorConfig, BcdConfig, prune_model, PruneOptions, RefineConfig
+from torch_armor import ArmorConfig, prune_model, PruneOptions
+from torch_armor.core.config import BcdConfig, RefineConfig
 from torch_armor.core.levers import DistillConfig
 ckpt, calib, out, distill = sys.argv[1:5]
 config = ArmorConfig(block_size=8, optimizer=BcdConfig(iters=2), refine=RefineConfig(rounds=0), reconstruct=None,
