@@ -6,15 +6,16 @@ block-boundary layers. The engine calls each decoder block with what the model's
 (captured by recorders standing in for the blocks): every routed expert is pruned to 2:4, the routers stay
 dense and listed, the logits equal a slow reference built from the stored factors through the model's
 own forward, ARMOR's experts beat magnitude 2:4 of the same experts, and save/load is bit-identical.
-An argument computed from earlier layers' outputs (Inkling-2 with a block boundary after layer 0) is
-refused up front, by layer and name."""
+An argument computed from earlier layers' outputs (Inkling-2 with a block boundary after layer 0) and a
+layer the forward calls twice (Inkling-2-Loop's looped layers) are refused up front, by layer and name."""
 
 import copy
 
 import pytest
 import torch
 from torch.utils._pytree import tree_leaves
-from transformers import Gemma4ForCausalLM, Gemma4TextConfig, Inkling2ForCausalLM, Inkling2TextConfig
+from transformers import (Gemma4ForCausalLM, Gemma4TextConfig, Inkling2ForCausalLM, Inkling2LoopForCausalLM,
+                          Inkling2LoopTextConfig, Inkling2TextConfig)
 
 from torch_armor import load_pretrained, save_pretrained
 from torch_armor.calibration.blocks import capture_block_inputs, decoder_blocks
@@ -135,4 +136,16 @@ def test_an_argument_computed_from_earlier_layers_outputs_is_refused_by_name():
     model = _inkling2(layers=3, per_block=1)  # layer 2's block_states holds layer 1's input: layer 0's output
     with pytest.raises(ArmorInputError, match=r"'model\.layers\.2' \(Inkling2\w+DecoderLayer\) is called with "
                                               r"'block_states'.*earlier layers' outputs"):
+        prune_model(model, CALIB, _armor(), options=PruneOptions(progress=False))
+
+
+def test_a_layer_called_twice_in_one_forward_is_refused_by_name():
+    cfg = Inkling2LoopTextConfig(vocab_size=64, unpadded_vocab_size=64, hidden_size=32, num_hidden_layers=3,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, swa_num_attention_heads=4,
+                                 swa_num_key_value_heads=2, swa_head_dim=8, sliding_window_size=4,
+                                 max_position_embeddings=64, moe_intermediate_size=16, n_routed_experts=E,
+                                 num_experts_per_tok=2, n_layers_per_attn_res_block=1, loop_layer_index_start=1,
+                                 loop_layer_index_end=2, loop_num_passes=2, loop_gate_rank=8)
+    model = widened(Inkling2LoopForCausalLM, cfg)  # layers 0, 1, 1, 2: the loop runs layer 1 twice
+    with pytest.raises(ArmorInputError, match=r"'model\.layers\.1' \(Inkling2Loop\w+\) is called more than once"):
         prune_model(model, CALIB, _armor(), options=PruneOptions(progress=False))
