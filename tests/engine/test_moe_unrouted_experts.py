@@ -58,6 +58,7 @@ def test_inkling_prunes_its_routed_experts_and_keeps_its_shared_experts_dense_wi
     assert sorted(n for n in names if split_expert_name(n) is not None) == sorted(
         f"model.layers.{i}.mlp.experts.{a}.{e}" for i in range(2) for a in ("gate_up_proj", "down_proj")
         for e in range(E))
+    assert report.dense_weights["model.layers.*.mlp.gate.weight"] == (2, "router: routing-critical and tiny")
     for attr in ("gate_proj", "up_proj", "down_proj"):
         count, why = report.dense_weights[f"model.layers.*.mlp.shared_experts.{attr}"]
         assert count == 2 and "InklingSharedExperts.forward takes no (top_k_index, top_k_weights)" in why
