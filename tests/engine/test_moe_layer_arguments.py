@@ -149,3 +149,23 @@ def test_a_layer_called_twice_in_one_forward_is_refused_by_name():
     model = widened(Inkling2LoopForCausalLM, cfg)  # layers 0, 1, 1, 2: the loop runs layer 1 twice
     with pytest.raises(ArmorInputError, match=r"'model\.layers\.1' \(Inkling2Loop\w+\) is called more than once"):
         prune_model(model, CALIB, _armor(), options=PruneOptions(progress=False))
+
+
+def test_layers_that_return_a_tuple_are_followed_whatever_the_batch_size():
+    """GLM-MoE-DSA's layers return ``(hidden, top-k indices)``, unpacked by the model: a recorder's bare
+    tensor of batch 2 would unpack into two wrong halves (and its top-k would look like carried state)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("moe_table", Path(__file__).resolve().parents[2] / "tools" / "moe_table.py")
+    moe_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(moe_table)
+    model = moe_table.tiny_model("glm_moe_dsa")
+    prefix, blocks = decoder_blocks(model)
+    (inp,) = capture_block_inputs(model, blocks[0], [CALIB[:2]], blocks=blocks, blocks_prefix=prefix)
+    assert inp.hidden.shape == (2, 16, 32)
+    assert [kw["prev_topk_indices"] for kw in inp.layer_kwargs] == [None, None]
+    assert inp.layer_kwargs[1] is not inp.layer_kwargs[0]  # block 1's own call was recorded, not block 0's reused
+    report = prune_model(model, CALIB[:6], _armor(), options=PruneOptions(progress=False, batch_size=2,
+                                                                          min_expert_tokens=0))
+    assert sum(split_expert_name(r.name) is not None for r in report.layers) == 2 * 2 * E

@@ -8,7 +8,8 @@ Each block is called with what the model's own forward passes it, not with block
 the capture runs the model's forward with every decoder block stood in for by a recorder that
 returns its hidden states unchanged, so the forward computes each block's arguments (Gemma-4's
 per-layer input, the attention mask of each layer's type) without running a block, and the last
-recorder stops it there. An argument computed from earlier blocks' outputs (Inkling-2's
+recorder stops it there (recorders return ``(hidden, None)`` instead when the model takes a layer's
+output apart: GLM-MoE-DSA's layers return their attention's top-k too). An argument computed from earlier blocks' outputs (Inkling-2's
 ``block_states`` once it holds a layer's output) cannot be given to one block at a time: a second
 recording whose blocks return shifted hidden states finds it, and the capture refuses it by name.
 
@@ -187,10 +188,12 @@ def _call_as_kwargs(forward: Callable, args: tuple, kwargs: dict, where: str) ->
 
 
 def _record_block_calls(blocks: Sequence[nn.Module], run: Callable[[], Any], shift: float,
-                        names: Sequence[str]) -> List[Optional[Tuple[torch.Tensor, Dict[str, Any]]]]:
+                        names: Sequence[str], as_tuple: bool = False) -> List[Optional[Tuple[torch.Tensor, Dict[str, Any]]]]:
     """Run ``run`` (the model's forward) with every block of ``blocks`` replaced by a recorder: each
-    returns its hidden states plus ``shift`` and keeps ``(hidden, other arguments)``; the last one
-    stops the forward. Blocks the forward did not reach are ``None``."""
+    returns its hidden states plus ``shift`` (``as_tuple``: as ``(hidden, None)``, for layers that return
+    a tuple the model unpacks) and keeps ``(hidden, other arguments)``; the last one stops the forward.
+    Blocks the forward did not reach, or reached with hidden states of another shape than block 0's
+    (the model took the recorder's output apart), are ``None``."""
     calls: List[Optional[Tuple[torch.Tensor, Dict[str, Any]]]] = [None] * len(blocks)
 
     def recorder(index: int, forward: Callable) -> Callable:
@@ -204,7 +207,8 @@ def _record_block_calls(blocks: Sequence[nn.Module], run: Callable[[], Any], shi
             calls[index] = (hidden, rest)
             if index == len(blocks) - 1:
                 raise _Captured
-            return hidden + shift if shift else hidden
+            out = hidden + shift if shift else hidden
+            return (out, None) if as_tuple else out
         return record
 
     own = [block.__dict__.get("forward") for block in blocks]  # a forward set on the instance (accelerate's hooks)
@@ -226,7 +230,9 @@ def _record_block_calls(blocks: Sequence[nn.Module], run: Callable[[], Any], shi
             del block.forward
             if forward is not None:
                 block.forward = forward
-    return calls
+    shape = getattr(calls[0][0], "shape", None) if calls[0] is not None else None
+    return [call if call is None or i == 0 or getattr(call[0], "shape", None) == shape else None
+            for i, call in enumerate(calls)]
 
 
 def _first_dependent(calls: Sequence[Optional[tuple]], shifted: Sequence[Optional[tuple]]) -> Optional[Tuple[int, str]]:
@@ -273,6 +279,7 @@ def capture_block_inputs(
         raise ValueError("capture_block_inputs: blocks must start with first_block")
     names = [f"{blocks_prefix}.{i}" if blocks_prefix else str(i) for i in range(len(blocks))]
     captured: List[BlockInput] = []
+    as_tuple = False  # the recorders return a tuple (decided on the first batch)
     device = model_device(model)
     extra = {"use_cache": False} if getattr(getattr(model, "config", None), "use_cache", None) is not None else {}
     with torch.no_grad():
@@ -284,11 +291,15 @@ def capture_block_inputs(
             kwargs = dict(extra) if mask is None else dict(extra, attention_mask=mask.to(device=device,
                                                                                         dtype=torch.long))
             run = functools.partial(model, batch.to(device=device, dtype=torch.long), **kwargs)
-            calls = _record_block_calls(blocks, run, 0.0, names)
+            calls = _record_block_calls(blocks, run, 0.0, names, as_tuple)
             if calls[0] is None:
                 raise ArmorInputError("the model's forward never reached its first decoder block")
+            if j == 0 and None in calls:  # not followed to the end: its layers may return a tuple
+                retried = _record_block_calls(blocks, run, 0.0, names, as_tuple=True)
+                if sum(c is not None for c in retried) > sum(c is not None for c in calls):
+                    calls, as_tuple = retried, True
             if j == 0 and len(blocks) > 1:
-                dependent = _first_dependent(calls, _record_block_calls(blocks, run, 1.0, names))
+                dependent = _first_dependent(calls, _record_block_calls(blocks, run, 1.0, names, as_tuple))
                 if dependent is not None:
                     index, arg = dependent
                     raise ArmorInputError(
