@@ -24,6 +24,9 @@ from torch_armor.tensor.experts import armor_experts_from_factors
 from torch_armor.tensor.hf_format import attach_quantizer
 
 ARCHS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
+#: calibration token ids (8 windows of 16, vocabulary 64) and the ids logits are compared on
+CALIB = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
+IDS = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(7))
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 _SMALL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=64)
@@ -54,12 +57,28 @@ def make_moe(arch: str, seed: int = 0, experts: int = 4, vocab: int = 64) -> nn.
         raise ValueError(arch)
     cfg._experts_implementation = "eager"
     torch.manual_seed(seed)
-    model = cls(cfg)
-    with torch.no_grad():  # default init is tiny (std 0.02): widen it so routing and logits are far from uniform
+    return widen(cls(cfg))
+
+
+def widen(model: nn.Module) -> nn.Module:
+    """``model`` in eval mode with every weight of 2 or more dimensions redrawn from N(0, 0.3²): the
+    default init (std 0.02) routes and predicts almost uniformly."""
+    with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.3)
     return model.eval()
+
+
+def widened(model_class: type, config: object, seed: int = 0) -> nn.Module:
+    """A random ``model_class(config)`` (seeded), through :func:`widen`."""
+    torch.manual_seed(seed)
+    return widen(model_class(config))
+
+
+def logits_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
 
 
 def experts_modules(model: nn.Module) -> Dict[str, nn.Module]:

@@ -1,8 +1,17 @@
 """Decoder blocks: finding them, capturing their inputs, and block-local statistics.
 
 The block-by-block engine (:mod:`torch_armor.engine.blocks`) calibrates one decoder block at a
-time: the inputs of block 0 are captured from the embeddings (a forward pre-hook that stops the
-model there), and each block's linears are observed while the block runs on its inputs.
+time: the inputs of block 0 are captured from the embeddings, and each block's linears are observed
+while the block runs on its inputs.
+
+Each block is called with what the model's own forward passes it, not with block 0's arguments:
+the capture runs the model's forward with every decoder block stood in for by a recorder that
+returns its hidden states unchanged, so the forward computes each block's arguments (Gemma-4's
+per-layer input, the attention mask of each layer's type) without running a block, and the last
+recorder stops it there (recorders return ``(hidden, None)`` instead when the model takes a layer's
+output apart: GLM-MoE-DSA's layers return their attention's top-k too). An argument computed from earlier blocks' outputs (Inkling-2's
+``block_states`` once it holds a layer's output) cannot be given to one block at a time: a second
+recording whose blocks return shifted hidden states finds it, and the capture refuses it by name.
 
 Example::
 
@@ -20,9 +29,12 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import inspect
+import logging
 import os
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -44,6 +56,8 @@ READ_BY_KERNEL = ("read directly by a fused kernel (its weight is an operand of 
 #: ... or nothing read it at all (a ``ModuleList`` expert no calibration token was routed to)
 NEVER_REACHED = "never called during calibration: no calibration token reached it"
 
+logger = logging.getLogger("torch_armor")
+
 
 class BlockInput:
     """One calibration batch at a block boundary: the hidden states and the keyword arguments
@@ -51,15 +65,30 @@ class BlockInput:
 
     After :meth:`offload` the hidden states live in a safetensors file and are read back each
     time :attr:`hidden` is used; assigning :attr:`hidden` then rewrites the file.
+
+    ``layer_kwargs`` (when captured for every block): the keyword arguments the model passes to
+    each decoder block; :meth:`enter_block` makes :attr:`kwargs` those of one block.
     """
 
     def __init__(self, hidden: torch.Tensor, kwargs: Optional[Dict[str, Any]] = None,
-                 token_mask: Optional[torch.Tensor] = None) -> None:
+                 token_mask: Optional[torch.Tensor] = None,
+                 layer_kwargs: Optional[Sequence[Dict[str, Any]]] = None) -> None:
         self._hidden: Optional[torch.Tensor] = hidden
         self.kwargs: Dict[str, Any] = dict(kwargs or {})
         self.path: Optional[Path] = None
         #: ``(batch, seq_len)`` bool, False at pad positions (left out of statistics), or None
         self.token_mask: Optional[torch.Tensor] = token_mask
+        self.layer_kwargs: Optional[List[Dict[str, Any]]] = None if layer_kwargs is None else list(layer_kwargs)
+
+    def enter_block(self, index: int) -> None:
+        """Make :attr:`kwargs` the arguments the model passes to decoder block ``index`` (no change
+        when only block 0's were captured)."""
+        if self.layer_kwargs is not None:
+            self.kwargs = self.layer_kwargs[index]
+
+    def copy(self, hidden: Optional[torch.Tensor] = None) -> "BlockInput":
+        """A new input with these arguments and ``hidden`` (default: these hidden states)."""
+        return BlockInput(self.hidden if hidden is None else hidden, self.kwargs, self.token_mask, self.layer_kwargs)
 
     @property
     def hidden(self) -> torch.Tensor:
@@ -136,6 +165,102 @@ def to_device(value: Any, device: Optional[torch.device], dtype: Optional[torch.
     return value
 
 
+def _call_as_kwargs(forward: Callable, args: tuple, kwargs: dict, where: str) -> Tuple[torch.Tensor, Dict[str, Any]]:
+    """``(hidden states, the other arguments by name)`` of a call ``forward(*args, **kwargs)``;
+    positional arguments after the hidden states are named by ``forward``'s signature."""
+    try:
+        signature = inspect.signature(forward)
+        bound = signature.bind(*args, **kwargs)
+    except (TypeError, ValueError):  # a signature that does not take this call: hidden states come first
+        signature, bound = None, None
+    unnamed: tuple = tuple(args[1:]) if bound is None else ()
+    named: Dict[str, Any] = dict(kwargs) if bound is None else {}
+    if bound is not None:
+        for name, value in bound.arguments.items():
+            kind = signature.parameters[name].kind
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                named.update(value)
+            elif kind is inspect.Parameter.VAR_POSITIONAL:
+                unnamed = tuple(value)
+            else:
+                named[name] = value
+        first = next(iter(signature.parameters.values()), None)
+        if args and first is not None and first.kind is not inspect.Parameter.VAR_POSITIONAL:
+            named.pop(first.name)  # args[0], the hidden states
+        elif args:
+            unnamed = unnamed[1:]
+    if unnamed:
+        raise ArmorInputError(f"decoder layer {where!r} is called with {len(unnamed)} positional arguments after the "
+                              "hidden states that its forward's signature does not name; prune_model cannot pass them "
+                              "to one layer at a time")
+    return (args[0] if args else named.pop("hidden_states")), named
+
+
+def _record_block_calls(blocks: Sequence[nn.Module], run: Callable[[], Any], shift: float,
+                        names: Sequence[str], as_tuple: bool = False) -> List[Optional[Tuple[torch.Tensor, Dict[str, Any]]]]:
+    """Run ``run`` (the model's forward) with every block of ``blocks`` replaced by a recorder: each
+    returns its hidden states plus ``shift`` (``as_tuple``: as ``(hidden, None)``, for layers that return
+    a tuple the model unpacks) and keeps ``(hidden, other arguments)``; the last one stops the forward.
+    Blocks the forward did not reach, or reached with hidden states of another shape than block 0's
+    (the model took the recorder's output apart), are ``None``."""
+    calls: List[Optional[Tuple[torch.Tensor, Dict[str, Any]]]] = [None] * len(blocks)
+
+    def recorder(index: int, forward: Callable) -> Callable:
+        def record(*args: Any, **kwargs: Any) -> Any:
+            if calls[index] is not None:
+                raise ArmorInputError(f"decoder layer {names[index]!r} ({type(blocks[index]).__name__}) is called more "
+                                      "than once in one forward (a looped model) and prune_model runs each layer once, "
+                                      "in order; prune its nn.Linear layers with ArmorSparsifier (whole-model "
+                                      "calibration) instead")
+            hidden, rest = _call_as_kwargs(forward, args, kwargs, names[index])
+            calls[index] = (hidden, rest)
+            if index == len(blocks) - 1:
+                raise _Captured
+            out = hidden + shift if shift else hidden
+            return (out, None) if as_tuple else out
+        return record
+
+    own = [block.__dict__.get("forward") for block in blocks]  # a forward set on the instance (accelerate's hooks)
+    for index, block in enumerate(blocks):
+        block.forward = recorder(index, block.forward)  # the instance attribute shadows the class's forward
+    try:
+        run()
+    except _Captured:
+        pass
+    except ArmorInputError:
+        raise
+    except Exception as err:  # noqa: BLE001  (a forward that cannot go on with a recorder's output: blocks it did not reach get block 0's arguments)
+        if calls[0] is None:
+            raise
+        logger.debug("capturing decoder layer arguments stopped after layer %d: %s",
+                     max(i for i, c in enumerate(calls) if c is not None), err)
+    finally:
+        for block, forward in zip(blocks, own):
+            del block.forward
+            if forward is not None:
+                block.forward = forward
+    shape = getattr(calls[0][0], "shape", None) if calls[0] is not None else None
+    return [call if call is None or i == 0 or getattr(call[0], "shape", None) == shape else None
+            for i, call in enumerate(calls)]
+
+
+def _first_dependent(calls: Sequence[Optional[tuple]], shifted: Sequence[Optional[tuple]]) -> Optional[Tuple[int, str]]:
+    """``(block index, argument name)`` of the first argument that differs between a recording whose
+    blocks return their input and one whose blocks shift it: an argument the model computes from
+    earlier blocks' outputs."""
+    for index in range(1, len(calls)):
+        if calls[index] is None or shifted[index] is None:
+            continue
+        plain, moved = calls[index][1], shifted[index][1]
+        for name in plain:
+            a = [x for x in tree_leaves(plain[name]) if isinstance(x, torch.Tensor)]
+            b = [x for x in tree_leaves(moved.get(name)) if isinstance(x, torch.Tensor)]
+            if len(a) != len(b) or any(x.shape != y.shape or (x.device.type != "meta" and not torch.equal(x, y))
+                                       for x, y in zip(a, b)):
+                return index, name
+    return None
+
+
 def capture_block_inputs(
     model: nn.Module,
     first_block: nn.Module,
@@ -143,44 +268,60 @@ def capture_block_inputs(
     *,
     hidden_dtype: Optional[torch.dtype] = None,
     store_device: Optional[torch.device] = None,
+    blocks: Optional[Sequence[nn.Module]] = None,
+    blocks_prefix: str = "",
 ) -> List[BlockInput]:
     """Run each batch of token ids through ``model`` up to ``first_block`` and return what the
-    block would receive. Nothing after the embeddings runs (later blocks may sit on the meta
-    device). ``hidden_dtype`` (default: as produced) and ``store_device`` (default: CPU) say how
-    the hidden states are kept; the keyword arguments are kept as produced.
+    block would receive. No decoder block runs (later blocks may sit on the meta device).
+    ``hidden_dtype`` (default: as produced) and ``store_device`` (default: CPU) say how the hidden
+    states are kept; the keyword arguments are kept as produced.
+
+    With ``blocks`` (the decoder blocks, ``first_block`` first; ``blocks_prefix`` their list's name,
+    for messages) each :class:`BlockInput` also holds every block's arguments as the model's forward
+    passes them (:attr:`BlockInput.layer_kwargs`, see the module docstring); an argument the model
+    computes from earlier blocks' outputs raises :class:`~torch_armor.errors.ArmorInputError`.
 
     A batch may be ``(token_ids, attention_mask)`` (``(b, seq_len)`` each, 0 = pad): the model gets
     the mask and the :class:`BlockInput` keeps it, so pad positions are left out of the statistics."""
+    blocks = [first_block] if blocks is None else list(blocks)
+    if blocks[0] is not first_block:
+        raise ValueError("capture_block_inputs: blocks must start with first_block")
+    names = [f"{blocks_prefix}.{i}" if blocks_prefix else str(i) for i in range(len(blocks))]
     captured: List[BlockInput] = []
-    current: Dict[str, Optional[torch.Tensor]] = {"mask": None}
-
-    def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
-        hidden = args[0] if args else kwargs.pop("hidden_states")
-        rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-        captured.append(BlockInput(to_device(hidden, store_device or torch.device("cpu"), hidden_dtype), rest,
-                                   current["mask"]))
-        raise _Captured
-
-    handle = first_block.register_forward_pre_hook(hook, with_kwargs=True)
+    as_tuple = False  # the recorders return a tuple (decided on the first batch)
     device = model_device(model)
     extra = {"use_cache": False} if getattr(getattr(model, "config", None), "use_cache", None) is not None else {}
-    try:
-        with torch.no_grad():
-            for batch in batches:
-                mask = None
-                if isinstance(batch, (tuple, list)):
-                    batch, mask = batch
-                    mask = mask.to(torch.bool)
-                current["mask"] = mask
-                kwargs = dict(extra) if mask is None else dict(extra, attention_mask=mask.to(device=device,
-                                                                                            dtype=torch.long))
-                try:
-                    model(batch.to(device=device, dtype=torch.long), **kwargs)
-                except _Captured:
-                    continue
+    with torch.no_grad():
+        for j, batch in enumerate(batches):
+            mask = None
+            if isinstance(batch, (tuple, list)):
+                batch, mask = batch
+                mask = mask.to(torch.bool)
+            kwargs = dict(extra) if mask is None else dict(extra, attention_mask=mask.to(device=device,
+                                                                                        dtype=torch.long))
+            run = functools.partial(model, batch.to(device=device, dtype=torch.long), **kwargs)
+            calls = _record_block_calls(blocks, run, 0.0, names, as_tuple)
+            if calls[0] is None:
                 raise ArmorInputError("the model's forward never reached its first decoder block")
-    finally:
-        handle.remove()
+            if j == 0 and None in calls:  # not followed to the end: its layers may return a tuple
+                retried = _record_block_calls(blocks, run, 0.0, names, as_tuple=True)
+                if sum(c is not None for c in retried) > sum(c is not None for c in calls):
+                    calls, as_tuple = retried, True
+            if j == 0 and len(blocks) > 1:
+                dependent = _first_dependent(calls, _record_block_calls(blocks, run, 1.0, names, as_tuple))
+                if dependent is not None:
+                    index, arg = dependent
+                    raise ArmorInputError(
+                        f"decoder layer {names[index]!r} ({type(blocks[index]).__name__}) is called with {arg!r}, "
+                        "which the model computes from earlier layers' outputs (state carried across layers) and "
+                        "prune_model runs one layer at a time; prune its nn.Linear layers with ArmorSparsifier "
+                        "(whole-model calibration) instead")
+            hidden, first_kwargs = calls[0]
+            layer_kwargs = None
+            if len(blocks) > 1:
+                layer_kwargs = [(call if call is not None else calls[0])[1] for call in calls]
+            captured.append(BlockInput(to_device(hidden, store_device or torch.device("cpu"), hidden_dtype),
+                                       first_kwargs, mask, layer_kwargs))
     return captured
 
 

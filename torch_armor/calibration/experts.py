@@ -55,7 +55,7 @@ from torch_armor.calibration.observer import ActSqNormObserver, LayerStatistics,
 from torch_armor.errors import ArmorInputError
 
 __all__ = ["ExpertParam", "ExpertSlot", "ExpertsObserver", "GroupedExpertsObserver", "EXPERT_CALIBRATIONS",
-           "expert_params", "is_grouped_experts", "flat_experts_count", "square_flat_experts",
+           "expert_params", "is_grouped_experts", "flat_experts_count", "square_flat_experts", "takes_routing",
            "unsupported_experts", "holds_fused_experts", "stores_in_by_out", "expert_weight", "out_in_shape", "split_expert_name", "expert_layer_names", "is_experts_module",
            "observe_experts"]
 
@@ -186,6 +186,21 @@ def square_flat_experts(module: nn.Module) -> bool:
     return count is not None and len(set(out_in_shape(module, _FLAT[0])[1:])) == 1
 
 
+def takes_routing(module: nn.Module) -> bool:
+    """Whether ``module``'s forward takes the routing after the hidden states, as transformers' experts
+    do (``(hidden_states, top_k_index, top_k_weights)``, gpt-oss's ``router_indices``/``routing_weights``):
+    three positional parameters. Inkling's shared experts (``(hidden_states, gammas)``: every token)
+    and Llama-4's experts (``(hidden_states)``: every token through every expert, its input scaled
+    by the router's score) do not."""
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):  # no signature to read: taken as the transformers one
+        return True
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(p.kind in positional for p in parameters) >= 3 or any(
+        p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters)
+
+
 def holds_fused_experts(module: nn.Module) -> bool:
     """Fused experts of any layout: 3-D parameters of the module's own (a convolution's are not experts)."""
     return not isinstance(module, nn.modules.conv._ConvNd) and any(
@@ -200,10 +215,16 @@ def unsupported_experts(model: nn.Module) -> Dict[str, str]:
         if square_flat_experts(module):
             out[name] = ("square flat experts (ffn_hidden_size == hidden_size): DBRX's forward reads w2 through a "
                          "view that cannot tell ARMOR's (E, H, I) experts from their transpose")
-        elif (is_experts_module(module) or holds_fused_experts(module)) and _layout(module) is None \
-                and not is_grouped_experts(module):
+            continue
+        if not (is_experts_module(module) or holds_fused_experts(module)) or is_grouped_experts(module):
+            continue
+        if _layout(module) is None:
             out[name] = ("experts layout not supported yet: 3-D weights other than gate_up_proj/up_proj + down_proj "
                          "(E, out, in) or transposed")
+        elif not takes_routing(module):
+            out[name] = (f"{type(module).__name__}.forward takes no (top_k_index, top_k_weights): every token reaches "
+                         "every expert (shared experts, or Llama-4's router-scaled inputs), not the routed experts the "
+                         "per-expert statistics calibrate")
     return out
 
 
@@ -218,7 +239,7 @@ def expert_params(model: nn.Module) -> List[ExpertParam]:
         if not (is_experts_module(module) or flat_experts_count(module) is not None) or square_flat_experts(module):
             continue
         layout = _layout(module)
-        if layout is None:
+        if layout is None or not takes_routing(module):
             continue
         for attr in layout:
             e_count, d_out, d_in = out_in_shape(module, attr)
@@ -239,12 +260,13 @@ def split_expert_name(name: str) -> Optional[Tuple[str, int]]:
     return head, int(tail)
 
 
-def _call_args(args: tuple, kwargs: dict) -> Tuple[torch.Tensor, torch.Tensor]:
+def _call_args(args: tuple, kwargs: dict, name: str, module: nn.Module) -> Tuple[torch.Tensor, torch.Tensor]:
     hidden = args[0] if len(args) > 0 else kwargs.get("hidden_states")
     index = args[1] if len(args) > 1 else kwargs.get("top_k_index")
     if not isinstance(hidden, torch.Tensor) or not isinstance(index, torch.Tensor):
-        raise ArmorInputError("an experts module was called without (hidden_states, top_k_index): its forward is "
-                              "not the transformers experts signature; prune its experts as nn.Linear layers instead")
+        raise ArmorInputError(f"experts module {name!r} ({type(module).__name__}) was called without (hidden_states, "
+                              "top_k_index): its forward is not the transformers experts signature, so its tokens "
+                              "cannot be told apart per expert; leave its experts out of the selection (layers=)")
     return hidden, index
 
 
@@ -348,7 +370,7 @@ class ExpertsObserver(_PerExpertStatistics):
             self._obs[(self.second, e)].update(self.intermediate(e, x))
 
     def _hook(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
-        hidden, index = _call_args(args, kwargs)
+        hidden, index = _call_args(args, kwargs, self.name, self.module)
         x = hidden.detach().reshape(-1, hidden.shape[-1])
         index = index.reshape(x.shape[0], -1)
         mask = current_token_mask()

@@ -135,7 +135,7 @@ class BlockPipeline:
         if not (self.sequential and self.method.reconstructs(self.config)
                 and self.config.reconstruct.target == "model"):
             return []
-        dense = [BlockInput(inp.hidden, inp.kwargs, inp.token_mask) for inp in inputs]
+        dense = [inp.copy() for inp in inputs]
         if self.hidden_dir is not None:
             for j, inp in enumerate(dense):
                 inp.offload(Path(self.hidden_dir) / f"dense-{j:06d}.safetensors")
@@ -146,7 +146,8 @@ class BlockPipeline:
         method = self.method
         start_all = time.perf_counter()
         self.source.prepare_inputs()
-        inputs = capture_block_inputs(self.source.model, self.blocks[0], calibration, hidden_dtype=self.hidden_dtype)
+        inputs = capture_block_inputs(self.source.model, self.blocks[0], calibration, hidden_dtype=self.hidden_dtype,
+                                      blocks=self.blocks, blocks_prefix=self.blocks_prefix)
         self.source.release_inputs()
         by_block = self._names_by_block()
         if self.config.needs_allocation:
@@ -168,6 +169,8 @@ class BlockPipeline:
                     continue
                 block = self.source.load_block(prefix)
                 block.to(self.device).eval()
+                for inp in (*inputs, *dense):
+                    inp.enter_block(index)
                 names = by_block[index]
                 dense_out = [run_block(block, inp, self.device) for inp in dense]  # the block is still dense
                 if names:
@@ -207,7 +210,7 @@ class BlockPipeline:
         with_layers = [i for i, names in enumerate(by_block) if names]
         count = min(ALLOCATION_SAMPLE_BLOCKS, len(with_layers))
         sample = sorted({with_layers[round(k * (len(with_layers) - 1) / max(1, count - 1))] for k in range(count)})
-        work = [BlockInput(inp.hidden, inp.kwargs) for inp in inputs]
+        work = [BlockInput(inp.hidden, inp.kwargs, layer_kwargs=inp.layer_kwargs) for inp in inputs]
         multiple = cfg.sparsity.group
         measured: Dict[str, Dict[int, float]] = {}
         uncalled: Dict[str, str] = {}
@@ -216,6 +219,8 @@ class BlockPipeline:
             prefix = f"{self.blocks_prefix}.{index}"
             block = self.source.load_block(prefix)
             block.to(self.device).eval()
+            for inp in work:
+                inp.enter_block(index)
             if index in sample:
                 layers = {n: layer_module(self.source.model, n) for n in by_block[index]}
                 stats = block_statistics(block, layers, work, device=self.device,
