@@ -119,21 +119,6 @@ def armor_moe(arch: str, seed: int = 0, experts: int = 4, block_size: int = 8, i
     return attach_quantizer(model), reference
 
 
-def widened(model: nn.Module) -> nn.Module:
-    """``model`` in eval mode with every weight of 2 or more dimensions drawn from N(0, 0.3²): the default
-    inits (std 0.01–0.02) route and predict almost uniformly."""
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.3)
-    return model.eval()
-
-
-def logits_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(ids).logits
-
-
 def armor_and_magnitude_errors(make, calib: torch.Tensor, ids: torch.Tensor, armor: ArmorConfig,
                                layers) -> Dict[str, float]:
     """``{"armor", "magnitude": mean squared logit error against the dense model}`` after pruning ``layers``

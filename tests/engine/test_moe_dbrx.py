@@ -17,7 +17,7 @@ from torch_armor.engine.methods import config_for_method
 from torch_armor.engine.prune import PruneOptions, prune_model
 
 from _tiny_moe import (armor_and_magnitude_errors, assert_saves_and_loads_bit_identically, logits_of,
-                       reconstruction_errors, stored_factors, widened)
+                       reconstruction_errors, stored_factors, widen)
 
 E, HIDDEN, WIDTH = 4, 32, 16  # experts, d_model, ffn_hidden_size
 CALIB = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
@@ -28,7 +28,7 @@ EXPERT_LAYERS = sorted(f"transformer.blocks.{i}.ffn.experts.mlp.{a}.{e}" for i i
 
 def _dbrx(ffn_hidden_size=WIDTH):
     torch.manual_seed(0)
-    return widened(DbrxForCausalLM(DbrxConfig(
+    return widen(DbrxForCausalLM(DbrxConfig(
         d_model=HIDDEN, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=64,
         attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},  # clip_qkv=None fails in DBRX
         ffn_config={"ffn_hidden_size": ffn_hidden_size, "moe_num_experts": E, "moe_top_k": 2})))

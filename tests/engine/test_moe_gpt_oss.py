@@ -17,7 +17,7 @@ from torch_armor.engine.methods import config_for_method
 from torch_armor.engine.prune import PruneOptions, prune_model
 
 from _tiny_moe import (armor_and_magnitude_errors, install_stored_factors, logits_of, reconstruction_errors,
-                       widened)
+                       widen)
 
 E = 4
 CALIB = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
@@ -30,7 +30,7 @@ def _gpt_oss():
     torch.manual_seed(0)
     cfg = GptOssConfig(hidden_size=32, intermediate_size=16, num_local_experts=E, num_experts_per_tok=2,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=64)
-    return widened(GptOssForCausalLM(cfg))
+    return widen(GptOssForCausalLM(cfg))
 
 
 def _logits(model):

@@ -19,7 +19,7 @@ from torch_armor.core.config import ArmorConfig, BcdConfig
 from torch_armor.engine.prune import PruneOptions, prune_model
 
 from _tiny_moe import (armor_and_magnitude_errors, assert_saves_and_loads_bit_identically, install_stored_factors,
-                       logits_of, reconstruction_errors, widened)
+                       logits_of, reconstruction_errors, widen)
 
 E = 4
 CALIB = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
@@ -31,7 +31,7 @@ EXPERT_LAYERS = sorted(f"model.layers.{i}.{m}.weight.{e}" for i in range(2) for 
 
 def _jetmoe():
     torch.manual_seed(0)
-    return widened(JetMoeForCausalLM(JetMoeConfig(
+    return widen(JetMoeForCausalLM(JetMoeConfig(
         vocab_size=64, hidden_size=32, num_hidden_layers=2, num_key_value_heads=4, kv_channels=8, intermediate_size=16,
         num_local_experts=E, num_experts_per_tok=2, max_position_embeddings=64)))
 
