@@ -215,3 +215,27 @@ def test_two_ranks_distill_data_parallel_as_one_process_does(pruned, tmp_path):
     assert two_weights.keys() == one_weights.keys()
     for key in one_weights:
         assert torch.allclose(two_weights[key], one_weights[key], rtol=1e-5, atol=1e-7), key
+
+
+def test_each_streamed_block_gets_its_own_attention_mask(tmp_path):
+    """A model whose layers mix sliding-window and full attention: the streamed teacher (block by
+    block) equals the model's own forward only if every block gets its own layer type's mask, not
+    block 0's."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=64,
+                      use_sliding_window=True, sliding_window=4, layer_types=["full_attention", "sliding_attention"])
+    torch.manual_seed(0)
+    dense = Qwen3ForCausalLM(cfg).eval()
+    dense.save_pretrained(tmp_path / "ckpt")
+    full = Qwen3ForCausalLM(Qwen3Config(**{**cfg.to_dict(), "layer_types": ["full_attention"] * 2})).eval()
+    full.load_state_dict(dense.state_dict())
+    windows = windows_of([CALIB[:2]])
+    want, everywhere_full = dense_top_k(dense, windows, 16), dense_top_k(full, windows, 16)
+    assert not torch.allclose(want[0].log_probs, everywhere_full[0].log_probs, atol=1e-3)  # the masks matter here
+    stream = BlockStream(Streamed(tmp_path / "ckpt"), "model.layers", 2, ShardWriter(tmp_path / "shards"),
+                         torch.device("cpu"))
+    for got, expected in zip(stream.dense_top_k(windows, 16), want):
+        assert torch.equal(got.indices, expected.indices)
+        assert torch.allclose(got.log_probs, expected.log_probs, atol=1e-5)

@@ -84,10 +84,20 @@ class BlockStream:
     def block_inputs(self, windows: Sequence[Window]) -> List[BlockInput]:
         """What the first block receives for each window (hidden states and keyword arguments, on the device)."""
         batches = [ids if mask is None else (ids, mask) for ids, mask in windows]
-        inputs = capture_block_inputs(self.source.model, self.source.model.get_submodule(self.prefix(0)), batches,
-                                      store_device=self.device)
-        for inp in inputs:
+        blocks = [self.source.model.get_submodule(self.prefix(i)) for i in range(self.n_blocks)]
+        inputs = capture_block_inputs(self.source.model, blocks[0], batches, store_device=self.device, blocks=blocks,
+                                      blocks_prefix=self.blocks_prefix)
+        for inp in inputs:  # each block's own arguments: a sliding-window layer's mask is not a full layer's
             inp.kwargs = to_device(inp.kwargs, self.device)
+            if inp.layer_kwargs is not None:
+                inp.layer_kwargs = [to_device(kwargs, self.device) for kwargs in inp.layer_kwargs]
+        return inputs
+
+    @staticmethod
+    def enter_block(inputs: Sequence[BlockInput], index: int) -> Sequence[BlockInput]:
+        """``inputs`` with the arguments of block ``index``."""
+        for inp in inputs:
+            inp.enter_block(index)
         return inputs
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -127,7 +137,7 @@ class BlockStream:
             for index in tqdm(range(self.n_blocks), desc=f"distillation: dense top-{k}", unit="block",
                               disable=not progress):
                 block = self.dense_block(index)
-                hidden = [self.run(block, None, h, inp.kwargs) for h, inp in zip(hidden, inputs)]
+                hidden = [self.run(block, None, h, inp.kwargs) for h, inp in zip(hidden, self.enter_block(inputs, index))]
                 self.release(index)
             return [top_k_of(self.head(h), k) for h in hidden]
 
@@ -186,7 +196,8 @@ class StreamedStudent:
                     saved.append(hidden)
                 with context():
                     weights = self._block_weights(index, block)
-                    hidden = [stream.run(block, weights, h, inp.kwargs) for h, inp in zip(hidden, inputs)]
+                    hidden = [stream.run(block, weights, h, inp.kwargs)
+                              for h, inp in zip(hidden, stream.enter_block(inputs, index))]
                 stream.release(index)
         return inputs, hidden, saved
 
@@ -215,7 +226,7 @@ class StreamedStudent:
         for index in reversed(range(stream.n_blocks)):
             block = stream.pruned_block(index)
             below = []
-            for h, grad, inp in zip(saved[index], grads, inputs):
+            for h, grad, inp in zip(saved[index], grads, stream.enter_block(inputs, index)):
                 x = h.detach().requires_grad_(index > 0)  # block 0's input gradient reaches nothing trained
                 with context():
                     out = stream.run(block, self._block_weights(index, block), x, inp.kwargs)
