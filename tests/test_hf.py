@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -260,3 +261,23 @@ def test_moe_from_pretrained_with_dtype_casts_every_expert(tmp_path, one_thread)
     with torch.no_grad():
         got, ref = loaded(IDS % 64).logits.float(), model(IDS % 64).logits
     assert float((got - ref).norm() / ref.norm()) < 2e-2
+
+
+def test_a_checkpoint_is_read_with_its_own_names_not_the_models_key_renamings(tmp_path, one_thread):
+    """Laguna's conversion mapping renames the regex ``mlp.shared_expert.``, which also matches the
+    model's own ``mlp.shared_experts.…`` names; an ARMOR checkpoint, written with the model's own
+    names, must be read with none of them (before the fix: 'UNEXPECTED … shared_experts..down_proj')."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("moe_table", Path(__file__).resolve().parents[1] / "tools" / "moe_table.py")
+    moe_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(moe_table)
+    model = moe_table.tiny_model("laguna")
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
+    prune_model(model, ids, ArmorConfig(block_size=8, optimizer=BcdConfig(iters=1), refine=None, reconstruct=None,
+                                        distill=None), options=PruneOptions(progress=False))
+    shared = [n for n, p in model.named_parameters() if ".shared_experts." in n]
+    assert shared and all(isinstance(model.get_parameter(n), ArmorTensor) for n in shared if n.endswith("weight"))
+    save_pretrained(model, tmp_path)
+    with torch.no_grad():
+        assert torch.equal(load_pretrained(tmp_path)(ids).logits, model(ids).logits)
