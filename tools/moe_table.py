@@ -5,14 +5,15 @@ what a prune does to each.
 Every causal-LM model type whose config names experts (``num_experts``, ``n_routed_experts``, …) is
 built as a tiny random model, pruned with ``prune_model(model, ids, ArmorConfig(...))`` (block size
 8, one BCD sweep, nothing else), and checked with code of its own (not the project's layer lists):
-every weight of 2 or more dimensions under an ``experts`` module must be an ARMOR weight afterwards.
-The status of a model type:
+every weight of 2 or more dimensions under an ``experts`` module must be an ARMOR weight afterwards,
+and the model written by ``save_pretrained`` must load back (``load_pretrained``) with bit-identical
+logits. The status of a model type:
 
 * ``pruned``: every expert weight is ARMOR;
 * ``experts dense (<why>)``: some expert weights stay dense and the report says why;
 * ``silently dense``: some stay dense and the report gives no reason (never acceptable);
 * ``refused (<message>)``: ``prune_model`` raised torch_armor's one-line error;
-* ``fails (<error>)``: any other exception (a bug);
+* ``fails (<error>)``: any other exception (a bug), or ``fails (save/load: <what>)``;
 * ``untested (<why>)``: no tiny model of it could be built.
 
 The table stands in docs/moe.md between ``<!-- generated: moe architectures (tools/moe_table.py) -->``
@@ -56,6 +57,8 @@ OVERRIDES: Dict[str, Dict[str, Any]] = {
     "mimo_v2_flash": dict(mlp_layer_types=["dense", "sparse"], num_key_value_heads=2),  # as its defaults: GQA, layer 0 dense
     "longcat_flash": dict(num_layers=2, zero_expert_num=2, ffn_hidden_size=64, qk_head_dim=16),
     "jamba": dict(mamba_dt_rank=8, mamba_d_state=16),  # dt_proj (64, 8), x_proj (40, 64): shapes block size 8 fits
+    "deepseek_v4": dict(layer_types=["heavily_compressed_attention", "compressed_sparse_attention"],
+                        mlp_layer_types=["hash_moe", "moe"]),  # its defaults list 43 layers: the config must match
     "granitemoehybrid": dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, mamba_expand=2),
 }
 
@@ -121,12 +124,14 @@ def _one_line(err: BaseException) -> str:
 def expert_weights(model: Any) -> List[str]:
     """Names of the weights of 2 or more dimensions inside an ``experts`` module (biases excepted), of
     3-D weights anywhere but in convolutions (JetMoE's MLP experts are ``mlp.input_linear.weight``), and
-    of embeddings inside the decoder layers (Doge's experts are rows looked up by index)."""
+    of embeddings inside the decoder layers (Doge's experts are rows looked up by index). The 3-D rule
+    holds inside the decoder layers only (Inkling-2-Loop's ``model.message_input.query`` is no expert)."""
     from torch import nn
 
     inner = {f"{name}.weight" for name, m in model.named_modules()
              if isinstance(m, nn.Embedding) and re.search(r"\.\d+\.", name)}
-    inner |= {f"{name}.{pname}" for name, m in model.named_modules() if not isinstance(m, nn.modules.conv._ConvNd)
+    inner |= {f"{name}.{pname}" for name, m in model.named_modules()
+              if not isinstance(m, nn.modules.conv._ConvNd) and re.search(r"\.\d+\.|\.\d+$", name)
               for pname, p in m.named_parameters(recurse=False) if p.dim() == 3}
     return [n for n, p in model.named_parameters()
             if p.dim() >= 2 and "bias" not in n and (n in inner or re.search(r"(^|\.)experts\.", n))]
@@ -146,6 +151,9 @@ def status(model_type: str) -> str:
             model = tiny_model(model_type)
     except Exception as err:  # noqa: BLE001  (reported in the table)
         return f"untested (tiny config: {type(err).__name__}: {_one_line(err)})"
+    reload = config_reload_error(model.config)
+    if reload:
+        return f"untested (the tiny config does not reload in transformers: {reload})"
     experts = expert_weights(model)
     if not experts:
         return "untested (the tiny model has no experts module)"
@@ -160,6 +168,9 @@ def status(model_type: str) -> str:
         return f"refused ({_one_line(err)})"
     except Exception as err:  # noqa: BLE001  (a bug: reported in the table)
         return f"fails ({type(err).__name__}: {_one_line(err)})"
+    trip = round_trip(model, ids)
+    if trip:
+        return f"fails (save/load: {trip})"
     dense = [n for n in experts if not hasattr(type(model.get_parameter(n)), "__tensor_flatten__")]
     why = {}
     for n in dense:
@@ -172,6 +183,43 @@ def status(model_type: str) -> str:
     if "not selected" in reasons:
         return "silently dense"
     return f"experts dense ({'; '.join(sorted(reasons))})"
+
+
+def config_reload_error(config: Any) -> str:
+    """``""`` when ``config`` saved by transformers loads back, else why not (one line): a tiny config
+    set field by field can break a rule its class checks on load, and then no save/load can be tested."""
+    import tempfile
+
+    from transformers import AutoConfig
+
+    with tempfile.TemporaryDirectory() as d, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            config.save_pretrained(d)
+            AutoConfig.from_pretrained(d)
+        except Exception as err:  # noqa: BLE001  (reported in the table)
+            return f"{type(err).__name__}: {_one_line(err)}"
+    return ""
+
+
+def round_trip(model: Any, ids: Any) -> str:
+    """``""`` when ``model`` saved with ``save_pretrained`` loads back with bit-identical logits on
+    ``ids``, else what went wrong (one line)."""
+    import tempfile
+
+    import torch
+
+    from torch_armor.tensor.serialization import load_pretrained, save_pretrained
+
+    with tempfile.TemporaryDirectory() as d, warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        try:
+            want = model(ids, use_cache=False).logits
+            save_pretrained(model, d)
+            got = load_pretrained(d)(ids, use_cache=False).logits
+        except Exception as err:  # noqa: BLE001  (reported in the table)
+            return f"{type(err).__name__}: {_one_line(err)}"
+    return "" if torch.equal(want, got) else f"logits differ by up to {(want - got).abs().max().item():.3g}"
 
 
 def table(statuses: Dict[str, str]) -> str:
