@@ -225,11 +225,11 @@ class ArmorHfQuantizer(HfQuantizer):
             return []
         return [WeightConverter(list(self._suffix_of), r"\1", [ArmorDeserialize(self)])]
 
-    def update_weight_conversions(self, weight_conversions: list, model: nn.Module) -> list:
+    def update_weight_conversions(self, weight_conversions: list, model: Optional[nn.Module] = None) -> list:
         """Only ours: an ARMOR checkpoint is written with the model's own names (see
         :meth:`get_state_dict_and_metadata`), so none of the model's renamings or merges apply to it —
         and some would garble it (Laguna's ``mlp.shared_expert.`` pattern, a regex, also matches
-        ``mlp.shared_experts`` and renames it ``mlp.shared_experts..``)."""
+        ``mlp.shared_experts`` and renames it ``mlp.shared_experts..``). Older transformers (5.10) pass no ``model``."""
         return self.get_weight_conversions() if self.pre_quantized else weight_conversions
 
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
