@@ -25,6 +25,11 @@ def test_select_layers(tiny_llama):
         select_layers(tiny_llama, "1-0")
     with pytest.raises(ValueError, match="regular expression"):
         select_layers(tiny_llama, "(")
+    with pytest.raises(ValueError, match=r"got 0 \(int\) in a list; for decoder blocks pass a string such as "
+                                         r"layers='0,1'"):
+        select_layers(tiny_llama, [0, 1])
+    with pytest.raises(ValueError, match=r"got None \(NoneType\) in a tuple$"):
+        select_layers(tiny_llama, ("model.layers.0.mlp.up_proj", None))
 
 
 def test_load_model_dispatch(monkeypatch, tmp_path):

@@ -83,6 +83,12 @@ def select_layers(model: Union[nn.Module, Sequence[str]], layers: LayerSelection
         chosen = list(layers)
         if not chosen:
             raise ArmorInputError("layers is an empty list: no layers to prune")
+        odd = [n for n in chosen if not isinstance(n, str)]
+        if odd:
+            hint = (f"; for decoder blocks pass a string such as layers={','.join(map(str, chosen))!r}"
+                    if all(isinstance(n, int) and not isinstance(n, bool) for n in chosen) else "")
+            raise ArmorInputError(f"layers must be linear names (str), a selection string or a predicate; got "
+                                  f"{odd[0]!r} ({type(odd[0]).__name__}) in a {type(layers).__name__}{hint}")
         return chosen
     names = prunable_names(model) if isinstance(model, nn.Module) else list(model)
     if callable(layers):
