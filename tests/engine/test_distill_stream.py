@@ -89,6 +89,47 @@ def test_a_streamed_step_has_the_in_memory_teacher_and_gradients(pruned, train_c
     streamed.close()
 
 
+def test_untied_embeddings_and_output_layer_are_never_resident_while_a_block_runs(tmp_path):
+    """With untied embeddings (each as big as several blocks in a large-vocabulary model) a streamed
+    step holds the embeddings only to compute the first block's inputs and the output layer only for
+    the logits; its teacher, loss and gradients are still the in-memory ones."""
+    dense = make_tiny_llama(tie=False)
+    dense.save_pretrained(tmp_path / "ckpt")
+    prune_model(tmp_path / "ckpt", CALIB, _config(None), options=PruneOptions(out=tmp_path / "out",
+                                                                              run_dir=tmp_path / "run", progress=False))
+    config = DistillConfig(top_k=32)
+    windows = windows_of([CALIB[:3]])
+    teacher = dense_top_k(dense, windows, 32)
+    memory, streamed, stream = _students(tmp_path, load_pretrained(tmp_path / "out"), config)
+    model = stream.source.model
+    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+    resident = []
+
+    def note(where):
+        def hook(module, args):
+            if not next(module.parameters()).is_meta:  # runs, not the capture of block 0's arguments
+                resident.append((where, embeddings.weight.is_meta, head.weight.is_meta))
+        return hook
+
+    hooks = [layer.register_forward_pre_hook(note("block")) for layer in model.model.layers]
+    hooks.append(head.register_forward_pre_hook(note("head")))
+    got_teacher = stream.dense_top_k(windows, 32)
+    loss_streamed = streamed.backward(windows, teacher, 3 * 24, contextlib.nullcontext)
+    for hook in hooks:
+        hook.remove()
+    assert {where for where, _, _ in resident} == {"block", "head"}
+    assert all(emb_meta and head_meta for where, emb_meta, head_meta in resident if where == "block")
+    assert all(emb_meta and not head_meta for where, emb_meta, head_meta in resident if where == "head")
+    assert embeddings.weight.is_meta and head.weight.is_meta  # released after the step
+    for got, want in zip(got_teacher, teacher):
+        assert torch.equal(got.indices, want.indices)
+    assert loss_streamed == pytest.approx(memory.backward(windows, teacher, 3 * 24, contextlib.nullcontext), rel=1e-5)
+    for name, tensors in memory.leaves.items():
+        for mine, theirs in zip(tensors, streamed.leaves[name]):
+            if mine.requires_grad:
+                assert torch.allclose(theirs.grad, mine.grad, rtol=1e-4, atol=1e-6), name
+
+
 def test_a_few_streamed_steps_keep_the_same_iterate_as_in_memory(pruned, tmp_path):
     root, dense, _ = pruned
     shutil.copytree(root / "run", tmp_path / "run")  # the shards get the distilled wrappers: not the fixture's

@@ -7,13 +7,15 @@ keeping only each block's input hidden states, then the backward from the top: e
 loaded again and its forward re-run from the saved input, and the gradient with respect to that
 input flows to the block below (the boundary-activation scheme of gradient checkpointing). Only the
 trained tensors (:func:`~torch_armor.engine.distill_train.float_leaves`) and Adam's state stay
-resident, besides the embeddings, the final norm and the output layer.
+resident. The embeddings are loaded only to compute the first block's inputs, the final norm and the
+output layer only to compute the logits: with untied embeddings of a large vocabulary each is as big as
+several blocks, and neither is resident while a block runs.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from safetensors import safe_open
@@ -41,8 +43,9 @@ def _frozen(module: nn.Module) -> nn.Module:
 
 class BlockStream:
     """A streamed checkpoint run forward block by block on ``device``: dense blocks from the
-    checkpoint, pruned ones from the block pass's ``shards``. While open (``with stream:``) the
-    modules before and after the blocks (embeddings, final norm, output layer) stay materialized."""
+    checkpoint, pruned ones from the block pass's ``shards``; the modules before the blocks
+    (embeddings) are materialized in :meth:`block_inputs`, those after them (final norm, output
+    layer) inside ``with stream.output_layers():``."""
 
     def __init__(self, source: Streamed, blocks_prefix: str, n_blocks: int, shards: ShardWriter,
                  device: torch.device) -> None:
@@ -57,26 +60,34 @@ class BlockStream:
                                   "output embeddings; prune with ArmorConfig(distill=None), or load the model and pass "
                                   "the module")
         self.softcap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
-        self.depth = 0
 
-    def __enter__(self) -> "BlockStream":
-        self.depth += 1
-        if self.depth > 1:  # nested: already open
-            return self
+    @contextlib.contextmanager
+    def input_layers(self) -> Iterator[None]:
+        """The modules before the blocks (embeddings, rotary buffers) materialized on the device."""
         self.source.prepare_inputs()
-        for prefix in self.source.checkpoint.post_decoder_prefixes():
-            self.source.checkpoint.materialize(prefix)
-        for module in (self.source.model.get_input_embeddings(), self.norm, self.lm_head):
-            _frozen(module).to(self.device)
-        return self
+        try:
+            _frozen(self.source.model.get_input_embeddings()).to(self.device)
+            yield
+        finally:
+            self.source.release_inputs()
 
-    def __exit__(self, *exc: Any) -> None:
-        self.depth -= 1
-        if self.depth:
-            return
-        for prefix in self.source.checkpoint.post_decoder_prefixes():
-            self.source.checkpoint.release(prefix)
-        self.source.release_inputs()
+    @contextlib.contextmanager
+    def output_layers(self) -> Iterator[None]:
+        """The final norm and the output layer materialized on the device (with the input embeddings
+        when the output layer shares their weight)."""
+        checkpoint = self.source.checkpoint
+        after = checkpoint.post_decoder_prefixes()
+        try:
+            for prefix in after:
+                checkpoint.materialize(prefix)
+            tied = any(p.is_meta for m in (self.norm, self.lm_head) for p in m.parameters())
+            with self.input_layers() if tied else contextlib.nullcontext():
+                for module in (self.norm, self.lm_head):
+                    _frozen(module).to(self.device)
+                yield
+        finally:
+            for prefix in after:
+                checkpoint.release(prefix)
 
     def prefix(self, index: int) -> str:
         return f"{self.blocks_prefix}.{index}"
@@ -85,8 +96,9 @@ class BlockStream:
         """What the first block receives for each window (hidden states and keyword arguments, on the device)."""
         batches = [ids if mask is None else (ids, mask) for ids, mask in windows]
         blocks = [self.source.model.get_submodule(self.prefix(i)) for i in range(self.n_blocks)]
-        inputs = capture_block_inputs(self.source.model, blocks[0], batches, store_device=self.device, blocks=blocks,
-                                      blocks_prefix=self.blocks_prefix)
+        with self.input_layers():
+            inputs = capture_block_inputs(self.source.model, blocks[0], batches, store_device=self.device,
+                                          blocks=blocks, blocks_prefix=self.blocks_prefix)
         for inp in inputs:  # each block's own arguments: a sliding-window layer's mask is not a full layer's
             inp.kwargs = to_device(inp.kwargs, self.device)
             if inp.layer_kwargs is not None:
@@ -101,7 +113,8 @@ class BlockStream:
         return inputs
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The logits ``(seq, vocab)`` in float32 of one window's last hidden states."""
+        """The logits ``(seq, vocab)`` in float32 of one window's last hidden states (inside
+        :meth:`output_layers`)."""
         logits = self.lm_head(self.norm(hidden))
         if self.softcap:  # as transformers' causal LMs with a logit cap compute them
             logits = torch.tanh(logits / self.softcap) * self.softcap
@@ -131,14 +144,14 @@ class BlockStream:
     @torch.no_grad()
     def dense_top_k(self, windows: Sequence[Window], k: int, progress: bool = False) -> List[TopK]:
         """:func:`~torch_armor.engine.distill_kl.dense_top_k` of the dense checkpoint, block by block."""
-        with self:
-            inputs = self.block_inputs(windows)
-            hidden = [inp.hidden for inp in inputs]
-            for index in tqdm(range(self.n_blocks), desc=f"distillation: dense top-{k}", unit="block",
-                              disable=not progress):
-                block = self.dense_block(index)
-                hidden = [self.run(block, None, h, inp.kwargs) for h, inp in zip(hidden, self.enter_block(inputs, index))]
-                self.release(index)
+        inputs = self.block_inputs(windows)
+        hidden = [inp.hidden for inp in inputs]
+        for index in tqdm(range(self.n_blocks), desc=f"distillation: dense top-{k}", unit="block",
+                          disable=not progress):
+            block = self.dense_block(index)
+            hidden = [self.run(block, None, h, inp.kwargs) for h, inp in zip(hidden, self.enter_block(inputs, index))]
+            self.release(index)
+        with self.output_layers():
             return [top_k_of(self.head(h), k) for h in hidden]
 
     def for_each_layer(self, apply: Callable[[str, ArmorWeight], None], write: bool) -> None:
@@ -161,7 +174,6 @@ class StreamedStudent:
         self.stream, self.train_core, self.writes = stream, config.train_core, writes
         self.leaves: Dict[str, List[Optional[torch.Tensor]]] = {}
         self.weights: Dict[str, torch.Tensor] = {}
-        stream.__enter__()
         for index in range(stream.n_blocks):
             block = stream.pruned_block(index)
             layers = armor_layers(block)
@@ -171,7 +183,6 @@ class StreamedStudent:
                                                                                    keep_core=False)]
             stream.release(index)
         if not self.leaves:
-            stream.__exit__(None, None, None)
             raise ArmorInputError("distillation: the model has no ARMOR layers (nothing was pruned with ArmorConfig)")
 
     def _block_weights(self, index: int, block: nn.Module) -> Dict[str, torch.Tensor]:
@@ -204,7 +215,7 @@ class StreamedStudent:
     def kl_sum(self, windows: Sequence[Window], teachers: Sequence[TopK]) -> Tuple[float, int]:
         _, last, _ = self._forward(windows, contextlib.nullcontext, keep=False)
         total, count = 0.0, 0
-        with torch.no_grad():
+        with torch.no_grad(), self.stream.output_layers():
             for h, window, teacher in zip(last, windows, teachers):
                 s, n = window_kl(self.stream.head(h), teacher, window)
                 total, count = total + float(s), count + n
@@ -215,14 +226,15 @@ class StreamedStudent:
         stream = self.stream
         inputs, last, saved = self._forward(windows, context, keep=True)
         grads, loss = [], 0.0
-        for h, window, teacher in zip(last, windows, teachers):
-            h = h.detach().requires_grad_(True)
-            with context():
-                logits = stream.head(h)
-            part = window_kl(logits, teacher, window)[0] / max(count, 1)
-            part.backward()
-            grads.append(h.grad)
-            loss += float(part.detach())
+        with stream.output_layers():
+            for h, window, teacher in zip(last, windows, teachers):
+                h = h.detach().requires_grad_(True)
+                with context():
+                    logits = stream.head(h)
+                part = window_kl(logits, teacher, window)[0] / max(count, 1)
+                part.backward()
+                grads.append(h.grad)
+                loss += float(part.detach())
         for index in reversed(range(stream.n_blocks)):
             block = stream.pruned_block(index)
             below = []
@@ -238,23 +250,20 @@ class StreamedStudent:
 
     def finish(self, kept: Optional[Dict[str, List[Optional[torch.Tensor]]]], storage: str) -> None:
         if not self.writes:  # another rank writes the shards (and keeps the result)
-            self.close()
             return
-        try:
-            def apply(name: str, site: ArmorWeight) -> None:
-                if kept is not None:
-                    stored = core_of(site.tensor)
-                    a, core, b = (k if k is not None else (t if t is not None else stored).detach()
-                                  for k, t in zip(kept[name], self.leaves[name]))
-                    site.write(a, core, b, stored != 0, storage, name)
-                self.weights.update(result_tensors({name: site.tensor}, self.train_core))
 
-            self.stream.for_each_layer(apply, write=kept is not None)
-        finally:
-            self.close()
+        def apply(name: str, site: ArmorWeight) -> None:
+            if kept is not None:
+                stored = core_of(site.tensor)
+                a, core, b = (k if k is not None else (t if t is not None else stored).detach()
+                              for k, t in zip(kept[name], self.leaves[name]))
+                site.write(a, core, b, stored != 0, storage, name)
+            self.weights.update(result_tensors({name: site.tensor}, self.train_core))
+
+        self.stream.for_each_layer(apply, write=kept is not None)
 
     def close(self) -> None:
-        self.stream.__exit__(None, None, None)
+        """Nothing to undo: no module stays materialized between the student's calls."""
 
     def result_tensors(self, train_core: bool) -> Dict[str, torch.Tensor]:
         return dict(self.weights)
