@@ -11,7 +11,7 @@ nothing.
 
 Pinning has a price: every large tensor then arrives as fresh pages, each zeroed by the kernel on its
 first touch. Streaming SmolLM2-135M, that was 37% more CPU time (sys 56 s against 11 s for two
-blocks; ``benchmarks/mmap_pin.py``), while what the heap keeps (about 15% of the checkpoint above)
+blocks; ``benchmarks/stream_cost.py``), while what the heap keeps (about 15% of the checkpoint above)
 matters only when the checkpoint is a real share of the memory. :func:`pin_needed` says when.
 """
 
