@@ -271,8 +271,8 @@ def unsupported_experts(model: nn.Module) -> Dict[str, str]:
         if not (is_experts_module(module) or holds_fused_experts(module)) or is_grouped_experts(module):
             continue
         if _layout(module) is None:
-            out[name] = ("experts layout not supported yet: 3-D weights other than gate_up_proj/up_proj + down_proj "
-                         "(E, out, in) or transposed")
+            out[name] = ("experts layout not supported yet: 3-D weights other than gate_up_proj, gate_proj + up_proj "
+                         "or up_proj, + down_proj (E, out, in) or transposed")
         elif experts_inputs(module) is None:
             out[name] = (f"{type(module).__name__}.forward takes neither (hidden_states, top_k_index, top_k_weights), "
                          "Llama-4's (hidden_states) nor Inkling's (hidden_states, gammas): its tokens cannot be told "
