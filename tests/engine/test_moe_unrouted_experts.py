@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers import InklingForCausalLM, InklingTextConfig, Llama4ForCausalLM, Llama4TextConfig
 
-from torch_armor.calibration.experts import ExpertsObserver, split_expert_name
+from torch_armor.calibration.experts import ExpertsObserver, expert_params, split_expert_name, unsupported_experts
 from torch_armor.calibration.observer import token_mask
 from torch_armor.core.config import ArmorConfig, BcdConfig
 from torch_armor.core.levers import DistillConfig
@@ -67,7 +67,7 @@ def _armor():
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_every_expert_is_2_4_the_router_dense_and_listed_and_the_model_equals_the_reference(arch, tmp_path):
-    make, _, _, _, transposed, router = ARCHS[arch]
+    make, module, _, count, transposed, router = ARCHS[arch]
     model = make()
     reference = copy.deepcopy(model)
     report = prune_model(model, CALIB, _armor(), options=PruneOptions(progress=False, run_dir=tmp_path,
@@ -76,6 +76,11 @@ def test_every_expert_is_2_4_the_router_dense_and_listed_and_the_model_equals_th
     assert set(_layers(arch)) <= set(names)
     assert not any(".experts." in k or "shared_experts" in k for k in report.dense_weights), report.dense_weights
     assert report.dense_weights[router] == (2, "router: routing-critical and tiny")
+    tokens = {(i, e): report.expert_tokens[f"{module.format(i=i)}.{e}"] for i in range(2) for e in range(count)}
+    if arch == "llama4":  # each token's top-2 rows are the non-zero ones: 2 per token and block
+        assert sum(tokens.values()) == 2 * 2 * CALIB.numel() and min(tokens.values()) < max(tokens.values()), tokens
+    else:  # every token reaches every shared expert
+        assert set(tokens.values()) == {CALIB.numel()}, tokens
     install_stored_factors(reference, tmp_path, names, transposed=transposed)  # checks every core is 2:4
     logits = logits_of(model, IDS)
     torch.testing.assert_close(logits, logits_of(reference, IDS), rtol=1e-4, atol=1e-5)
@@ -195,3 +200,19 @@ def test_inkling_shared_statistics_are_every_token_and_the_gamma_scaled_intermed
 def test_an_experts_layer_name_of_inkling_names_its_shared_expert():
     assert split_expert_name("model.layers.0.mlp.shared_experts.gate_proj.1") == (
         "model.layers.0.mlp.shared_experts.gate_proj", 1)
+
+
+def test_experts_with_another_forward_that_takes_no_routing_stay_dense_with_the_reason():
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.zeros(E, 32, 16))
+            self.down_proj = torch.nn.Parameter(torch.zeros(E, 16, 16))
+
+        def forward(self, hidden_states, scores):  # neither Llama-4's nor Inkling's
+            return hidden_states
+
+    holder = torch.nn.Module()
+    holder.experts = Experts()
+    assert expert_params(holder) == []
+    assert "takes neither (hidden_states, top_k_index, top_k_weights)" in unsupported_experts(holder)["experts"]
