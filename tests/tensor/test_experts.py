@@ -91,7 +91,7 @@ def test_copy_and_weights_only_load_round_trip():
 
 
 @pytest.mark.parametrize("op, match", [
-    (lambda w: w.transpose(-2, -1), "aten.transpose"),
+    (lambda w: w.transpose(0, 1), r"transpose\(0, 1\)"),
     (lambda w: w[torch.tensor([0, 1])], "batched_mm"),
     (lambda w: w + 1, "aten.add"),
     (lambda w: w.view(-1), "aten.view"),
@@ -117,6 +117,23 @@ def test_a_view_to_its_own_shape_is_itself_and_to_its_transpose_multiplies_as_f_
     with pytest.raises(NotImplementedError, match="only runs x.matmul") as err:
         torch.add(w[1].T, 1)
     assert "\n" not in str(err.value)
+
+
+def test_bmm_runs_each_experts_linear_on_its_own_rows():
+    """``torch.bmm(x, w.transpose(1, 2))`` (Inkling's shared experts) and ``torch.bmm(x, w)`` by a module storing its
+    experts (E, in, out) (Llama-4's, whose experts ARMOR holds transposed) are x[e]·W[e]ᵀ, W[e] = A·core·B in float64."""
+    fs = _factors()  # 3 experts (8, 16)
+    w = ArmorExpertsTensor.from_factors(fs)
+    x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(4))
+    want = torch.stack([x[e].double() @ fs[e].dense().double().T for e in range(3)])
+    for got in (torch.bmm(x, w.transpose(1, 2)), torch.bmm(x, w.transpose(-1, -2)), torch.bmm(x, w),
+                torch.bmm(x.expand(3, 5, 16), torch.transpose(w, 2, 1)), x.bmm(w)):
+        assert got.shape == (3, 5, 8)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    for bad in (lambda: torch.bmm(x[..., :8], w), lambda: torch.bmm(x[:2], w.transpose(1, 2))):
+        with pytest.raises(NotImplementedError, match="torch.bmm of a") as err:
+            bad()
+        assert "\n" not in str(err.value)
 
 
 def test_experts_must_agree():

@@ -27,6 +27,15 @@ statistics only — the block's output stays routed either way. An expert that r
 ``min_tokens`` routed tokens falls back to the statistics of all tokens reaching the block
 through its own weights, with one warning naming it and its count.
 
+Experts whose forward takes no routing (:func:`experts_inputs`) are observed from what they do receive:
+Llama-4's (``forward(hidden_states)``, stored ``(E, in, out)`` like gpt-oss's) get every token once per expert,
+``(E·T, H)``, scaled by the router's sigmoid score for that expert and zero where the router did not pick it:
+expert ``e``'s rows are its ``T`` rows that are not all zero (so its token count is the tokens routed to it,
+and ``"all"`` / the fallback use every such row of every expert). Inkling's shared experts
+(``forward(hidden_states, gammas)``, 3-D ``gate_proj``/``up_proj``/``down_proj``) get every token: their input
+projections' statistics are of every token, the down projection's of ``act(gate)·up·gammas[:, e]``, its real
+input; they never fall back.
+
 Example::
 
     >>> from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -56,13 +65,20 @@ from torch_armor.errors import ArmorInputError
 
 __all__ = ["ExpertParam", "ExpertSlot", "ExpertsObserver", "GroupedExpertsObserver", "EXPERT_CALIBRATIONS",
            "expert_params", "is_grouped_experts", "flat_experts_count", "square_flat_experts", "takes_routing",
+           "experts_inputs", "transposed_experts", "ROUTED", "STACKED", "SHARED",
            "unsupported_experts", "holds_fused_experts", "stores_in_by_out", "expert_weight", "out_in_shape", "split_expert_name", "expert_layer_names", "is_experts_module",
            "observe_experts"]
 
 #: ``expert_calibration`` values: the router's top-k tokens per expert, or every token.
 EXPERT_CALIBRATIONS = ("routed", "all")
-#: the fused layouts understood: (input projection, output projection)
-_LAYOUTS = (("gate_up_proj", "down_proj"), ("up_proj", "down_proj"))
+#: the fused layouts understood: (input projection(s), output projection); gate_proj + up_proj (Inkling's
+#: shared experts) before up_proj alone, which it contains
+_LAYOUTS = (("gate_up_proj", "down_proj"), ("gate_proj", "up_proj", "down_proj"), ("up_proj", "down_proj"))
+#: experts modules transformers leaves undecorated (no ``is_transposed``) that store each expert ``(in, out)``
+#: and multiply ``torch.bmm(x, P)``: Llama-4's (``gate_up_proj`` ``(E, H, 2·I)``, ``down_proj`` ``(E, I, H)``)
+_TRANSPOSED_CLASSES = frozenset({"Llama4TextExperts"})
+#: how an experts module is handed its tokens (:func:`experts_inputs`)
+ROUTED, STACKED, SHARED = "routed", "stacked", "shared"
 #: the one parameter of a grouped experts module (JetMoE's ParallelExperts)
 _GROUPED = "weight"
 #: a flat experts module (DBRX's ExpertGLU): (gate, up) read the routed tokens, the last their intermediate
@@ -139,6 +155,12 @@ def flat_experts_count(module: nn.Module) -> Optional[int]:
     return count
 
 
+def transposed_experts(module: nn.Module) -> bool:
+    """Whether ``module`` stores its experts' 3-D parameters ``(E, in, out)`` and multiplies ``x @ P[e]``:
+    ``is_transposed`` (gpt-oss, set by ``use_experts_implementation``), or Llama-4's undecorated experts."""
+    return bool(getattr(module, "is_transposed", False)) or type(module).__name__ in _TRANSPOSED_CLASSES
+
+
 def stores_in_by_out(module: nn.Module, attr: str) -> bool:
     """Whether ``module.<attr>`` holds each expert as ``(in, out)``: a dense parameter of a transposed
     experts module (gpt-oss), or DBRX's ``w2``. ARMOR experts replacing it are ``(E, out, in)`` whatever the
@@ -147,7 +169,7 @@ def stores_in_by_out(module: nn.Module, attr: str) -> bool:
         return False
     if flat_experts_count(module) is not None:
         return attr == _FLAT[-1]
-    return bool(getattr(module, "is_transposed", False))
+    return transposed_experts(module)
 
 
 def _dense_expert(module: nn.Module, attr: str, e: int) -> torch.Tensor:
@@ -201,6 +223,36 @@ def takes_routing(module: nn.Module) -> bool:
         p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters)
 
 
+def _positional_names(module: nn.Module) -> Optional[List[str]]:
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in parameters if p.kind in positional]
+
+
+def experts_inputs(module: nn.Module) -> Optional[str]:
+    """How ``module``'s experts receive their tokens, which the per-expert statistics follow:
+
+    - ``"routed"``: ``(hidden_states, top_k_index, top_k_weights)`` (:func:`takes_routing`), expert ``e``'s
+      inputs are the tokens routed to it;
+    - ``"stacked"``: ``forward(hidden_states)`` alone (Llama-4): ``(E·T, H)`` rows, expert ``e``'s the ``e``-th
+      ``T`` of them, every token already scaled by the router's score for ``e`` (zero where not picked);
+    - ``"shared"``: ``forward(hidden_states, gammas)`` (Inkling's shared experts): every token reaches every
+      expert, whose intermediate ``act(gate)·up`` is scaled by ``gammas[:, e]`` before its down projection;
+    - ``None``: another signature, whose tokens cannot be told apart per expert.
+    """
+    if takes_routing(module):
+        return ROUTED
+    names = _positional_names(module)
+    if names == ["hidden_states"]:
+        return STACKED
+    if names == ["hidden_states", "gammas"]:
+        return SHARED
+    return None
+
+
 def holds_fused_experts(module: nn.Module) -> bool:
     """Fused experts of any layout: 3-D parameters of the module's own (a convolution's are not experts)."""
     return not isinstance(module, nn.modules.conv._ConvNd) and any(
@@ -219,12 +271,12 @@ def unsupported_experts(model: nn.Module) -> Dict[str, str]:
         if not (is_experts_module(module) or holds_fused_experts(module)) or is_grouped_experts(module):
             continue
         if _layout(module) is None:
-            out[name] = ("experts layout not supported yet: 3-D weights other than gate_up_proj/up_proj + down_proj "
-                         "(E, out, in) or transposed")
-        elif not takes_routing(module):
-            out[name] = (f"{type(module).__name__}.forward takes no (top_k_index, top_k_weights): every token reaches "
-                         "every expert (shared experts, or Llama-4's router-scaled inputs), not the routed experts the "
-                         "per-expert statistics calibrate")
+            out[name] = ("experts layout not supported yet: 3-D weights other than gate_up_proj, gate_proj + up_proj "
+                         "or up_proj, + down_proj (E, out, in) or transposed")
+        elif experts_inputs(module) is None:
+            out[name] = (f"{type(module).__name__}.forward takes neither (hidden_states, top_k_index, top_k_weights), "
+                         "Llama-4's (hidden_states) nor Inkling's (hidden_states, gammas): its tokens cannot be told "
+                         "apart per expert for the per-expert statistics")
     return out
 
 
@@ -239,7 +291,7 @@ def expert_params(model: nn.Module) -> List[ExpertParam]:
         if not (is_experts_module(module) or flat_experts_count(module) is not None) or square_flat_experts(module):
             continue
         layout = _layout(module)
-        if layout is None or not takes_routing(module):
+        if layout is None or experts_inputs(module) is None:
             continue
         for attr in layout:
             e_count, d_out, d_in = out_in_shape(module, attr)
@@ -276,6 +328,8 @@ class _PerExpertStatistics:
 
     #: what the fallback's inputs are, for its warning
     fallback_inputs = ""
+    #: whether an expert under ``min_tokens`` falls back to ``_inputs`` (not when every token reaches it)
+    falls_back = True
 
     def __init__(self, num_experts: int, mode: str, min_tokens: int, experts: Optional[Sequence[int]]) -> None:
         if mode not in EXPERT_CALIBRATIONS:
@@ -299,7 +353,7 @@ class _PerExpertStatistics:
         """``{f"{param}.{e}": LayerStatistics}``; experts under ``min_tokens`` fall back (one
         warning each) to ``fallback_inputs``."""
         self.remove()
-        if self.mode == "routed":
+        if self.mode == "routed" and self.falls_back:
             for e in self.experts:
                 count = self.routed_tokens[e]
                 if count >= self.min_tokens:
@@ -336,6 +390,8 @@ class ExpertsObserver(_PerExpertStatistics):
         self.first = self.firsts[0]
         super().__init__(int(out_in_shape(module, self.first)[0]), mode, min_tokens, experts)
         self.module, self.name, self.track_xtx = module, name, track_xtx
+        self.inputs = experts_inputs(called or module) or ROUTED
+        self.falls_back = self.inputs != SHARED  # every token reaches a shared expert already
         self._obs = {}
         for e in self.experts:  # the input projections read the same tokens: one observer
             shared = ActSqNormObserver(track_xtx=track_xtx)
@@ -352,9 +408,10 @@ class ExpertsObserver(_PerExpertStatistics):
         """The down projection's input for tokens ``x`` through expert ``e``'s current weights."""
         m = self.module
         w = expert_weight(m, self.first, e)
-        if len(self.firsts) == 2:  # DBRX: act(w1 x) * (v1 x)
+        if len(self.firsts) == 2:  # DBRX: act(w1 x) * (v1 x); Inkling's shared experts: act(gate x) * (up x)
             x = x.to(w.dtype)
-            return m.activation_fn(F.linear(x, w)) * F.linear(x, expert_weight(m, self.firsts[1], e))
+            act = getattr(m, "activation_fn", None) or m.act_fn
+            return act(F.linear(x, w)) * F.linear(x, expert_weight(m, self.firsts[1], e))
         bias = getattr(m, f"{self.first}_bias", None)
         h = F.linear(x.to(w.dtype), w, None if bias is None else bias[e])
         if self.first != "gate_up_proj":
@@ -364,25 +421,58 @@ class ExpertsObserver(_PerExpertStatistics):
         gate, up = h.chunk(2, dim=-1)  # an undecorated module (LongCat): transformers' default [gate; up] gate
         return m.act_fn(gate) * up
 
-    def _add(self, e: int, x: torch.Tensor) -> None:
+    def _add(self, e: int, x: torch.Tensor, scale: Optional[torch.Tensor] = None) -> None:
+        """Expert ``e`` reads rows ``x``; its intermediate is scaled by ``scale`` (``(rows, 1)``, Inkling's gammas)."""
         with token_mask(None):  # rows are already the chosen tokens
             self._obs[(self.first, e)].update(x)
-            self._obs[(self.second, e)].update(self.intermediate(e, x))
+            h = self.intermediate(e, x)
+            self._obs[(self.second, e)].update(h if scale is None else h * scale.to(h.dtype))
 
-    def _hook(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _expert_rows(self, args: tuple, kwargs: dict
+                     ) -> Tuple[torch.Tensor, Dict[int, Tuple[torch.Tensor, Optional[torch.Tensor]]]]:
+        """``(every row reaching the module, {e: (expert e's rows, its intermediate's scale or None)})`` of one
+        call, padding left out: the rows an expert receives as its ``experts_inputs`` kind says."""
+        mask = current_token_mask()
+        keep = None if mask is None else mask.reshape(-1)
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if self.inputs == STACKED:  # Llama-4: (E·T, H), expert e's rows the e-th T, zero where not routed to e
+            count = int(out_in_shape(self.module, self.first)[0])
+            if not isinstance(hidden, torch.Tensor) or hidden.reshape(-1, hidden.shape[-1]).shape[0] % count:
+                raise ArmorInputError(f"experts module {self.name!r} ({type(self.module).__name__}) was not called with "
+                                      f"every token once per expert ({count} experts); its forward is not Llama-4's")
+            stacked = hidden.detach().reshape(count, -1, hidden.shape[-1])
+            if keep is not None:
+                stacked = stacked[:, keep.to(stacked.device)]
+            reached = stacked.ne(0).any(dim=-1)  # (E, T): the rows the router's score did not zero
+            rows = {e: (stacked[e][reached[e]], None) for e in self.experts}
+            return stacked[reached], rows
+        if self.inputs == SHARED:  # Inkling's shared experts: every token, gammas (T, E) scale the intermediate
+            gammas = args[1] if len(args) > 1 else kwargs.get("gammas")
+            if not isinstance(hidden, torch.Tensor) or not isinstance(gammas, torch.Tensor):
+                raise ArmorInputError(f"shared experts module {self.name!r} ({type(self.module).__name__}) was called "
+                                      "without (hidden_states, gammas); its forward is not Inkling's")
+            x = hidden.detach().reshape(-1, hidden.shape[-1])
+            gammas = gammas.detach().reshape(x.shape[0], -1)
+            if keep is not None:
+                x, gammas = x[keep.to(x.device)], gammas[keep.to(x.device)]
+            return x, {e: (x, gammas[:, e:e + 1]) for e in self.experts}
         hidden, index = _call_args(args, kwargs, self.name, self.module)
         x = hidden.detach().reshape(-1, hidden.shape[-1])
         index = index.reshape(x.shape[0], -1)
-        mask = current_token_mask()
-        if mask is not None:
-            keep = mask.reshape(-1).to(x.device)
-            x, index = x[keep], index[keep]
+        if keep is not None:
+            x, index = x[keep.to(x.device)], index[keep.to(x.device)]
+        return x, {e: (x[(index == e).any(dim=-1)], None) for e in self.experts}
+
+    def _hook(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
         with torch.no_grad():
+            x, rows = self._expert_rows(args, kwargs)
             for e in self.experts:
-                routed = (index == e).any(dim=-1)
-                self.routed_tokens[e] += int(routed.sum())
-                self._add(e, x if self.mode == "all" else x[routed])
-            if self.mode == "routed" and self.min_tokens > 0:
+                chosen, scale = rows[e]
+                self.routed_tokens[e] += int(chosen.shape[0])
+                if self.mode == "all" and self.inputs != SHARED:
+                    chosen = x
+                self._add(e, chosen, scale)
+            if self.mode == "routed" and self.min_tokens > 0 and self.falls_back:
                 self._inputs.append(x)
 
     def _refill(self, e: int) -> None:

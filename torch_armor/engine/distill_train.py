@@ -20,6 +20,7 @@ from safetensors.torch import save
 from torch import nn
 
 from torch_armor._io import atomic_write
+from torch_armor.calibration.experts import transposed_experts
 
 from torch_armor.core.blockdiag import block_diag_left, block_diag_right
 from torch_armor.core.factors import ArmorFactors
@@ -95,9 +96,9 @@ class ArmorWeight:
 
     def dense(self, a: torch.Tensor, core: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The weight ``A · (core ⊙ M) · B`` as the module's forward takes a dense one: a fused
-        parameter of a transposed experts module (gpt-oss) as ``(E, in, out)``."""
+        parameter of a transposed experts module (gpt-oss, Llama-4) as ``(E, in, out)``."""
         w = layer_weight(a, core, b, mask)
-        return w.transpose(-1, -2) if w.dim() == 3 and getattr(self.module, "is_transposed", False) else w
+        return w.transpose(-1, -2) if w.dim() == 3 and transposed_experts(self.module) else w
 
     def write(self, a: torch.Tensor, core: torch.Tensor, b: torch.Tensor, mask: torch.Tensor, storage: str,
               name: str) -> None:

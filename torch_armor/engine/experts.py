@@ -110,7 +110,8 @@ def _reason(model: nn.Module, name: str, blocks_prefix: str, routers: Sequence[s
     if any(owner == root or owner.startswith(root + ".") for root in experts_roots):
         if isinstance(module, nn.Linear) or split_expert_name(f"{name}.0") is not None:
             return "expert not selected by layers="
-        return "experts layout not supported yet: experts weights other than 3-D gate_up_proj/up_proj + down_proj"
+        return ("experts layout not supported yet: experts weights other than 3-D gate_up_proj, gate_proj + up_proj or "
+                "up_proj, + down_proj")
     if not isinstance(module, nn.Linear):  # Mamba's conv1d, A_log
         return f"not a linear's weight ({type(module).__name__}.{name.rsplit('.', 1)[1]}): ARMOR prunes linears only"
     return "not selected"

@@ -16,7 +16,10 @@ As for :class:`~torch_armor.tensor.armor_tensor.ArmorTensor`, each core storage 
 expert ``e``'s 2-D ArmorTensor, whose inner tensors are views of the stacked ones, so ``F.linear``
 runs ARMOR's linear. ``w.view(E, d_out, d_in)`` is ``w`` itself and ``w.view(E, d_in, d_out)`` its
 :class:`~torch_armor.tensor.transposed.ArmorTransposed` (how DBRX reads the experts it stores as
-``(E·in, out)`` rows, ``w2.view(-1, I, H)[e]``; ``w1.view(-1, I, H)[e].T``). ``.to()`` / ``.half()`` move every
+``(E·in, out)`` rows, ``w2.view(-1, I, H)[e]``; ``w1.view(-1, I, H)[e].T``), as is ``w.transpose(1, 2)``
+(Inkling's shared experts: ``torch.bmm(x, w.transpose(1, 2))``). ``torch.bmm(x, w)`` is what a module storing its
+experts ``(E, in, out)`` runs (Llama-4's): ``w`` stands for that parameter, each expert transposed, so it runs
+``F.linear(x[e], w[e])`` for every expert. ``.to()`` / ``.half()`` move every
 expert and choose the storage again; ``detach``/``clone``/``copy_`` work part by part; any other op raises, naming the op and what
 to use instead (``experts_implementation="armor"``, ``dense_weight()``).
 
@@ -51,19 +54,12 @@ from torch_armor.tensor.armor_tensor import ArmorTensor
 from torch_armor.tensor.experts_forward import prefer_armor_experts
 from torch_armor.tensor.formats import CompactArmorTensor, DenseArmorTensor
 from torch_armor.tensor.semi_structured import CusparseltArmorTensor, CutlassArmorTensor
-from torch_armor.tensor.transposed import ArmorTransposed
+from torch_armor.tensor.transposed import EXPERTS_HINT, ArmorTransposed, experts_linear
 
 __all__ = ["ArmorExpertsTensor", "armor_experts_from_factors", "experts_class_of", "experts_from_parts", "stack_experts",
            "EXPERTS_HINT"]
 
 aten = torch.ops.aten
-
-#: what to do instead of an op an ArmorExpertsTensor does not run
-EXPERTS_HINT = (
-    "run the experts with experts_implementation='armor' (model.set_experts_implementation('armor'), or "
-    "from_pretrained(..., experts_implementation='armor'); 'eager' works too), index one expert with "
-    "weight[e] / weight.expert(e) (a 2-D ArmorTensor for F.linear), or materialize with weight.dense_weight()"
-)
 
 _CLASSES: Dict[type, type] = {}  # 2-D format class -> its experts class
 #: ops that ArmorTensor's handlers (torch_armor.tensor.interop) already do right for any stack of inner
@@ -383,6 +379,27 @@ def _view(func, types, args, kwargs):
                               f"aten.view to {shape}: only to its own shape or its transpose (E, in, out); {EXPERTS_HINT}")
 
 
+def _transpose(func, types, args, kwargs):
+    self = args[0]
+    dims = tuple(d % 3 for d in (args[1:] or (kwargs.get("dim0"), kwargs.get("dim1"))))
+    if sorted(dims) != [1, 2]:
+        raise NotImplementedError(f"{self.layer_name or 'ArmorExpertsTensor'}: transpose{dims}; only the last two "
+                                  f"dims (each expert's transpose) are supported; {EXPERTS_HINT}")
+    return ArmorTransposed(self)
+
+
+def _bmm(func, types, args, kwargs):
+    """``torch.bmm(x, P)`` by a module that stores its experts ``(E, in, out)`` (Llama-4's): ARMOR experts
+    replacing ``P`` are its experts transposed (``(E, out, in)``), so the product is each expert's linear."""
+    x = args[0] if args else kwargs.get("input")
+    w = args[1] if len(args) > 1 else kwargs.get("mat2")
+    if not isinstance(w, ArmorExpertsTensor) or isinstance(x, ArmorExpertsTensor):
+        raise NotImplementedError(f"torch.bmm with ARMOR experts as its first operand; {EXPERTS_HINT}")
+    return experts_linear(x, w)
+
+
 _ATEN: Dict[object, Callable] = {aten.select.int: _select, aten.index.Tensor: _index_tensor, aten.copy_.default: _copy}
 _TORCH_FUNCTIONS: Dict[object, Callable] = {torch.Tensor.storage: _storage, torch.Tensor.requires_grad_: _requires_grad,
-                                             torch.Tensor.view: _view}
+                                             torch.Tensor.view: _view, torch.Tensor.transpose: _transpose,
+                                             torch.transpose: _transpose,
+                                             torch.bmm: _bmm, torch.Tensor.bmm: _bmm}

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface
 
-from torch_armor.calibration.experts import stores_in_by_out
+from torch_armor.calibration.experts import stores_in_by_out, transposed_experts
 
 __all__ = ["ARMOR_EXPERTS", "armor_experts_forward", "prefer_armor_experts", "RUNS_ARMOR_EXPERTS"]
 
@@ -97,7 +97,7 @@ def prefer_armor_experts(module: nn.Module, name: Optional[str] = None, quiet_de
         return
     current = config._experts_implementation
     # a transposed module's own eager forward computes x @ w[e], which an ARMOR expert does not run
-    if current == ARMOR_EXPERTS or (current == "eager" and not getattr(module, "is_transposed", False)):
+    if current == ARMOR_EXPERTS or (current == "eager" and not transposed_experts(module)):
         return
     config._experts_implementation = ARMOR_EXPERTS
     if current not in _WARNED and not (quiet_default and current in (None, "grouped_mm")):
