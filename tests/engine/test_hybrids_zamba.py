@@ -132,6 +132,25 @@ def test_armor_is_closer_to_dense_than_magnitude_2_4_of_the_same_linears(arch):
     assert errors["armor"] < errors["magnitude"], errors
 
 
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_a_streamed_checkpoint_is_pruned_like_the_model_in_memory(arch, tmp_path):
+    from torch_armor import load_pretrained
+
+    build = ARCHS[arch][0]
+    build().save_pretrained(tmp_path / "ckpt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        streamed = prune_model(tmp_path / "ckpt", CALIB, _armor(), options=PruneOptions(progress=False,
+                                                                                        out=tmp_path / "out"))
+        model = build()
+        in_memory = prune_model(model, CALIB, _armor(), options=PruneOptions(progress=False))
+    assert sorted(r.name for r in streamed.layers) == sorted(_pruned_names(arch))
+    assert [(r.name, r.relative_proxy_loss) for r in streamed.layers] == \
+        [(r.name, r.relative_proxy_loss) for r in in_memory.layers]
+    assert streamed.dense_weights == in_memory.dense_weights
+    assert torch.equal(_logits(load_pretrained(tmp_path / "out").eval()), _logits(model))
+
+
 def _calls(model, run):
     """Every decoder layer's calls while ``run()`` runs: ``[(arguments by name, output)]`` per layer, the
     arguments bound to the layer's own forward signature (``**kwargs`` spread out)."""
