@@ -120,9 +120,10 @@ def armor_moe(arch: str, seed: int = 0, experts: int = 4, block_size: int = 8, i
 
 
 def armor_and_magnitude_errors(make, calib: torch.Tensor, ids: torch.Tensor, armor: ArmorConfig,
-                               layers) -> Dict[str, float]:
+                               layers, pruned=None) -> Dict[str, float]:
     """``{"armor", "magnitude": mean squared logit error against the dense model}`` after pruning ``layers``
-    of a fresh ``make()`` with each; every selected layer must be in the report."""
+    of a fresh ``make()`` with each; every selected layer (a list of names), or every name of ``pruned``,
+    must be in the report, and no other."""
     from torch_armor.engine.methods import config_for_method
     from torch_armor.engine.prune import PruneOptions, prune_model
 
@@ -132,8 +133,9 @@ def armor_and_magnitude_errors(make, calib: torch.Tensor, ids: torch.Tensor, arm
         model = make()
         config = armor if method == "armor" else config_for_method(method)
         report = prune_model(model, calib, config, layers=layers, options=PruneOptions(progress=False))
-        if not isinstance(layers, str):
-            assert sorted(r.name for r in report.layers) == sorted(layers)
+        expected = pruned if pruned is not None else None if layers is None or isinstance(layers, str) else layers
+        if expected is not None:
+            assert sorted(r.name for r in report.layers) == sorted(expected), method
         errors[method] = float((logits_of(model, ids) - want).pow(2).mean())
     return errors
 

@@ -254,9 +254,11 @@ def experts_inputs(module: nn.Module) -> Optional[str]:
 
 
 def holds_fused_experts(module: nn.Module) -> bool:
-    """Fused experts of any layout: 3-D parameters of the module's own (a convolution's are not experts)."""
-    return not isinstance(module, nn.modules.conv._ConvNd) and any(
-        p.dim() == 3 for p in module.parameters(recurse=False))
+    """Fused experts of any layout: 3-D parameters of the module's own (a convolution's are not experts,
+    nor a state-space mixer's, the module holding ``A_log``: Zamba's per-head ``x_proj_weight``)."""
+    own = dict(module.named_parameters(recurse=False))
+    return not isinstance(module, nn.modules.conv._ConvNd) and "A_log" not in own and any(
+        p.dim() == 3 for p in own.values())
 
 
 def unsupported_experts(model: nn.Module) -> Dict[str, str]:

@@ -13,7 +13,7 @@ Example::
 from __future__ import annotations
 
 import re
-from typing import Callable, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Set, Union
 
 from torch import nn
 
@@ -22,7 +22,7 @@ from torch_armor.calibration.routers import router_names
 from torch_armor.calibration.observer import decoder_linear_names
 from torch_armor.errors import ArmorInputError
 
-__all__ = ["block_index", "select_layers", "prunable_names", "LayerSelection"]
+__all__ = ["block_index", "select_layers", "prunable_names", "shared_across_blocks", "LayerSelection"]
 
 #: What to prune: ``None`` (every decoder linear), names, a selection string (``"0-3"``, a regular
 #: expression) or a predicate ``(name, module) -> bool``.
@@ -118,3 +118,43 @@ def select_layers(model: Union[nn.Module, Sequence[str]], layers: LayerSelection
         sample = ", ".join(names[:3])
         raise ArmorInputError(f"{what} selects none of the {len(names)} prunable linears (e.g. {sample})")
     return chosen
+
+
+def shared_across_blocks(model: nn.Module, names: Sequence[str], blocks_prefix: str) -> Dict[str, str]:
+    """``{layer: why}`` for each linear of ``names`` whose weight is one tensor held by several decoder
+    blocks of the ``nn.ModuleList`` at ``blocks_prefix`` (Zamba's shared transformer block, tied into
+    every hybrid layer; a module reused by several layers), with every other linear name that holds
+    the same weight: the block pipeline calibrates one block at a time, so such a weight is left
+    dense rather than pruned from one layer's statistics while the other layers call it too.
+
+    Example::
+
+        >>> from torch import nn
+        >>> tied = nn.Linear(8, 8)
+        >>> model = nn.ModuleDict({"layers": nn.ModuleList(
+        ...     nn.ModuleDict({"mix": tied, "own": nn.Linear(8, 8)}) for _ in range(3))})
+        >>> shared = shared_across_blocks(model, ["layers.0.mix", "layers.0.own"], "layers")
+        >>> sorted(shared)
+        ['layers.0.mix', 'layers.1.mix', 'layers.2.mix']
+        >>> print(shared["layers.2.mix"])
+        shared by decoder layers 0, 1, 2
+    """
+    holders: Dict[int, Set[int]] = {}
+    for index, block in enumerate(model.get_submodule(blocks_prefix)):
+        for param in block.parameters():
+            holders.setdefault(id(param), set()).add(index)
+    linears: Dict[int, List[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, nn.Linear):
+            linears.setdefault(id(module.weight), []).append(name)
+    shared: Dict[str, str] = {}
+    for name in names:
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:  # an expert layer of a fused parameter
+            continue
+        blocks = holders.get(id(getattr(module, "weight", None)), set())
+        if len(blocks) > 1:
+            why = f"shared by decoder layers {', '.join(str(i) for i in sorted(blocks))}"
+            shared.update((alias, why) for alias in linears[id(module.weight)])
+    return shared

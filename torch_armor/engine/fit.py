@@ -38,7 +38,8 @@ from torch_armor.calibration.experts import split_expert_name
 from torch_armor.engine.experts import layer_module
 from torch_armor.errors import ArmorInputError
 
-__all__ = ["fit_layers", "unfit_warning", "warn_unfit", "dense_reasons", "grouped_layers", "uncalled_warning"]
+__all__ = ["fit_layers", "unfit_warning", "warn_unfit", "dense_reasons", "grouped_layers", "uncalled_warning",
+           "shared_warning"]
 
 
 def _cause(err: ArmorInputError) -> str:
@@ -120,6 +121,14 @@ def uncalled_warning(uncalled: Dict[str, str]) -> str:
     """One line for every selected linear calibration never called (left dense)."""
     return (f"{len(uncalled)} selected linear(s) left dense, never called as a module during calibration: "
             + grouped_layers(uncalled) + "; they are listed in PruneReport.uncalled_layers and dense_weights")
+
+
+def shared_warning(shared: Dict[str, str]) -> str:
+    """One line for every selected linear left dense because several decoder layers share its weight."""
+    return (f"{len(shared)} selected linear(s) left dense, each holding a weight that several decoder layers "
+            "share: prune_model calibrates one layer at a time, and pruning such a weight from one layer's statistics "
+            "would change the other layers' inputs unseen: " + grouped_layers(shared)
+            + "; they are listed in PruneReport.dense_weights")
 
 
 def warn_unfit(unfit: Dict[str, str]) -> None:

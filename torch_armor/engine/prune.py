@@ -41,7 +41,7 @@ from torch import nn
 from torch_armor._io import stop_here_for_tests
 from torch_armor.calibration.blocks import decoder_blocks
 from torch_armor.calibration.experts import out_in_shape
-from torch_armor.calibration.selection import LayerSelection, select_layers
+from torch_armor.calibration.selection import LayerSelection, select_layers, shared_across_blocks
 from torch_armor.calibration.validate import check_token_ids, vocab_size_of
 from torch_armor.core.config import ArmorConfig
 from torch_armor.engine.batches import calibration_batches, hash_batches
@@ -50,7 +50,7 @@ from torch_armor.engine.distill import NO_DISTILL_COST, Distillation, distill_sk
 from torch_armor.engine.distill_kl import windows_of
 from torch_armor.engine.distill_stream import BlockStream
 from torch_armor.engine.distributed import init_distributed, launched_world_size
-from torch_armor.engine.fit import dense_reasons, fit_layers, uncalled_warning, warn_unfit
+from torch_armor.engine.fit import dense_reasons, fit_layers, shared_warning, uncalled_warning, warn_unfit
 from torch_armor.engine.experts import (dense_lines, dense_weights, group_by_param, layer_module, no_expert_pruned,
                                         routed_token_lines, with_dense_layers)
 from torch_armor.engine.identity import identity_string
@@ -148,6 +148,9 @@ def prune_model(
         layers: the linears to prune: names, a selection such as ``"0-3"`` (decoder block indices)
             or a regular expression, or a predicate ``(name, module) -> bool``
             (:func:`~torch_armor.calibration.selection.select_layers`); default: every decoder linear.
+            A linear whose weight several decoder layers share (Zamba's shared transformer block)
+            stays dense, with one warning and its reason in ``PruneReport.dense_weights``
+            (:func:`~torch_armor.calibration.selection.shared_across_blocks`).
         options: :class:`PruneOptions` (output, run directory, device, …).
 
     Raises:
@@ -188,6 +191,13 @@ def prune_model(
     if layers is None:  # every linear of the decoder blocks; one outside them (Gemma-4's per-layer projection) stays dense
         names = [n for n in names if n.startswith(blocks_prefix + ".")]
     check_token_ids(batches, vocab_size_of(model))
+    shared = shared_across_blocks(model, names, blocks_prefix)  # one weight, several layers: left dense
+    if shared:
+        if all(n in shared for n in names):
+            raise ArmorInputError(f"every selected layer's weight is shared by several decoder layers (layer {names[0]!r}: "
+                                  f"{shared[names[0]]}), and prune_model leaves such weights dense; select other layers")
+        warnings.warn(shared_warning({n: why for n, why in shared.items() if n in names}), UserWarning, stacklevel=2)
+        names = [n for n in names if n not in shared]
     _check_layers(model, names, streamed)
     selected = names
     names, config, unfit = fit_layers(model, names, config, options.strict)
@@ -203,7 +213,8 @@ def prune_model(
         if method.factorizes and len(chosen) != total:
             raise ArmorInputError(f"{param}: ARMOR converts all {total} experts of a fused parameter together, "
                                   f"the layer selection holds {len(chosen)}; select every expert of it or none")
-    dense = dense_weights(model, names, blocks_prefix, dense_reasons(unfit, names))
+    dense = dense_weights(model, names, blocks_prefix,
+                          {**dense_reasons(unfit, names), **{f"{n}.weight": why for n, why in shared.items()}})
     experts_left_dense = no_expert_pruned(model, names, dense, blocks_prefix)
     if experts_left_dense:
         warnings.warn(experts_left_dense, UserWarning, stacklevel=2)
