@@ -243,7 +243,7 @@ def test_experts_of_a_fused_parameter_are_factorized_as_one_batch_equal_to_the_s
         batches.append((len(weights), kwargs.get("names")))
         return real(weights, *args, **kwargs)
 
-    monkeypatch.setattr("torch_armor.engine.methods.factorize_batched", counting)
+    monkeypatch.setattr("torch_armor.engine.layers.factorize_batched", counting)
     batched = _build("qwen3_moe")
     prune_model(batched, CALIB, cfg, options=PruneOptions(progress=False, run_dir=tmp_path / "batched"))
     expected = [(E, [f"model.layers.{i}.mlp.experts.{attr}.{e}" for e in range(E)])

@@ -172,7 +172,7 @@ def test_prune_model_refuses_offloaded_weights_naming_the_layer(tiny_llama):
 def test_finished_factors_convert_without_factorizing(monkeypatch, tmp_path, tiny_llama_factory):
     """The successor of prune(..., factors=given): layers already in the run directory are
     converted from their stored factors, not factorized again; other settings are refused."""
-    import torch_armor.engine.methods as methods
+    import torch_armor.armor.method as methods
 
     names = ["model.layers.0.mlp.up_proj"]
     cfg = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=2))

@@ -88,5 +88,5 @@ def test_the_module_table_follows_the_package(tmp_path):
         "| 0 base | `torch_armor/errors.py` | Errors. |",
         "| 1 core | `torch_armor/core/__init__.py` | (package) |",
         "| 1 core | `torch_armor/core/a.py` | See `Thing` \\| x. |",
-        "| 6 package | `torch_armor/__init__.py` | (package) |",
+        "| 7 package | `torch_armor/__init__.py` | (package) |",
         tool.TABLE_END, "after"]

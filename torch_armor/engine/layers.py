@@ -40,15 +40,16 @@ import torch
 
 from torch_armor.calibration.experts import split_expert_name
 from torch_armor.core.config import ArmorConfig
+from torch_armor.core.factorize_batched import factorize_batched
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.engine.identity import act_sq_norm_of
-from torch_armor.engine.methods import armor_experts
+from torch_armor.engine.methods import act_sq_norm_for, xtx_of
 from torch_armor.engine.runner import solve_layer
 from torch_armor.engine.runstore import RunStore
 from torch_armor.errors import ArmorInputError, RunMismatchError
 from torch_armor.progress import tqdm
 
-__all__ = ["factorize_layers", "layer_configs", "check_layer_inputs", "eager_shapes", "compute_layers", "expert_batches",
+__all__ = ["factorize_layers", "armor_experts", "layer_configs", "check_layer_inputs", "eager_shapes", "compute_layers", "expert_batches",
            "pending_layers", "LayerInput"]
 
 logger = logging.getLogger("torch_armor")
@@ -119,6 +120,24 @@ def eager_shapes(layers: Mapping[str, Any]) -> Dict[str, Tuple[int, int]]:
 
 
 # --------------------------------------------------------------------------- the loop
+
+
+def armor_experts(weights: Sequence[torch.Tensor], stats: Sequence[Any], config: ArmorConfig,
+                  names: Sequence[str]) -> List[ArmorFactors]:
+    """ARMOR on the same-shape experts of one fused parameter at once
+    (:func:`~torch_armor.core.factorize_batched.factorize_batched`), with the checks of one layer."""
+    for s, name in zip(stats, names):
+        if s is None or getattr(s, "num_tokens", None) == 0:
+            raise ArmorInputError(f"layer {name!r} saw no calibration data: run forward passes on calibration "
+                                  "inputs before solving it")
+        if config.refines and xtx_of(s) is None and not isinstance(s, torch.Tensor):
+            raise ArmorInputError(f"layer {name!r}: output-space refinement needs XᵀX statistics (calibrate with "
+                                  "track_xtx=True), or set ArmorConfig(refine=None)")
+    hs = torch.stack([act_sq_norm_for(s, w) for s, w in zip(stats, weights)])
+    return factorize_batched(torch.stack([w.detach() for w in weights]), hs, config, xtxs=[xtx_of(s) for s in stats],
+                             names=list(names))
+
+
 
 
 def _materialize(fqn: str, value: LayerInput) -> Tuple[torch.Tensor, torch.Tensor]:
