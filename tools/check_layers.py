@@ -10,7 +10,7 @@ an import may point to the same floor or a lower one, never up:
     3  tensor                             (ArmorTensor, storages; the save/load format)
     4  engine                             (the method hooks and registry, runner, pipeline, sources, run store,
                                           prune_model: it never names a method)
-    5  armor                              (the methods: ARMOR's hooks, registered on import)
+    5  armor, baselines                   (the methods: their hooks, registered on import)
     6  sparsifier, calibrated_sparsifier, sparsifier_state, hf, cli, cli_flags, recipes, __main__   (front ends)
     7  torch_armor (the package's __init__: the public names)
 
@@ -68,6 +68,7 @@ FLOORS: Tuple[Tuple[str, int], ...] = (
     ("torch_armor.tensor", 3),
     ("torch_armor.engine", 4),
     ("torch_armor.armor", 5),
+    ("torch_armor.baselines", 5),
     ("torch_armor.sparsifier", 6),
     ("torch_armor.calibrated_sparsifier", 6),
     ("torch_armor.sparsifier_state", 6),

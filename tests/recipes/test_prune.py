@@ -191,7 +191,7 @@ def test_finished_factors_convert_without_factorizing(monkeypatch, tmp_path, tin
 
 
 def test_block_size_budget_spends_one_model_wide_overhead(tiny_llama_factory):
-    from torch_armor.engine.allocate import layer_kind
+    from torch_armor.armor.allocate import layer_kind
 
     report = prune_model(tiny_llama_factory(), CALIB, ArmorConfig(block_size="budget", max_overhead=0.25, optimizer=BcdConfig(iters=2)), options=PruneOptions(progress=False))
     sizes = {layer.name: layer.block_size for layer in report.layers}

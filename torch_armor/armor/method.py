@@ -1,7 +1,7 @@
 """ARMOR's hooks into the engine: one layer factorized, a block's layers through the run store
 (resumable, shared out across ``torchrun`` ranks), block reconstruction after each block, the
 block-size budget planned up front, and end-to-end distillation around the block pass
-(:mod:`torch_armor.armor.distillation`).
+(:mod:`torch_armor.armor.distill`).
 
 Registered as the method of :class:`~torch_armor.core.config.ArmorConfig` (the default) when this
 module is imported (``import torch_armor`` does).
@@ -32,17 +32,17 @@ from safetensors.torch import save
 from torch import nn
 
 from torch_armor._io import atomic_write
-from torch_armor.armor.distillation import distillation_pass
 from torch_armor.calibration.blocks import BlockInput, block_statistics, run_block
 from torch_armor.core.config import ArmorConfig
 from torch_armor.core.factorize import factorize
 from torch_armor.core.pattern import auto_block_size, candidate_block_sizes, check_layer_shape
 from torch_armor.core.refine import with_losses
-from torch_armor.engine.allocate import allocate_block_sizes, layer_kind, loss_curves
-from torch_armor.engine.distributed import distributed_factorize
+from torch_armor.armor.allocate import allocate_block_sizes, layer_kind, loss_curves
+from torch_armor.armor.distill import distillation_pass
+from torch_armor.armor.distributed import distributed_factorize
 from torch_armor.engine.experts import layer_module
 from torch_armor.engine.methods import Method, ModelPass, Result, act_sq_norm_for, register_method, xtx_of
-from torch_armor.engine.reconstruct import reconstruct_block
+from torch_armor.armor.reconstruct import reconstruct_block
 from torch_armor.engine.runner import LayerSolution, solve_layer
 from torch_armor.errors import ArmorInputError
 

@@ -12,8 +12,9 @@ the code that runs it on one layer::
     def _sparsegpt(weight, stats, config, name) -> (mask, pruned) | ArmorFactors: ...
 
 and a method with hooks of its own passes its :class:`Method` subclass as ``kind``. The engine
-calls the hooks and never asks which method it runs; the methods register themselves when their
-package is imported (``import torch_armor`` imports every built-in one).
+calls the hooks and never asks which method it runs, and it imports none: the methods register
+themselves when their modules are imported (:mod:`torch_armor.baselines`, :mod:`torch_armor.armor`;
+``import torch_armor`` imports both, so the registry is the same whatever was imported first).
 
 :func:`method_for` finds a config's method; :func:`config_for_method` maps the names the command
 line and the reports use (``"armor"``, ``"sparsegpt"``, ``"wanda"``, ``"nowag"``,
@@ -21,6 +22,7 @@ line and the reports use (``"armor"``, ``"sparsegpt"``, ``"wanda"``, ``"nowag"``
 
 Example::
 
+    >>> from torch_armor.core.method_config import SparseGPTConfig
     >>> method_for(SparseGPTConfig()).label, method_for(default_config()).stores_layers
     ('SparseGPT', True)
     >>> config_for_method("wanda", pattern="4:8")
@@ -40,11 +42,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from torch_armor.core import baselines
 from torch_armor.core.config_format import serializable
 from torch_armor.core.factors import ArmorFactors
-from torch_armor.core.method_config import MagnitudeConfig, NoWagConfig, SparseGPTConfig, WandaConfig
-from torch_armor.core.proxy import nowag_prune
 from torch_armor.engine.solution import LayerSolution
 from torch_armor.errors import ArmorInputError
 
@@ -284,28 +283,3 @@ def act_sq_norm_for(stats: Any, weight: torch.Tensor) -> torch.Tensor:
 def xtx_of(stats: Any) -> Optional[torch.Tensor]:
     """``XᵀX`` of a LayerStatistics (``None`` if it was not tracked, or for a bare ``Σx²`` tensor)."""
     return None if isinstance(stats, torch.Tensor) else getattr(stats, "xtx", None)
-
-
-@register_method(MagnitudeConfig, needs_statistics=False)
-def _magnitude(weight: torch.Tensor, stats: Any, config: MagnitudeConfig, name: str = "") -> Result:
-    return baselines.magnitude_prune(weight, config.pattern)
-
-
-@register_method(WandaConfig, label="Wanda")
-def _wanda(weight: torch.Tensor, stats: Any, config: WandaConfig, name: str = "") -> Result:
-    return baselines.wanda_prune(weight, act_sq_norm_for(stats, weight), config.pattern)
-
-
-@register_method(SparseGPTConfig, label="SparseGPT", needs_xtx=True,
-                 describe=lambda config: f"block {config.block_size}, damp {config.damp:g}")
-def _sparsegpt(weight: torch.Tensor, stats: Any, config: SparseGPTConfig, name: str = "") -> Result:
-    xtx = xtx_of(stats)
-    if xtx is None:
-        raise ArmorInputError(f"layer {name!r}: SparseGPT needs XᵀX statistics (calibrate with track_xtx=True)")
-    return baselines.sparsegpt_prune(weight, xtx.to(weight.device), config.pattern, block_size=config.block_size,
-                                     damp=config.damp)
-
-
-@register_method(NoWagConfig, label="NoWag-P")
-def _nowag(weight: torch.Tensor, stats: Any, config: NoWagConfig, name: str = "") -> Result:
-    return nowag_prune(weight, act_sq_norm_for(stats, weight), config.pattern)

@@ -44,7 +44,7 @@ from torch_armor.calibration.selection import LayerSelection, select_layers
 from torch_armor.calibration.validate import check_token_ids, vocab_size_of
 from torch_armor.engine.batches import calibration_batches, hash_batches
 from torch_armor.engine.blocks import BLOCKS_DIR, BlockPipeline
-from torch_armor.engine.distributed import init_distributed, launched_world_size
+from torch_armor.engine.topology import init_distributed, launched_world_size
 from torch_armor.engine.fit import dense_reasons, fit_layers, uncalled_warning, warn_unfit
 from torch_armor.engine.experts import (dense_lines, dense_weights, group_by_param, layer_module, no_expert_pruned,
                                         routed_token_lines, with_dense_layers)

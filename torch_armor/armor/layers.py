@@ -6,7 +6,7 @@ resolved for the layer's shape), the layers a :class:`~torch_armor.engine.runsto
 does not hold yet (a finished layer computed with other settings or of another shape is
 refused with :class:`~torch_armor.engine.runstore.RunMismatchError`), then each of them
 factorized and written to the store as soon as it is done, so an interrupted run loses at most
-the layer in progress. :func:`~torch_armor.engine.distributed.distributed_factorize` shares the
+the layer in progress. :func:`~torch_armor.armor.distributed.distributed_factorize` shares the
 same pieces out across ``torchrun`` ranks.
 
 Example::
@@ -304,7 +304,7 @@ def factorize_layers(
     if store is not None and store.rank != 0:
         raise ArmorInputError(
             f"this store writes as rank {store.rank}; factorize_layers runs a single process (rank 0). "
-            "Use torch_armor.engine.distributed.distributed_factorize for multi-rank runs"
+            "Use torch_armor.armor.distributed.distributed_factorize for multi-rank runs"
         )
     todo = list(layers) if store is None else pending_layers(layers, configs, store)
     if store is not None:

@@ -14,9 +14,9 @@ from conftest import make_tiny_llama
 from torch_armor import ArmorConfig, prune_model, PruneOptions
 from torch_armor.core.config import BcdConfig, ReconstructConfig, RefineConfig
 from torch_armor.calibration.blocks import BlockInput, block_statistics, capture_block_inputs, run_block
-from torch_armor.engine.reconstruct import reconstruct_block
+from torch_armor.armor.reconstruct import reconstruct_block
 from torch_armor.core.factorize import factorize
-from torch_armor.engine.reconstruct_weights import (FactoredLinears, FactorLeaves, build_weights, kept_index,
+from torch_armor.armor.reconstruct_weights import (FactoredLinears, FactorLeaves, build_weights, kept_index,
                                                    scatter_core, weight_names)
 from torch_armor.engine.runner import solve_layer
 from torch_armor.errors import ArmorInputError
