@@ -181,7 +181,7 @@ def compute_layers(
 
     def finish(fqn: str, factors: ArmorFactors, cfg, seconds: float) -> None:
         if store is not None:
-            store.save(fqn, factors, config=cfg, seconds=seconds)
+            store.save(fqn, factors, config=cfg, seconds=seconds, device=cfg.device)
         logger.info("%s: %s (%.1fs)", fqn, factors.loss_text(), seconds)
         if on_layer_done is not None:
             on_layer_done(fqn, factors)

@@ -179,7 +179,8 @@ class ArmorMethod(Method):
                          for n in names}
             if run.store is not None:
                 for n in names:
-                    run.store.save(n, solutions[n].factors, config=configs[n], seconds=solutions[n].seconds)
+                    run.store.save(n, solutions[n].factors, config=configs[n], seconds=solutions[n].seconds,
+                                   device=configs[n].device)
                 marker = _marker(run, index)
                 marker.parent.mkdir(parents=True, exist_ok=True)
                 atomic_write(marker, json.dumps({"errors": [before, after], "curve": result.curve}).encode())

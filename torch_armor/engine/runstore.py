@@ -327,6 +327,7 @@ class RunStore:
         *,
         config: Optional[Any] = None,
         seconds: Optional[float] = None,
+        device: Optional[Any] = None,
     ) -> Path:
         """Write one finished layer atomically, then record it in the manifest (atomically too).
 
@@ -335,6 +336,8 @@ class RunStore:
             factors: its :class:`ArmorFactors` (moved to CPU for writing).
             config: the config it was computed with (default: the run's); kept per layer.
             seconds: how long it took (kept in the manifest).
+            device: where it was computed, as the config asked (kept in the manifest; default: the
+                factors' device).
 
         Returns:
             The layer file's path.
@@ -372,7 +375,7 @@ class RunStore:
             "pattern": str(factors.pattern),
             "relative_loss": float(factors.relative_loss),
             "seconds": None if seconds is None else float(seconds),
-            "device": str(factors.core.device) if cfg.device is None else str(cfg.device),
+            "device": str(factors.core.device) if device is None else str(device),
             "config": config_to_dict(cfg),
             "rank": self.rank,
             "written_at": time.time(),
