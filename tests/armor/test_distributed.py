@@ -97,13 +97,6 @@ def test_single_process_is_factorize_layers(tmp_path, monkeypatch):
         assert_same_factors(out[name], reference[name])
 
 
-def test_world_size_without_launcher_says_use_torchrun(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.delenv("MASTER_ADDR", raising=False)
-    with pytest.raises(ValueError, match="torchrun --nproc-per-node"):
-        init_distributed()
-
-
 def test_lazy_layers_need_costs():
     from torch_armor.armor.distributed import _costs_for
 
