@@ -1,7 +1,7 @@
 """The method registry and the hooks the engine calls: one table, keyed by config type, that every front end reads.
 
 A method is a config type plus a :class:`Method`: what it observes during calibration
-(:meth:`Method.needs_xtx`), how it solves one layer (``solve``) and a decoder block's layers
+(``Method.needs_xtx``), how it solves one layer (``solve``) and a decoder block's layers
 (:meth:`Method.solve_block`), what it does after each block (:meth:`Method.after_block`) and
 around the whole model (:meth:`Method.model_pass`), and what it plans up front
 (:meth:`Method.plan`, :meth:`Method.fit_fallback`). The base class's hooks are a one-shot
@@ -113,6 +113,7 @@ class Method:
         needs_statistics: whether it needs calibration data at all.
         needs_xtx: ``needs_xtx(config)``: whether it observes ``XᵀX`` (not just ``Σx²``).
         describe: ``describe(config)``: its settings in a few words, for tables.
+        default: its config's defaults are what ``prune_model`` runs without a config (:func:`default_config`).
     """
 
     config_type: type
