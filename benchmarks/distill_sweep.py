@@ -35,8 +35,8 @@ from reconstruct_sweep import PREVIOUS_MAX, add_protocol_arguments, protocol_dat
 from torch_armor import ArmorConfig, PruneOptions, prune_model  # noqa: E402
 from torch_armor.core.levers import DistillConfig  # noqa: E402
 from torch_armor.core.presets import PRESETS  # noqa: E402
-from torch_armor.engine.distill import Distillation  # noqa: E402
-from torch_armor.engine.reconstruct_data import split_windows  # noqa: E402
+from torch_armor.armor.distill import Distillation  # noqa: E402
+from torch_armor.armor.reconstruct_data import split_windows  # noqa: E402
 from torch_armor.recipes.evaluate import perplexity  # noqa: E402
 from torch_armor.calibration.selection import select_layers  # noqa: E402
 from torch_armor.recipes.quality import _materialize  # noqa: E402

@@ -74,7 +74,7 @@ def measure(which: str, old: str, hidden: int, inter: int, batch: int, seq_len: 
         else:
             call = lambda: module.reconstruct_block(block, factors, inputs, targets, steps=steps)  # noqa: E731
     else:
-        from torch_armor.engine.reconstruct import reconstruct_block  # noqa: PLC0415
+        from torch_armor.armor.reconstruct import reconstruct_block  # noqa: PLC0415
 
         call = lambda: reconstruct_block(block, factors, inputs, targets,  # noqa: E731
                                          ReconstructConfig(steps=steps, held_out=1, checks=steps))

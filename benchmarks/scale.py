@@ -15,7 +15,7 @@ Three parts (``all`` runs them in this order and prints one report):
   ``O(d_b)``-per-entry group updates) and memory by the layer size.
 * ``ranks``: a SmolLM2-135M prune (all 210 decoder linears, real sotu statistics, short budget
   ``ArmorConfig(block_size=16, optimizer=BcdConfig(iters=3))``) through
-  :func:`torch_armor.engine.distributed.distributed_factorize` with 1 rank × 1 thread, 1 rank ×
+  :func:`torch_armor.armor.distributed.distributed_factorize` with 1 rank × 1 thread, 1 rank ×
   2 threads, and ``torchrun --nproc-per-node 2`` × 1 thread, from the same cached weights and
   statistics (``benchmarks/out/``), timing the factorization (all ranks started) and the whole
   process, and checking that the factors are bit-identical.
@@ -282,7 +282,8 @@ def cmd_prune_worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from safetensors import safe_open
 
-    from torch_armor.engine.distributed import distributed_factorize, init_distributed, layer_cost
+    from torch_armor.armor.distributed import distributed_factorize, layer_cost
+    from torch_armor.engine.topology import init_distributed
     from torch_armor.engine.identity import hash_tensors
     from torch_armor.engine.runstore import RunStore
 

@@ -162,7 +162,7 @@ def _armor_args(model_dir, calib) -> list:
 
 
 def test_interrupted_prune_resumes_from_run_dir(tmp_path, capsys, monkeypatch, tiny_hf_dir, text_files, keep_threads):
-    import torch_armor.engine.methods as engine_runner  # where the ARMOR method calls factorize
+    import torch_armor.armor.method as engine_runner  # where the ARMOR method calls factorize
 
     calib, _ = text_files
     args = _armor_args(tiny_hf_dir, calib)
@@ -232,7 +232,7 @@ def test_torchrun_two_ranks_match_one_process(tmp_path, capsys, tiny_hf_dir, tex
 def test_baselines_refuse_torchrun(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(["prune", "smollm2", "--method", "wanda", "--out", str(tmp_path / "x")]) == 2
-    assert "only ArmorConfig (method 'armor') runs on several ranks" in capsys.readouterr().err
+    assert "only a method that stores finished layers (armor) runs on several ranks" in capsys.readouterr().err
 
 
 def test_argument_errors(capsys):

@@ -20,6 +20,13 @@ REGISTERED = {
     "config": "torch_armor.hf.ArmorQuantizationConfig",
     "quantizer": "torch_armor.hf.ArmorHfQuantizer",
     "torchao": ["torch_armor.tensor.quant.ArmorCoreConfig"],
+    # the method registry, in registration order: (name, config type, hooks); the engine imports no method
+    "methods": [["magnitude", "torch_armor.core.method_config.MagnitudeConfig", "torch_armor.engine.methods.Method"],
+                ["wanda", "torch_armor.core.method_config.WandaConfig", "torch_armor.engine.methods.Method"],
+                ["sparsegpt", "torch_armor.core.method_config.SparseGPTConfig", "torch_armor.engine.methods.Method"],
+                ["nowag", "torch_armor.core.method_config.NoWagConfig", "torch_armor.engine.methods.Method"],
+                ["armor", "torch_armor.core.config.ArmorConfig", "torch_armor.armor.method.ArmorMethod"]],
+    "default": "torch_armor.core.config.ArmorConfig",
 }
 
 # Imports the modules in order under the given argv, and prints the registrations seen after each.
@@ -36,9 +43,13 @@ _SNAPSHOTS = textwrap.dedent("""
         def name(cls):
             return None if cls is None else f"{cls.__module__}.{cls.__qualname__}"
 
+        from torch_armor.engine.methods import METHODS, default_config
+
         return {"config": name(AUTO_QUANTIZATION_CONFIG_MAPPING.get("armor")),
                 "quantizer": name(AUTO_QUANTIZER_MAPPING.get("armor")),
-                "torchao": sorted(name(c) for c in _QUANTIZE_CONFIG_HANDLER if c.__module__.startswith("torch_armor"))}
+                "torchao": sorted(name(c) for c in _QUANTIZE_CONFIG_HANDLER if c.__module__.startswith("torch_armor")),
+                "methods": [[m.name, name(m.config_type), name(type(m))] for m in METHODS.values()],
+                "default": name(type(default_config()))}
 
     seen = []
     for module in modules:
@@ -60,6 +71,9 @@ def _registrations_after_each(argv, modules):
     (["torch-armor", "prune"], ["torch_armor.engine.prune", "torch_armor"]),
     (["/venv/bin/torch-armor", "--help"], ["torch_armor.cli", "torch_armor.hf"]),
     (["-c"], ["torch_armor.core.pattern", "torch_armor.tensor.serialization"]),
+    # the registry's own module first, then a method's: every method is registered by then all the same
+    (["script.py"], ["torch_armor.engine.methods", "torch_armor.armor.method", "torch_armor.baselines"]),
+    (["torch-armor"], ["torch_armor.engine.blocks", "torch_armor.calibrated_sparsifier"]),
 ])
 def test_every_import_registers_the_same(argv, modules):
     assert _registrations_after_each(argv, modules) == [REGISTERED] * len(modules)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-import torch_armor.engine.methods as runner_module  # where the ARMOR method calls factorize
+import torch_armor.armor.method as runner_module  # where the ARMOR method calls factorize
 import torch_armor.sparsifier as sparsifier_module
 from torch_armor.core import baselines
 from torch_armor import ArmorConfig, MagnitudeConfig, SparseGPTConfig, WandaConfig

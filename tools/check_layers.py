@@ -8,9 +8,11 @@ an import may point to the same floor or a lower one, never up:
     1  core, kernels                      (pure math, sparsity patterns, the method configs; GPU kernels)
     2  calibration                        (hooks, statistics)
     3  tensor                             (ArmorTensor, storages; the save/load format)
-    4  engine                             (method registry, runner, pipeline, sources, run store, prune_model)
-    5  sparsifier, calibrated_sparsifier, sparsifier_state, hf, cli, cli_flags, recipes, __main__   (front ends)
-    6  torch_armor (the package's __init__: the public names)
+    4  engine                             (the method hooks and registry, runner, pipeline, sources, run store,
+                                          prune_model: it never names a method)
+    5  armor, baselines                   (the methods: their hooks, registered on import)
+    6  sparsifier, calibrated_sparsifier, sparsifier_state, hf, cli, cli_flags, recipes, __main__   (front ends)
+    7  torch_armor (the package's __init__: the public names)
 
 Violations (each printed on one line; exit status 1 if there is any):
 
@@ -20,7 +22,15 @@ Violations (each printed on one line; exit status 1 if there is any):
 * ``private``: a module imports another module's ``_private`` name (``from m import _x``, or
   ``m._x`` on an imported module ``m``);
 * ``unplaced``: a module that the floors table does not place;
-* ``local-import``: a function-local import without a comment on its line saying why it is local.
+* ``local-import``: a function-local import without a comment on its line saying why it is local;
+* ``method-import``: an engine module imports a method's package (``armor``, ``baselines``): the
+  methods register themselves with the engine, which never imports them;
+* ``config-type``: an engine module names a method's config type (``ArmorConfig``, ``SparseGPTConfig``,
+  … every ``*Config`` class of ``core`` but the shared ``MethodConfig``), in code (docstrings may);
+* ``method-test``: an engine module asks which method it runs (``.factorizes``, ``.needs_allocation``,
+  ``.reconstructs``, ``.refines``) or reads a method's own setting off a config (``config.seed``,
+  ``self.config.reconstruct``, … any field of a ``core`` config class but ``pattern``): it calls the
+  method's hooks instead.
 
 A module longer than ``--warn-lines`` (800) lines gets a ``warning: size`` line, which is not a
 violation: a module is cut where its concepts part, not where a line count falls.
@@ -65,24 +75,37 @@ FLOORS: Tuple[Tuple[str, int], ...] = (
     ("torch_armor.calibration", 2),
     ("torch_armor.tensor", 3),
     ("torch_armor.engine", 4),
-    ("torch_armor.sparsifier", 5),
-    ("torch_armor.calibrated_sparsifier", 5),
-    ("torch_armor.sparsifier_state", 5),
-    ("torch_armor.hf", 5),
-    ("torch_armor.cli", 5),
-    ("torch_armor.cli_commands", 5),
-    ("torch_armor.cli_names", 5),
-    ("torch_armor.cli_flags", 5),
-    ("torch_armor.recipes", 5),
-    ("torch_armor.__main__", 5),
-    ("torch_armor", 6),  # the package's __init__ only: a new top-level module must be placed
+    ("torch_armor.armor", 5),
+    ("torch_armor.baselines", 5),
+    ("torch_armor.sparsifier", 6),
+    ("torch_armor.calibrated_sparsifier", 6),
+    ("torch_armor.sparsifier_state", 6),
+    ("torch_armor.hf", 6),
+    ("torch_armor.cli", 6),
+    ("torch_armor.cli_commands", 6),
+    ("torch_armor.cli_names", 6),
+    ("torch_armor.cli_flags", 6),
+    ("torch_armor.recipes", 6),
+    ("torch_armor.__main__", 6),
+    ("torch_armor", 7),  # the package's __init__ only: a new top-level module must be placed
 )
-FLOOR_NAMES = {0: "base", 1: "core", 2: "calibration", 3: "tensor/format", 4: "engine", 5: "front end", 6: "package"}
+FLOOR_NAMES = {0: "base", 1: "core", 2: "calibration", 3: "tensor/format", 4: "engine", 5: "methods", 6: "front end", 7: "package"}
 
 #: Modules being rewritten elsewhere (issue #21: one class per storage format, a storage policy),
 #: exempt from the ``local-import`` rule until that lands; the import rules (upward,
 #: cycle, private) hold for them as for every module. Empty this when #21 is merged.
 PENDING_REWRITE: Dict[str, str] = {}  # none: the tensor storages have landed
+
+#: The loop that knows no method: these modules are held to the method-blind rules.
+ENGINE = "torch_armor.engine"
+#: The packages of the methods (each registers itself with the engine when imported).
+METHOD_PACKAGES = ("torch_armor.armor", "torch_armor.baselines")
+#: Questions that tell one method from another.
+METHOD_TESTS = ("factorizes", "needs_allocation", "reconstructs", "refines")
+#: The config type every method's config shares (the engine may name it) and the fields it shares.
+SHARED_CONFIG, SHARED_FIELDS = "MethodConfig", ("pattern",)
+#: The names a config goes by in the engine's code.
+CONFIG_NAMES = ("config", "cfg")
 
 
 @dataclass
@@ -102,6 +125,9 @@ class Module:
     lines: int
     imports: List[Import] = field(default_factory=list)
     private_attrs: List[Tuple[int, str, str]] = field(default_factory=list)  # (line, module, attribute)
+    names: List[Tuple[int, str]] = field(default_factory=list)  # (line, name) of every name the code uses
+    attributes: List[Tuple[int, str, str]] = field(default_factory=list)  # (line, what it is read off, attribute)
+    config_classes: Dict[str, Tuple[str, ...]] = field(default_factory=dict)  # ``*Config`` class -> its fields
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -194,6 +220,18 @@ class _Visitor(ast.NodeVisitor):
     def visit_Attribute(self, node: ast.Attribute) -> None:
         if isinstance(node.value, ast.Name) and node.value.id in self.aliases and _private(node.attr):
             self.module.private_attrs.append((node.lineno, self.aliases[node.value.id], node.attr))
+        base = (node.value.id if isinstance(node.value, ast.Name)
+                else node.value.attr if isinstance(node.value, ast.Attribute) else "")
+        self.module.attributes.append((node.lineno, base, node.attr))
+        self.generic_visit(node)
+
+    def visit_Name(self, node: ast.Name) -> None:
+        self.module.names.append((node.lineno, node.id))
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        if node.name.endswith("Config"):
+            self.module.config_classes[node.name] = tuple(
+                item.target.id for item in node.body if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name))
         self.generic_visit(node)
 
 
@@ -293,6 +331,45 @@ def check(package_dir: Path) -> List[str]:
                 problems.append(f"private: {where}:{line}: uses {target}.{attr}; make it public")
     for comp in _cycles(graph):
         problems.append(f"cycle: {' <-> '.join(comp)} import each other")
+    return problems + method_blind(modules, root)
+
+
+def _in(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def method_blind(modules: Dict[str, Module], root: Path) -> List[str]:
+    """The engine's violations of the method-blind rules (``method-import``, ``config-type``, ``method-test``)."""
+    configs: Dict[str, Tuple[str, ...]] = {}
+    for name, mod in modules.items():
+        if _in(name, f"{PACKAGE}.core"):
+            configs.update(mod.config_classes)
+    types = set(configs) - {SHARED_CONFIG}
+    fields = {f for kind in types for f in configs[kind]} - set(SHARED_FIELDS)
+    problems: List[str] = []
+    for name, mod in sorted(modules.items()):
+        if not _in(name, ENGINE):
+            continue
+        where = str(mod.path.relative_to(root))
+        for imp in mod.imports:
+            if any(_in(imp.target, package) for package in METHOD_PACKAGES):
+                problems.append(f"method-import: {where}:{imp.line}: the engine imports {imp.target}; a method "
+                                "registers itself with the engine, which never imports it")
+            for n in imp.names:
+                if n in types:
+                    problems.append(f"config-type: {where}:{imp.line}: the engine imports {n}; ask the config's "
+                                    "method (engine.methods.method_for) instead of naming its type")
+        for line, n in mod.names:
+            if n in types:
+                problems.append(f"config-type: {where}:{line}: the engine names {n}; ask the config's method "
+                                "(engine.methods.method_for) instead of naming its type")
+        for line, base, attr in mod.attributes:
+            if attr in METHOD_TESTS:
+                problems.append(f"method-test: {where}:{line}: .{attr} asks which method runs; give the method a "
+                                "hook (engine.methods.Method) and call it")
+            elif attr in fields and base in CONFIG_NAMES:
+                problems.append(f"method-test: {where}:{line}: {base}.{attr} reads one method's setting in the "
+                                "engine; the method's hook reads it")
     return problems
 
 

@@ -63,7 +63,7 @@ _EXPORTS = {
     "evaluate": "torch_armor.recipes.harness",  # lm-evaluation-harness: the eval extra
 }
 # imported for what importing them registers: quant_method "armor" with transformers
-_REGISTERS = ("torch_armor.hf",)
+_REGISTERS = ("torch_armor.baselines", "torch_armor.armor", "torch_armor.hf")  # the methods register with the engine; the format with transformers
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"
 

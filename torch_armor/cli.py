@@ -320,7 +320,7 @@ def _interrupted(args: argparse.Namespace) -> str:
     if args.command == "demo" and getattr(args, "run_dir", None):
         return (f"interrupted; finished rows are kept in {args.run_dir} (and ARMOR's finished layers), "
                 "rerun the same command to resume")
-    if args.command == "prune" and method_named(args.method).factorizes:
+    if args.command == "prune" and method_named(args.method).stores_layers:
         run_dir = args.run_dir or str(Path(args.out) / RUN_DIR_NAME)
         return f"interrupted; finished layers are kept in {run_dir}, rerun the same command to resume"
     if args.command == "prune":

@@ -23,7 +23,7 @@ from torch_armor.cli_flags import method_fields, with_flags
 from torch_armor.cli_names import DENSE, FULL_PROTOCOL, HARNESS_JSON, QUICK_PROTOCOL, REPORT_JSON, REPORT_PNG
 from torch_armor.core.config import ArmorConfig
 from torch_armor.core.levers import DEFAULT_RECONSTRUCT, DEFAULT_REFINE, OPTIMIZERS
-from torch_armor.engine.distributed import launched_rank
+from torch_armor.engine.topology import launched_rank
 from torch_armor.engine.methods import method_named
 from torch_armor.engine.options import PruneOptions
 from torch_armor.engine.paths import check_prune_paths, model_source_dirs

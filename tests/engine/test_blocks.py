@@ -122,7 +122,7 @@ _SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from conftest import make_tiny_llama
     import torch_armor.engine.blocks as blocks
-    import torch_armor.engine.methods as engine_runner  # where the ARMOR method calls factorize
+    import torch_armor.armor.method as engine_runner  # where the ARMOR method calls factorize
     import torch_armor.engine.runstore as runstore
     from torch_armor import ArmorConfig, PruneOptions, prune_model
     from torch_armor.core.config import BcdConfig

@@ -17,7 +17,7 @@ from torch_armor.calibration.observer import LayerStatistics
 from torch_armor.core import baselines
 from torch_armor.core.method_config import MethodConfig
 from torch_armor.core.proxy import nowag_prune
-from torch_armor.engine.methods import METHODS, method_for, method_names, register_method
+from torch_armor.engine.methods import METHODS, Method, ModelPass, method_for, method_names, register_method
 from torch_armor.engine.runner import solve_layer
 
 
@@ -57,10 +57,10 @@ def test_what_each_method_needs():
     assert not METHODS[MagnitudeConfig].needs_statistics and METHODS[WandaConfig].needs_statistics
     assert METHODS[SparseGPTConfig].needs_xtx(SparseGPTConfig()) and not METHODS[WandaConfig].needs_xtx(WandaConfig())
     armor = METHODS[ArmorConfig]
-    assert armor.factorizes and not METHODS[NoWagConfig].factorizes
-    assert armor.needs_xtx(ArmorConfig()) and armor.reconstructs(ArmorConfig())
+    assert armor.stores_layers and not METHODS[NoWagConfig].stores_layers
+    assert armor.needs_xtx(ArmorConfig()) and armor.block_targets(ArmorConfig(), sequential=True) == "block"
     off = ArmorConfig(refine=None, reconstruct=None)
-    assert not armor.needs_xtx(off) and not armor.reconstructs(off)
+    assert not armor.needs_xtx(off) and armor.block_targets(off, sequential=True) is None
     assert armor.needs_xtx(dataclasses.replace(off, reconstruct=ReconstructConfig()))  # reports output losses
 
 
@@ -87,3 +87,69 @@ def test_a_registered_method_runs_through_prune_model():
         assert torch.equal(model.model.layers[0].mlp.up_proj.weight.detach(), want / 2)
     finally:
         METHODS.pop(HalfMagnitudeConfig, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class HookedConfig(MethodConfig):
+    """A method from outside the package that uses every hook of the engine."""
+
+    pattern: str = "2:4"
+
+
+class _HookedPass(ModelPass):
+    def __init__(self, calls):
+        self.calls = calls
+
+    def before_blocks(self, model, batches, run):
+        self.calls.append(("before_blocks", run.n_blocks, len(batches)))
+        return batches, 0
+
+    def after_model(self, model, report):
+        self.calls.append(("after_model", len(report.layers)))
+        report.distill = {"hooked": True}
+
+
+class _Hooked(Method):
+    calls: list = []
+
+    def plan(self, config, run, inputs, by_block):
+        self.calls.append(("plan", [len(names) for names in by_block]))
+        return config
+
+    def block_targets(self, config, sequential):
+        return "block"
+
+    def after_block(self, index, block, layers, stats, solutions, configs, data, run, report):
+        inputs, targets = data
+        self.calls.append(("after_block", index, sorted(solutions), len(inputs), len(targets)))
+        for sol in solutions.values():
+            sol.pruned = sol.pruned / 2
+        return solutions
+
+    def model_pass(self, config, batches, *, streamed):
+        return _HookedPass(self.calls)
+
+
+def test_the_engine_calls_every_hook_of_a_registered_method_and_names_none():
+    """The loop runs a method it has never heard of through its hooks: the plan before the block pass, the
+    whole-model pass around it, after_block on every block with the block's inputs and the dense block's
+    outputs (and what after_block returns is what the model gets)."""
+    register_method(HookedConfig, name="hooked", needs_statistics=False, kind=_Hooked)(
+        lambda weight, stats, config, name="": baselines.magnitude_prune(weight, config.pattern))
+    _Hooked.calls = calls = []
+    try:
+        model, reference = make_tiny_llama(), make_tiny_llama()
+        calib = torch.randint(0, 128, (3, 8), generator=torch.Generator().manual_seed(0))
+        report = prune_model(model, calib, HookedConfig(), options=PruneOptions(progress=False, batch_size=1))
+        assert report.distill == {"hooked": True}
+        per_block = sorted(f"model.layers.{{}}.{n}" for n in ("mlp.down_proj", "mlp.gate_proj", "mlp.up_proj",
+                                                             "self_attn.k_proj", "self_attn.o_proj",
+                                                             "self_attn.q_proj", "self_attn.v_proj"))
+        assert calls == [("before_blocks", 2, 3), ("plan", [7, 7]),
+                         ("after_block", 0, [n.format(0) for n in per_block], 3, 3),
+                         ("after_block", 1, [n.format(1) for n in per_block], 3, 3), ("after_model", 14)]
+        dense = reference.model.layers[1].self_attn.q_proj.weight.detach()
+        _, want = baselines.magnitude_prune(dense, "2:4")
+        assert torch.equal(model.model.layers[1].self_attn.q_proj.weight.detach(), want / 2)
+    finally:
+        METHODS.pop(HookedConfig, None)

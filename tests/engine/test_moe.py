@@ -233,7 +233,7 @@ def test_armor_on_part_of_a_fused_parameters_experts_is_refused_before_any_work(
 def test_experts_of_a_fused_parameter_are_factorized_as_one_batch_equal_to_the_serial_loop(refine, monkeypatch,
                                                                                           tmp_path):
     import torch_armor.core.factorize_batched as batched_module  # patched below: count the batched calls
-    import torch_armor.engine.layers as layers_module  # patched below: the serial loop as the reference
+    import torch_armor.armor.layers as layers_module  # patched below: the serial loop as the reference
 
     cfg = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=3), reconstruct=None, refine=refine, distill=None)
     batches = []
@@ -243,7 +243,7 @@ def test_experts_of_a_fused_parameter_are_factorized_as_one_batch_equal_to_the_s
         batches.append((len(weights), kwargs.get("names")))
         return real(weights, *args, **kwargs)
 
-    monkeypatch.setattr("torch_armor.engine.methods.factorize_batched", counting)
+    monkeypatch.setattr("torch_armor.armor.layers.factorize_batched", counting)
     batched = _build("qwen3_moe")
     prune_model(batched, CALIB, cfg, options=PruneOptions(progress=False, run_dir=tmp_path / "batched"))
     expected = [(E, [f"model.layers.{i}.mlp.experts.{attr}.{e}" for e in range(E)])

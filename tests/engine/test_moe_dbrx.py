@@ -108,7 +108,7 @@ def test_block_reconstruction_builds_the_experts_in_dbrx_layout(monkeypatch):
     """Reconstruction runs the block with the experts' Ŵ put back as DBRX's flat (E·I, H) parameters
     (w2 transposed): the error it starts from is the pruned block's, far below that of the same Ŵ
     only reshaped into the parameters (w2's experts not transposed)."""
-    import torch_armor.engine.reconstruct as reconstruct
+    import torch_armor.armor.reconstruct as reconstruct
 
     errors = reconstruction_errors(_dbrx(), CALIB)
     assert all(before < 0.5 for before, _ in errors.values()), errors

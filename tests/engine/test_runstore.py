@@ -13,7 +13,7 @@ from torch_armor.core.config import BcdConfig
 from torch_armor.core.factorize import factorize
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.calibration.observer import LayerStatistics
-from torch_armor.engine.layers import factorize_layers
+from torch_armor.armor.layers import factorize_layers
 from torch_armor.engine.identity import hash_statistics, hash_tensors
 from torch_armor.engine.runstore import MANIFEST_NAME, RunMismatchError, RunStore
 

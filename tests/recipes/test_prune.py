@@ -172,7 +172,7 @@ def test_prune_model_refuses_offloaded_weights_naming_the_layer(tiny_llama):
 def test_finished_factors_convert_without_factorizing(monkeypatch, tmp_path, tiny_llama_factory):
     """The successor of prune(..., factors=given): layers already in the run directory are
     converted from their stored factors, not factorized again; other settings are refused."""
-    import torch_armor.engine.methods as methods
+    import torch_armor.armor.method as methods
 
     names = ["model.layers.0.mlp.up_proj"]
     cfg = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=2))
@@ -191,7 +191,7 @@ def test_finished_factors_convert_without_factorizing(monkeypatch, tmp_path, tin
 
 
 def test_block_size_budget_spends_one_model_wide_overhead(tiny_llama_factory):
-    from torch_armor.engine.allocate import layer_kind
+    from torch_armor.armor.allocate import layer_kind
 
     report = prune_model(tiny_llama_factory(), CALIB, ArmorConfig(block_size="budget", max_overhead=0.25, optimizer=BcdConfig(iters=2)), options=PruneOptions(progress=False))
     sizes = {layer.name: layer.block_size for layer in report.layers}

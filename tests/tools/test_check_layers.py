@@ -88,5 +88,50 @@ def test_the_module_table_follows_the_package(tmp_path):
         "| 0 base | `torch_armor/errors.py` | Errors. |",
         "| 1 core | `torch_armor/core/__init__.py` | (package) |",
         "| 1 core | `torch_armor/core/a.py` | See `Thing` \\| x. |",
-        "| 6 package | `torch_armor/__init__.py` | (package) |",
+        "| 7 package | `torch_armor/__init__.py` | (package) |",
         tool.TABLE_END, "after"]
+
+
+def test_the_engine_knows_no_method(tmp_path):
+    """The engine imports no method's package, names no config type (docstrings may) and asks no config
+    which method it is; the shared ``MethodConfig`` and its ``pattern`` stay allowed."""
+    root = _package(tmp_path, {
+        "__init__.py": "",
+        "core/__init__.py": "",
+        "core/method_config.py": "class MethodConfig:\n    pattern: str = '2:4'\n",
+        "core/config.py": "class ArmorConfig:\n    pattern: str = '2:4'\n    seed: int = 0\n    max_overhead: float = 0.05\n",
+        "engine/__init__.py": "",
+        "engine/methods.py": "class Method:\n    pass\n",
+        "engine/loop.py": '''\
+            """Runs ``ArmorConfig()`` and the baselines alike."""
+            from torch_armor.core.config import ArmorConfig
+            from torch_armor.core.method_config import MethodConfig
+            from torch_armor.armor import method
+
+
+            def run(config: MethodConfig, m):
+                if m.factorizes:
+                    return config.seed
+                if isinstance(config, ArmorConfig):
+                    return config.pattern, m.options.seed
+                return config.max_overhead
+        ''',
+        "engine/clean.py": '''\
+            """Example: ``>>> ArmorConfig().seed``."""
+            from torch_armor.core.method_config import MethodConfig
+
+
+            def run(config: MethodConfig, method):
+                return method.plan(config), config.pattern
+        ''',
+        "armor/__init__.py": "",
+        "armor/method.py": "from torch_armor.core.config import ArmorConfig\nfrom torch_armor.engine.methods import Method\n"
+                           "def seed(config: ArmorConfig):\n    return config.seed\n",
+    })
+    problems = _tool().check(root / "torch_armor")
+    engine = sorted((p.split(":")[0], int(p.split(":")[2])) for p in problems
+                    if "engine/" in p and not p.startswith("upward"))
+    assert engine == [("config-type", 2), ("config-type", 10), ("method-import", 4), ("method-test", 8),
+                      ("method-test", 9), ("method-test", 12)], problems
+    assert not any("engine/clean.py" in p or "armor/method.py" in p for p in problems), problems
+    assert any(p.startswith("upward:") and "engine/loop.py:4" in p for p in problems), problems

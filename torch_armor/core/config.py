@@ -72,7 +72,7 @@ class ArmorConfig(MethodConfig):
             layer (:meth:`for_layer`), the largest valid block size whose wrappers add at most
             ``max_overhead`` parameters. ``"budget"``: one overhead budget for the whole model —
             :func:`~torch_armor.prune_model` gives each layer the block size that buys the most
-            loss within ``max_overhead`` of all the pruned weights (:mod:`torch_armor.engine.allocate`)
+            loss within ``max_overhead`` of all the pruned weights (:mod:`torch_armor.armor.allocate`)
             and writes the choice into ``block_sizes``.
         block_sizes: per-layer block sizes, ``{layer-name pattern: size}`` (``fnmatch`` patterns,
             e.g. ``{"*.mlp.*": 8}``; the first match wins; stored as a tuple of pairs); layers
@@ -215,7 +215,7 @@ class ArmorConfig(MethodConfig):
         if self.block_size == "budget":
             raise ArmorInputError(
                 f"layer {name!r}: block_size='budget' is one overhead budget for the whole model, resolved by "
-                "prune_model (torch_armor.engine.allocate); give this layer a size in block_sizes, or use "
+                "prune_model (torch_armor.armor.allocate); give this layer a size in block_sizes, or use "
                 "block_size='auto' (per layer) or an integer")
         if self.block_size == "auto":
             check_layer_shape(d_out, d_in, sparsity, None, name=name)

@@ -173,7 +173,7 @@ class RefineConfig:
         check_fraction("RefineConfig", "damp", self.damp)
 
 
-#: How block reconstruction's learning rate decays after the warm-up (:func:`~torch_armor.engine.reconstruct.lr_factor`).
+#: How block reconstruction's learning rate decays after the warm-up (:func:`~torch_armor.armor.reconstruct.lr_factor`).
 DECAYS = ("cosine", "linear", "constant")
 #: :attr:`ReconstructConfig.target` values: ``"block"``, the dense block's output on the inputs
 #: that reach it (the pruned stream); ``"model"``, the dense model's own hidden states after the
@@ -187,7 +187,7 @@ class ReconstructConfig:
     """Block reconstruction in :func:`~torch_armor.prune_model` (the sparsifiers, which see no
     blocks, skip it): after a decoder block's linears are factorized, Adam on the block's ``A``,
     ``B`` and kept core values, masks fixed, towards the dense block's outputs on the pruned
-    stream (:mod:`torch_armor.engine.reconstruct`).
+    stream (:mod:`torch_armor.armor.reconstruct`).
 
     Args:
         steps: Adam steps per block (``ArmorConfig(reconstruct=None)`` turns reconstruction off);
@@ -255,7 +255,7 @@ class DistillConfig:
     """End-to-end distillation in :func:`~torch_armor.prune_model` (streamed checkpoints one block at a time): after
     the block pass, Adam on every ARMOR layer's ``A`` and ``B`` (and, with ``train_core``, the kept
     core values; masks fixed) towards the dense model's next-token distributions, measured by the
-    KL divergence on the calibration windows (:mod:`torch_armor.engine.distill`). The dense model's
+    KL divergence on the calibration windows (:mod:`torch_armor.armor.distill`). The dense model's
     top-``top_k`` log-probabilities (and the rest's total) are cached before pruning; the last
     ``held_out`` windows are never trained on and decide which iterate is kept.
 

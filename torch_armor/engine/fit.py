@@ -25,17 +25,15 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import warnings
 from typing import Any, Dict, List, Sequence, Tuple
 
 from torch import nn
 
-from torch_armor.core.config import ArmorConfig
-from torch_armor.core.pattern import auto_block_size, check_layer_shape
 from torch_armor.calibration.experts import split_expert_name
 from torch_armor.engine.experts import layer_module
+from torch_armor.engine.methods import method_for
 from torch_armor.errors import ArmorInputError
 
 __all__ = ["fit_layers", "unfit_warning", "warn_unfit", "dense_reasons", "grouped_layers", "uncalled_warning",
@@ -48,24 +46,20 @@ def _cause(err: ArmorInputError) -> str:
     return text.split("; block sizes that fit")[0]
 
 
-def _smaller_block(config: Any, d_out: int, d_in: int) -> int:
-    """The largest block size dividing ``(d_out, d_in)`` within the config's overhead budget (raises if none)."""
-    check_layer_shape(d_out, d_in, config.sparsity, None)
-    return auto_block_size(d_out, d_in, config.max_overhead, config.sparsity.group)
-
-
 def fit_layers(model: nn.Module, names: Sequence[str], config: Any,
                strict: bool) -> Tuple[List[str], Any, Dict[str, str]]:
     """``(layers to prune, config, {layer: what was done instead and why})`` for ``names`` under ``config``.
 
-    Layers the config does not fit get a block size of their own in ``config.block_sizes`` (ARMOR
-    with an integer block size) or are left out of the layers to prune. ``strict``: raise instead.
+    Layers the config does not fit get a setting of their own where the method has one that fits
+    (its ``fit_fallback`` hook; ARMOR with an integer block size: a smaller block size in
+    ``config.block_sizes``) or are left out of the layers to prune. ``strict``: raise instead.
 
     Raises:
         ArmorInputError: ``strict`` and a layer the config does not fit (the message names it).
     """
+    method = method_for(config)
     kept: List[str] = []
-    smaller: List[Tuple[str, int]] = []
+    fallbacks: List[Tuple[str, Any]] = []
     unfit: Dict[str, str] = {}
     for name in names:
         d_out, d_in = (int(s) for s in layer_module(model, name).weight.shape)
@@ -77,21 +71,20 @@ def fit_layers(model: nn.Module, names: Sequence[str], config: Any,
             if strict:
                 raise
             cause = _cause(err)
-        if isinstance(config, ArmorConfig) and isinstance(config.block_size, int):
-            try:
-                block = _smaller_block(config, d_out, d_in)
-            except ArmorInputError as no_block:
-                if _cause(no_block) != cause:  # the pattern's own refusal is said once
-                    cause += f"; {_cause(no_block)}"
-            else:
-                smaller.append((name, block))
-                kept.append(name)
-                unfit[name] = f"block size {block}: {cause}"
-                continue
+        try:
+            fallback = method.fit_fallback(config, d_out, d_in)
+        except ArmorInputError as no_fallback:
+            if _cause(no_fallback) != cause:  # the pattern's own refusal is said once
+                cause += f"; {_cause(no_fallback)}"
+            fallback = None
+        if fallback is not None:
+            setting, what = fallback
+            fallbacks.append((name, setting))
+            kept.append(name)
+            unfit[name] = f"{what}: {cause}"
+            continue
         unfit[name] = f"dense: {cause}"
-    if smaller:
-        config = dataclasses.replace(config, block_sizes=tuple(smaller) + tuple(config.block_sizes))
-    return kept, config, unfit
+    return kept, method.with_fallbacks(config, fallbacks), unfit
 
 
 def dense_reasons(unfit: Dict[str, str], kept: Sequence[str]) -> Dict[str, str]:

@@ -1,19 +1,29 @@
-"""The method registry: one table, keyed by config type, that every front end reads.
+"""The method registry and the hooks the engine calls: one table, keyed by config type, that every front end reads.
 
-A method is registered next to the code that runs it on one layer, with what it needs from
-calibration as functions of its config::
+A method is a config type plus a :class:`Method`: what it observes during calibration
+(``Method.needs_xtx``), how it solves one layer (``solve``) and a decoder block's layers
+(:meth:`Method.solve_block`), what it does after each block (:meth:`Method.after_block`) and
+around the whole model (:meth:`Method.model_pass`), and what it plans up front
+(:meth:`Method.plan`, :meth:`Method.fit_fallback`). The base class's hooks are a one-shot
+method's: every layer solved on its own, nothing before or after. A method is registered next to
+the code that runs it on one layer::
 
     @register_method(SparseGPTConfig, label="SparseGPT", needs_xtx=True)
     def _sparsegpt(weight, stats, config, name) -> (mask, pruned) | ArmorFactors: ...
 
+and a method with hooks of its own passes its :class:`Method` subclass as ``kind``. The engine
+calls the hooks and never asks which method it runs, and it imports none: the methods register
+themselves when their modules are imported (:mod:`torch_armor.baselines`, :mod:`torch_armor.armor`;
+``import torch_armor`` imports both, so the registry is the same whatever was imported first).
+
 :func:`method_for` finds a config's method; :func:`config_for_method` maps the names the command
 line and the reports use (``"armor"``, ``"sparsegpt"``, ``"wanda"``, ``"nowag"``,
-``"magnitude"``) to configs. This module is the one place where a method is told apart from
-another: the engine asks a :class:`Method` what it needs, never which one it is.
+``"magnitude"``) to configs.
 
 Example::
 
-    >>> method_for(SparseGPTConfig()).label, method_for(ArmorConfig()).factorizes
+    >>> from torch_armor.core.method_config import SparseGPTConfig
+    >>> method_for(SparseGPTConfig()).label, method_for(default_config()).stores_layers
     ('SparseGPT', True)
     >>> config_for_method("wanda", pattern="4:8")
     WandaConfig(pattern='4:8')
@@ -24,23 +34,22 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
+from torch import nn
 
-from torch_armor.core import baselines
-from torch_armor.core.config import ArmorConfig
 from torch_armor.core.config_format import serializable
-from torch_armor.core.factorize import factorize
-from torch_armor.core.factorize_batched import factorize_batched
 from torch_armor.core.factors import ArmorFactors
-from torch_armor.core.method_config import MagnitudeConfig, NoWagConfig, SparseGPTConfig, WandaConfig
-from torch_armor.core.proxy import nowag_prune
+from torch_armor.engine.solution import LayerSolution
 from torch_armor.errors import ArmorInputError
 
-__all__ = ["Method", "METHODS", "register_method", "method_for", "method_named", "config_for_method", "method_names",
-           "method_label"]
+__all__ = ["Method", "ModelPass", "RunContext", "METHODS", "register_method", "method_for", "method_named",
+           "config_for_method", "method_names", "method_label", "default_config",
+           "act_sq_norm_for", "xtx_of"]
 
 #: What a method makes of one layer: ARMOR factors, or ``(keep-mask, pruned dense weight)``.
 Result = Union[ArmorFactors, Tuple[torch.Tensor, torch.Tensor]]
@@ -56,8 +65,44 @@ def _always(config: Any) -> bool:
 
 
 @dataclass(frozen=True)
+class RunContext:
+    """What a :class:`ModelPass` may use of a ``prune_model`` run: where its model comes from and goes,
+    its run directory and identity, device, ranks and logging."""
+
+    source: Any
+    blocks_prefix: str
+    n_blocks: int
+    writer: Any
+    device: torch.device
+    run_dir: Optional[Path]
+    identity: str
+    storage: str
+    rank: int
+    world_size: int
+    log: Optional[Callable[[str], None]]
+    progress: bool
+    batch_size: Optional[int]
+
+
+class ModelPass:
+    """What a method does with the whole model around the block pass (:meth:`Method.model_pass`):
+    :meth:`before_blocks` sees the dense model and chooses the block pass's calibration,
+    :meth:`after_model` sees the pruned one and adds to the report."""
+
+    def before_blocks(self, model: nn.Module, batches: Sequence[Any], run: RunContext) -> Tuple[Sequence[Any], int]:
+        """``(the block pass's calibration batches, how many of them lead it that are not calibration windows)``."""
+        return batches, 0
+
+    def after_model(self, model: nn.Module, report: Any) -> None:
+        """After every block is pruned (the report is the run's ``PruneReport``)."""
+
+
+@dataclass(frozen=True)
 class Method:
-    """One pruning method: its config type, names, the code that solves one layer, and what it needs.
+    """One pruning method: its config type, names, the code that solves one layer, and its hooks.
+
+    The hooks' defaults are a one-shot method's; a method that does more subclasses this and is
+    registered with ``register_method(..., kind=Subclass)``.
 
     Attributes:
         config_type: the config class that selects it.
@@ -66,12 +111,9 @@ class Method:
         solve: ``solve(weight, stats, config, name)`` for one layer (``stats``: a
             :class:`~torch_armor.calibration.observer.LayerStatistics`, or the ``Σx²`` tensor alone).
         needs_statistics: whether it needs calibration data at all.
-        needs_xtx: ``needs_xtx(config)``: whether it needs ``XᵀX`` (not just ``Σx²``).
-        reconstructs: ``reconstructs(config)``: whether the engine tunes each block's results
-            against the dense block's outputs afterwards.
-        factorizes: it returns :class:`~torch_armor.core.factors.ArmorFactors`: finished layers
-            go through the run store (resumable) and are shared out across ``torchrun`` ranks.
+        needs_xtx: ``needs_xtx(config)``: whether it observes ``XᵀX`` (not just ``Σx²``).
         describe: ``describe(config)``: its settings in a few words, for tables.
+        default: its config's defaults are what ``prune_model`` runs without a config (:func:`default_config`).
     """
 
     config_type: type
@@ -80,9 +122,78 @@ class Method:
     solve: Solve
     needs_statistics: bool = True
     needs_xtx: Callable[[Any], bool] = _never
-    reconstructs: Callable[[Any], bool] = _never
-    factorizes: bool = False
     describe: Callable[[Any], str] = lambda config: ""
+    default: bool = False
+
+    #: Finished layers go through the run store (a rerun resumes them), ``torchrun`` ranks share them
+    #: out, and the experts of one fused parameter are solved together (all of them or none).
+    stores_layers = False
+
+    def solve_layer(self, weight: torch.Tensor, stats: Any, config: Any, name: str = "") -> LayerSolution:
+        """``solve`` on one weight, timed, its errors naming the layer."""
+        if self.needs_statistics and (stats is None or getattr(stats, "num_tokens", None) == 0):
+            raise ArmorInputError(
+                f"layer {name!r} saw no calibration data: run forward passes on calibration inputs before solving it"
+            )
+        start = time.perf_counter()
+        with torch.no_grad():
+            try:
+                result = self.solve(weight.detach(), stats, config, name)
+            except ArmorInputError as err:  # name the layer; any other error (torch's own) passes as it is
+                if name and name not in str(err):
+                    raise type(err)(f"layer {name!r}: {err}") from err
+                raise
+        seconds = time.perf_counter() - start
+        if isinstance(result, ArmorFactors):
+            return LayerSolution(name, self.name, factors=result, seconds=seconds)
+        mask, pruned = result
+        return LayerSolution(name, self.name, pruned=pruned, seconds=seconds, mask=mask)
+
+    def solve_block(self, names: Sequence[str], layers: Dict[str, Any], stats: Dict[str, Any], configs: Dict[str, Any],
+                    run: Any) -> Dict[str, LayerSolution]:
+        """Every selected layer of one decoder block (``configs``: each layer's resolved config;
+        ``run``: the :class:`~torch_armor.engine.blocks.BlockPipeline`, its progress bar ``run.bar``)."""
+        solutions = {}
+        for n in names:
+            run.bar.set_postfix_str(n[-40:], refresh=False)
+            solutions[n] = self.solve_layer(layers[n].weight, stats[n], configs[n], n)
+        return solutions
+
+    def block_targets(self, config: Any, sequential: bool) -> Optional[str]:
+        """What :meth:`after_block` fits a block's results to: ``None`` (nothing: no data is kept),
+        ``"block"`` (the dense block's outputs on the block's inputs) or ``"model"`` (the dense
+        model's hidden states after the block, carried beside the pruned ones)."""
+        return None
+
+    def after_block(self, index: int, block: nn.Module, layers: Dict[str, Any], stats: Dict[str, Any],
+                    solutions: Dict[str, LayerSolution], configs: Dict[str, Any], data: Any, run: Any,
+                    report: Any) -> Dict[str, LayerSolution]:
+        """The block's solutions before they are written into it (``data``: the block's inputs and
+        :meth:`block_targets`' targets, ``None`` without targets)."""
+        return solutions
+
+    def replay_block(self, index: int, run: Any, report: Any) -> None:
+        """A block an earlier run finished (resumed from the run store): what :meth:`after_block`
+        reported of it, back into ``report``."""
+
+    def plan(self, config: Any, run: Any, inputs: Sequence[Any], by_block: List[List[str]]) -> Any:
+        """The config the block pass runs, decided before it (``inputs``: the first block's inputs,
+        ``by_block``: the selected layers of each block)."""
+        return config
+
+    def fit_fallback(self, config: Any, d_out: int, d_in: int) -> Optional[Tuple[Any, str]]:
+        """For a layer ``config`` does not fit: ``(a setting that fits it, how to say it)``, or ``None``
+        (it stays dense). Raises :class:`~torch_armor.errors.ArmorInputError`: none fits (the cause)."""
+        return None
+
+    def with_fallbacks(self, config: Any, fallbacks: Sequence[Tuple[str, Any]]) -> Any:
+        """``config`` with :meth:`fit_fallback`'s ``(layer, setting)`` pairs applied."""
+        return config
+
+    def model_pass(self, config: Any, batches: Sequence[Any], *, streamed: bool) -> Optional[ModelPass]:
+        """What it does with the whole model around the block pass (``None``: nothing); it may warn here
+        about what it leaves out."""
+        return None
 
 
 #: The registry: config type -> :class:`Method`, in registration order.
@@ -96,16 +207,17 @@ def _as_rule(value: Union[bool, Callable[[Any], bool]]) -> Callable[[Any], bool]
 
 
 def register_method(config_type: type, *, label: Optional[str] = None, name: Optional[str] = None,
-                    needs_statistics: bool = True,
-                    needs_xtx: Union[bool, Callable[[Any], bool]] = False,
-                    reconstructs: Union[bool, Callable[[Any], bool]] = False, factorizes: bool = False,
-                    describe: Optional[Callable[[Any], str]] = None) -> Callable[[Solve], Solve]:
+                    needs_statistics: bool = True, needs_xtx: Union[bool, Callable[[Any], bool]] = False,
+                    describe: Optional[Callable[[Any], str]] = None, kind: type = Method,
+                    default: bool = False) -> Callable[[Solve], Solve]:
     """Decorator: register ``solve(weight, stats, config, name)`` as the method of ``config_type``.
 
     ``name`` (the command line's and the reports' name) defaults to the type's name without
     ``Config``, lower case (``SparseGPTConfig`` -> ``"sparsegpt"``); ``label`` (tables) to ``name``.
-    A dataclass ``config_type`` is also registered as serializable
-    (:func:`~torch_armor.core.config_format.serializable`): reports and run directories hold it.
+    ``kind``: the :class:`Method` subclass whose hooks it runs. ``default``: its config's defaults
+    are what ``prune_model`` runs without a config. A dataclass ``config_type`` is also registered
+    as serializable (:func:`~torch_armor.core.config_format.serializable`): reports and run
+    directories hold it.
     """
     name = name or config_type.__name__.removesuffix("Config").lower()
     label = label or name
@@ -116,11 +228,19 @@ def register_method(config_type: type, *, label: Optional[str] = None, name: Opt
             raise ArmorInputError(f"method name {name!r} is already registered for {taken[0].config_type.__name__}")
         if dataclasses.is_dataclass(config_type):
             serializable(config_type)
-        METHODS[config_type] = Method(config_type, name, label, solve, needs_statistics, _as_rule(needs_xtx),
-                                      _as_rule(reconstructs), factorizes, describe or (lambda config: ""))
+        METHODS[config_type] = kind(config_type, name, label, solve, needs_statistics, _as_rule(needs_xtx),
+                                    describe or (lambda config: ""), default)
         return solve
 
     return decorate
+
+
+def default_config() -> Any:
+    """The default method's config with its defaults (``ArmorConfig()``): what ``prune_model`` runs without one."""
+    method = next((m for m in METHODS.values() if m.default), None)
+    if method is None:
+        raise ArmorInputError("no default method is registered: import torch_armor (it registers the built-in methods)")
+    return method.config_type()
 
 
 def method_for(config: Any) -> Method:
@@ -155,81 +275,12 @@ def config_for_method(name: str, **fields: Any) -> Any:
     return method_named(name).config_type(**fields)
 
 
-def _h(stats: Any, weight: torch.Tensor) -> torch.Tensor:
+def act_sq_norm_for(stats: Any, weight: torch.Tensor) -> torch.Tensor:
     """``Σx²`` per input channel from a LayerStatistics or the bare tensor, on the weight's device."""
     h = stats if isinstance(stats, torch.Tensor) else stats.act_sq_norm
     return h.to(weight.device)
 
 
-def _xtx(stats: Any) -> Optional[torch.Tensor]:
+def xtx_of(stats: Any) -> Optional[torch.Tensor]:
+    """``XᵀX`` of a LayerStatistics (``None`` if it was not tracked, or for a bare ``Σx²`` tensor)."""
     return None if isinstance(stats, torch.Tensor) else getattr(stats, "xtx", None)
-
-
-@register_method(MagnitudeConfig, needs_statistics=False)
-def _magnitude(weight: torch.Tensor, stats: Any, config: MagnitudeConfig, name: str = "") -> Result:
-    return baselines.magnitude_prune(weight, config.pattern)
-
-
-@register_method(WandaConfig, label="Wanda")
-def _wanda(weight: torch.Tensor, stats: Any, config: WandaConfig, name: str = "") -> Result:
-    return baselines.wanda_prune(weight, _h(stats, weight), config.pattern)
-
-
-@register_method(SparseGPTConfig, label="SparseGPT", needs_xtx=True,
-                 describe=lambda config: f"block {config.block_size}, damp {config.damp:g}")
-def _sparsegpt(weight: torch.Tensor, stats: Any, config: SparseGPTConfig, name: str = "") -> Result:
-    xtx = _xtx(stats)
-    if xtx is None:
-        raise ArmorInputError(f"layer {name!r}: SparseGPT needs XᵀX statistics (calibrate with track_xtx=True)")
-    return baselines.sparsegpt_prune(weight, xtx.to(weight.device), config.pattern, block_size=config.block_size,
-                                     damp=config.damp)
-
-
-@register_method(NoWagConfig, label="NoWag-P")
-def _nowag(weight: torch.Tensor, stats: Any, config: NoWagConfig, name: str = "") -> Result:
-    return nowag_prune(weight, _h(stats, weight), config.pattern)
-
-
-def _armor_needs_xtx(config: ArmorConfig) -> bool:
-    """Refinement fits to ``XᵀX``; block reconstruction reports each layer's output loss with it."""
-    return config.refines or config.reconstructs
-
-
-def _armor_describe(cfg: ArmorConfig) -> str:
-    """``d_b=16, bcd, ≤30 it, output refine ×3, block reconstruction 32 steps``."""
-    opt = cfg.optimizer
-    size = f"{100 * cfg.max_overhead:g}% model-wide budget" if cfg.block_size == "budget" else f"d_b={cfg.block_size}"
-    parts = [size, opt.name]
-    if opt.time_budget_s is not None:
-        parts.append(f"{opt.time_budget_s:g} s/layer")
-    parts.append(f"≤{opt.iterations} it")
-    parts.append(f"output refine ×{cfg.refine.rounds}" if cfg.refine is not None and cfg.refine.rounds else "no refine")
-    if cfg.reconstruct is not None:
-        parts.append(f"block reconstruction {cfg.reconstruct.steps} steps")
-    return ", ".join(parts)
-
-
-@register_method(ArmorConfig, label="ARMOR", needs_xtx=_armor_needs_xtx,
-                 reconstructs=lambda config: config.reconstructs, factorizes=True, describe=_armor_describe)
-def _armor(weight: torch.Tensor, stats: Any, config: ArmorConfig, name: str = "") -> Result:
-    xtx = _xtx(stats)  # a bare Σx² tensor: the diagonal proxy only, no refinement
-    if config.refines and xtx is None and not isinstance(stats, torch.Tensor):
-        raise ArmorInputError(f"layer {name!r}: output-space refinement needs XᵀX statistics (calibrate with "
-                              "track_xtx=True), or set ArmorConfig(refine=None)")
-    return factorize(weight, _h(stats, weight), config, xtx=xtx, name=name or None)
-
-
-def armor_experts(weights: Sequence[torch.Tensor], stats: Sequence[Any], config: ArmorConfig,
-                  names: Sequence[str]) -> List[ArmorFactors]:
-    """ARMOR on the same-shape experts of one fused parameter at once
-    (:func:`~torch_armor.core.factorize_batched.factorize_batched`), with the checks of one layer."""
-    for s, name in zip(stats, names):
-        if s is None or getattr(s, "num_tokens", None) == 0:
-            raise ArmorInputError(f"layer {name!r} saw no calibration data: run forward passes on calibration "
-                                  "inputs before solving it")
-        if config.refines and _xtx(s) is None and not isinstance(s, torch.Tensor):
-            raise ArmorInputError(f"layer {name!r}: output-space refinement needs XᵀX statistics (calibrate with "
-                                  "track_xtx=True), or set ArmorConfig(refine=None)")
-    hs = torch.stack([_h(s, w) for s, w in zip(stats, weights)])
-    return factorize_batched(torch.stack([w.detach() for w in weights]), hs, config, xtxs=[_xtx(s) for s in stats],
-                             names=list(names))

@@ -24,7 +24,6 @@ Example (a tiny random model; pruned in place)::
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import shutil
 import warnings
@@ -43,20 +42,16 @@ from torch_armor.calibration.blocks import decoder_blocks
 from torch_armor.calibration.experts import out_in_shape
 from torch_armor.calibration.selection import LayerSelection, select_layers, shared_across_blocks
 from torch_armor.calibration.validate import check_token_ids, vocab_size_of
-from torch_armor.core.config import ArmorConfig
 from torch_armor.engine.batches import calibration_batches, hash_batches
 from torch_armor.engine.blocks import BLOCKS_DIR, BlockPipeline
-from torch_armor.engine.distill import NO_DISTILL_COST, Distillation, distill_skip_reason, sampling_skip_reason
-from torch_armor.engine.distill_kl import windows_of
-from torch_armor.engine.distill_stream import BlockStream
-from torch_armor.engine.distributed import init_distributed, launched_world_size
+from torch_armor.engine.topology import init_distributed, launched_world_size
 from torch_armor.engine.fit import dense_reasons, fit_layers, shared_warning, uncalled_warning, warn_unfit
 from torch_armor.engine.experts import (dense_lines, dense_weights, group_by_param, layer_module, no_expert_pruned,
                                         routed_token_lines, with_dense_layers)
 from torch_armor.engine.identity import identity_string
 from torch_armor.engine.interrupt import interrupted_message
 from torch_armor.engine.lock import OutputBusy, output_lock, run_lock
-from torch_armor.engine.methods import method_for
+from torch_armor.engine.methods import METHODS, RunContext, default_config, method_for
 from torch_armor.engine.options import RUN_DIR_NAME, PathLike, PruneOptions, check_out, out_contents
 from torch_armor.engine.paths import (check_prune_paths, mark_run_target, mark_written, model_source_dirs,
                                       resumes_into)
@@ -127,7 +122,7 @@ def _save_output(write: Callable[[Path], None], out: Path, overwrite: bool, resu
 def prune_model(
     model_or_path: Union[nn.Module, PathLike],
     calibration: Any,
-    config: Any = ArmorConfig(),
+    config: Any = None,
     *,
     layers: LayerSelection = None,
     options: PruneOptions = PruneOptions(),
@@ -142,8 +137,8 @@ def prune_model(
         calibration: ``(n_windows, seq_len)`` token ids (:func:`torch_armor.recipes.data.calibration_windows`)
             or a list of ``(batch, seq_len)`` tensors; with padding, ``{"input_ids", "attention_mask"}``
             or ``(ids, mask)`` (or a list of them): pad positions are left out of every statistic.
-        config: the method and its settings: :class:`~torch_armor.core.config.ArmorConfig` (default)
-            or a baseline's (:class:`~torch_armor.core.method_config.SparseGPTConfig`, ``WandaConfig``,
+        config: the method and its settings: :class:`~torch_armor.core.config.ArmorConfig` (``None``:
+            its defaults, ``ArmorConfig()``) or a baseline's (:class:`~torch_armor.core.method_config.SparseGPTConfig`, ``WandaConfig``,
             ``NoWagConfig``, ``MagnitudeConfig``).
         layers: the linears to prune: names, a selection such as ``"0-3"`` (decoder block indices)
             or a regular expression, or a predicate ``(name, module) -> bool``
@@ -158,17 +153,19 @@ def prune_model(
             ``options.strict`` a layer the settings do not fit (block size, pattern; otherwise it gets
             a smaller block size or stays dense, with one warning: :mod:`torch_armor.engine.fit`), a
             layer whose weight is on the meta device — every layer is checked before any is pruned —, a non-empty ``out``, a run directory of another run
-            (:class:`~torch_armor.errors.RunMismatchError`), a method other than ARMOR under
-            ``torchrun``.
+            (:class:`~torch_armor.errors.RunMismatchError`), a method that stores no finished
+            layers (a baseline) under ``torchrun``.
     """
-    config = ArmorConfig() if config is None else config
+    config = default_config() if config is None else config
     method = method_for(config)
     if not isinstance(options, PruneOptions):
         raise ArmorInputError(f"options must be a PruneOptions, got {type(options).__name__}")
     world = launched_world_size()
-    if world > 1 and not method.factorizes:
-        raise ArmorInputError(f"only ArmorConfig (method 'armor') runs on several ranks (WORLD_SIZE={world}): {method.label} "
-                              "keeps no per-layer run store to share out; run it without torchrun")
+    if world > 1 and not method.stores_layers:
+        sharded = [m.name for m in METHODS.values() if m.stores_layers]
+        raise ArmorInputError(f"only a method that stores finished layers ({', '.join(sharded)}) runs on several ranks "
+                              f"(WORLD_SIZE={world}): {method.label} keeps no per-layer run store to share out; run it "
+                              "without torchrun")
     batches = calibration_batches(calibration, options.batch_size)
     streamed = not isinstance(model_or_path, nn.Module)
     out = Path(options.out) if options.out is not None else None
@@ -210,34 +207,15 @@ def prune_model(
     for param, chosen in experts.items():
         module_name, _, attr = param.rpartition(".")
         total = out_in_shape(model.get_submodule(module_name), attr)[0]
-        if method.factorizes and len(chosen) != total:
-            raise ArmorInputError(f"{param}: ARMOR converts all {total} experts of a fused parameter together, "
+        if method.stores_layers and len(chosen) != total:
+            raise ArmorInputError(f"{param}: {method.label} converts all {total} experts of a fused parameter together, "
                                   f"the layer selection holds {len(chosen)}; select every expert of it or none")
     dense = dense_weights(model, names, blocks_prefix,
                           {**dense_reasons(unfit, names), **{f"{n}.weight": why for n, why in shared.items()}})
     experts_left_dense = no_expert_pruned(model, names, dense, blocks_prefix)
     if experts_left_dense:
         warnings.warn(experts_left_dense, UserWarning, stacklevel=2)
-    distill, distill_skipped, sampling_skipped = getattr(config, "distill", None), "", ""
-    if distill is not None:
-        why_not = distill_skip_reason(distill, n_windows=len(windows_of(batches)))
-        if why_not:
-            recon = getattr(config, "reconstruct", None)
-            hint = ('; ReconstructConfig(target="model") makes up for part of it by fitting each block to the dense '
-                    "model's hidden states" if recon is not None and recon.target == "block" else "")
-            samples = (f"; its {distill.sampled_windows} sampled windows are not drawn, so the block pass calibrates on "
-                       "the calibration windows alone" if distill.sampled_in_block_pass else "")
-            warnings.warn(f"end-to-end distillation skipped: {why_not}; ArmorConfig(distill=None) prunes without it"
-                          + samples + hint + f" ({NO_DISTILL_COST})", stacklevel=2)
-            distill, distill_skipped = None, why_not
-    if distill is not None:
-        sampling_skipped = sampling_skip_reason(distill, streamed=streamed)
-        if sampling_skipped:
-            block_pass = " and the block pass calibrates on the calibration windows alone" \
-                if distill.sampled_in_block_pass else ""
-            warnings.warn(f"end-to-end distillation runs on the calibration windows alone: {sampling_skipped}"
-                          f"{block_pass}", stacklevel=2)
-            distill = dataclasses.replace(distill, sampled_windows=0, sampled_in_block_pass=False)
+    model_pass = method.model_pass(config, batches, streamed=streamed)
     dev = torch.device(options.device) if options.device is not None else torch.device("cpu")
     if not streamed and options.device is None:
         dev = next((p.device for p in model.parameters() if p.device.type != "meta"), dev)
@@ -253,7 +231,7 @@ def prune_model(
                 if run_path is not None and out is not None and topo.rank == 0:
                     mark_run_target(run_path, out)
                 store, identity = None, ""
-                if run_path is not None and method.factorizes:
+                if run_path is not None and method.stores_layers:
                     calib_hash = hash_batches(batches)
                     moe = dict(expert_calibration=options.expert_calibration,
                                min_expert_tokens=options.min_expert_tokens) if experts else {}
@@ -266,15 +244,13 @@ def prune_model(
                         (options.log or logger.info)(f"resuming {run_path}: {finished} of {len(names)} layers already finished")
                 writer = ShardWriter(run_path / BLOCKS_DIR) if streamed else None
                 storage = options.storage or ("auto" if dev.type == "cuda" else "dense")
-                distillation, block_batches, n_sampled = None, batches, 0
-                if distill is not None:
-                    stream = BlockStream(source, blocks_prefix, len(blocks), writer, dev) if streamed else None
-                    distillation = Distillation(distill, batches, seed=config.seed, run_dir=run_path, identity=identity,
-                                                storage=storage, stream=stream, device=dev, rank=topo.rank,
-                                                world_size=topo.world_size, log=options.log,
-                                                progress=options.progress and topo.rank == 0)
-                    distillation.capture(model)  # the dense teacher, before the block pass prunes in place
-                    block_batches, n_sampled = distillation.block_pass_batches(batches, options.batch_size)
+                block_batches, n_sampled = batches, 0
+                if model_pass is not None:
+                    block_batches, n_sampled = model_pass.before_blocks(model, batches, RunContext(
+                        source=source, blocks_prefix=blocks_prefix, n_blocks=len(blocks), writer=writer, device=dev,
+                        run_dir=run_path, identity=identity, storage=storage, rank=topo.rank,
+                        world_size=topo.world_size, log=options.log, progress=options.progress and topo.rank == 0,
+                        batch_size=options.batch_size))
                 pipeline = BlockPipeline(
                     source=source, blocks_prefix=blocks_prefix, blocks=blocks, names=names, config=config,
                     sequential=options.sequential, store=store, identity=identity, device=dev,
@@ -289,12 +265,8 @@ def prune_model(
                     dense = with_dense_layers(dense, report.uncalled_layers, blocks_prefix)
                     if topo.rank == 0:
                         warnings.warn(uncalled_warning(report.uncalled_layers), UserWarning, stacklevel=2)
-                if distillation is not None:
-                    report.distill = distillation.run(model)
-                    if sampling_skipped:
-                        report.distill["sampled_windows_skipped"] = sampling_skipped
-                elif distill_skipped:  # prune_report.json says what the run did not do, and why
-                    report.distill = {"skipped": distill_skipped, "expected_cost": NO_DISTILL_COST}
+                if model_pass is not None:
+                    model_pass.after_model(model, report)
                 report.settings.update(sequential=options.sequential)
                 report.dense_weights = dense
                 report.unfit_layers = unfit

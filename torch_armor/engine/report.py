@@ -67,7 +67,7 @@ class PruneReport:
             the curve ``[[step, KL], …]`` and its seconds; ``{"skipped": why, "expected_cost": …}`` when the
             config asked for it and this run could not (streamed, ``torchrun``, too few windows); ``{}``: off.
         block_curves: with block reconstruction, ``{block index: [(step, held-out error), …]}``:
-            the error at step 0 and at every check (:func:`~torch_armor.engine.reconstruct.reconstruct_block`).
+            the error at step 0 and at every check (:func:`~torch_armor.armor.reconstruct.reconstruct_block`).
         rank, world_size: where this process stood in a ``torchrun`` job (not saved: every rank
             returns a report, rank 0 writes the model).
     """

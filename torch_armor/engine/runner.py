@@ -22,54 +22,19 @@ Example::
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
-from torch import nn
 
 from torch_armor.calibration.observer import LayerStatistics
-from torch_armor.core.factors import ArmorFactors
 from torch_armor.core.proxy import normalize_weight, nowag_prune, proxy_loss, relative_proxy_loss  # noqa: F401  (doctest)
 from torch_armor.engine.methods import method_for
-from torch_armor.errors import ArmorInputError
-from torch_armor.tensor.armor_tensor import armor_linear_from_factors
+from torch_armor.engine.solution import LayerSolution
 
 __all__ = ["LayerSolution", "Statistics", "solve_layer", "ProxyReference"]
 
 #: A layer's calibration statistics, or just its ``act_sq_norm`` tensor (``Σx²`` per input channel).
 Statistics = Union[LayerStatistics, torch.Tensor]
-
-
-@dataclass
-class LayerSolution:
-    """What a method made of one layer: ARMOR factors, or a pruned dense weight and its mask."""
-
-    name: str
-    method: str
-    factors: Optional[ArmorFactors] = None
-    pruned: Optional[torch.Tensor] = None
-    seconds: float = 0.0
-    mask: Optional[torch.Tensor] = None
-
-    def __post_init__(self) -> None:
-        if self.mask is None and self.factors is not None:
-            self.mask = self.factors.mask
-
-    def approximation(self) -> torch.Tensor:
-        """The dense approximation of the weight (``A·core·B`` for ARMOR)."""
-        return self.factors.dense() if self.factors is not None else self.pruned
-
-    def apply(self, module: nn.Linear, storage: str = "dense") -> None:
-        """Write the result into ``module``: an ArmorTensor weight for ARMOR (``storage`` of its
-        core), the pruned weight (same dtype, device and ``requires_grad``) otherwise."""
-        if self.factors is not None:
-            armor_linear_from_factors(module, self.factors, storage=storage, name=self.name)
-            return
-        old = module.weight
-        module.weight = nn.Parameter(self.pruned.to(device=old.device, dtype=old.dtype),
-                                     requires_grad=old.requires_grad)
 
 
 def solve_layer(weight: torch.Tensor, stats: Optional[Statistics], config: Any, name: str = "") -> LayerSolution:
@@ -81,24 +46,7 @@ def solve_layer(weight: torch.Tensor, stats: Optional[Statistics], config: Any, 
         ArmorInputError: the method needs statistics and none (or no tokens) were given; errors
             of the method itself name the layer.
     """
-    method = method_for(config)
-    if method.needs_statistics and (stats is None or getattr(stats, "num_tokens", None) == 0):
-        raise ArmorInputError(
-            f"layer {name!r} saw no calibration data: run forward passes on calibration inputs before solving it"
-        )
-    start = time.perf_counter()
-    with torch.no_grad():
-        try:
-            result = method.solve(weight.detach(), stats, config, name)
-        except ArmorInputError as err:  # name the layer; any other error (torch's own) passes as it is
-            if name and name not in str(err):
-                raise type(err)(f"layer {name!r}: {err}") from err
-            raise
-    seconds = time.perf_counter() - start
-    if isinstance(result, ArmorFactors):
-        return LayerSolution(name, method.name, factors=result, seconds=seconds)
-    mask, pruned = result
-    return LayerSolution(name, method.name, pruned=pruned, seconds=seconds, mask=mask)
+    return method_for(config).solve_layer(weight, stats, config, name)
 
 
 class ProxyReference:

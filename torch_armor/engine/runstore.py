@@ -33,7 +33,7 @@ its manifest entry says so *and* the file's size and sha256 match the entry; any
 file without an entry, a truncated or edited file) is recomputed, with a warning for the damaged
 ones.
 
-Re-running the same command resumes: :func:`~torch_armor.engine.layers.factorize_layers` skips
+Re-running the same command resumes: :func:`~torch_armor.armor.layers.factorize_layers` skips
 the layers the store holds. Factorization with the same seed and the same number of threads is
 bit-identical on CPU, so a resumed run gives exactly the factors of an uninterrupted one
 (another thread count changes the order of floating-point reductions: equally good factors,
@@ -42,7 +42,7 @@ is refused with :class:`RunMismatchError` naming what differs, never mixed.
 
 Writers: one process per run directory, or the ranks of one distributed run (rank 0 writes
 ``manifest.json``, rank ``r ≥ 1`` only ``manifest.rank-<r>.json`` and its own layer files; see
-:mod:`torch_armor.engine.distributed`).
+:mod:`torch_armor.armor.distributed`).
 """
 
 from __future__ import annotations
@@ -60,7 +60,6 @@ import torch
 from safetensors import safe_open
 
 from torch_armor._io import TMP_MARK, atomic_write, file_sha256
-from torch_armor.core.config import ArmorConfig
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.core.config_format import config_to_dict
 from torch_armor.engine.manifest import (FORMAT_NAME, FORMAT_VERSION, LAYERS_DIR, MANIFEST_NAME, SHARD_PREFIX,
@@ -92,7 +91,7 @@ class RunStore:
 
     Args:
         directory: the run directory (created if missing).
-        config: the run's base :class:`ArmorConfig`; an existing run with another config is
+        config: the run's base method config (an :class:`~torch_armor.core.config.ArmorConfig`); an existing run with another config is
             refused (``device`` excepted: it may change between resumes and is kept per layer).
         model_id: identifies the model (and anything else that must not change, e.g. the
             calibration settings); any string.
@@ -128,7 +127,7 @@ class RunStore:
     def __init__(
         self,
         directory: PathLike,
-        config: ArmorConfig,
+        config: Any,
         model_id: str,
         stats_hash: str,
         *,
@@ -307,7 +306,7 @@ class RunStore:
         if changed or not self.manifest_path.exists():
             self._write_manifest()
 
-    def check_layer_config(self, fqn: str, config: ArmorConfig) -> None:
+    def check_layer_config(self, fqn: str, config: Any) -> None:
         """Raise :class:`RunMismatchError` if finished layer ``fqn`` was computed with another config."""
         entry = self._known.get(fqn, {})
         stored = entry.get("config")
@@ -326,8 +325,9 @@ class RunStore:
         fqn: str,
         factors: ArmorFactors,
         *,
-        config: Optional[ArmorConfig] = None,
+        config: Optional[Any] = None,
         seconds: Optional[float] = None,
+        device: Optional[Any] = None,
     ) -> Path:
         """Write one finished layer atomically, then record it in the manifest (atomically too).
 
@@ -336,6 +336,8 @@ class RunStore:
             factors: its :class:`ArmorFactors` (moved to CPU for writing).
             config: the config it was computed with (default: the run's); kept per layer.
             seconds: how long it took (kept in the manifest).
+            device: where it was computed, as the config asked (kept in the manifest; default: the
+                factors' device).
 
         Returns:
             The layer file's path.
@@ -373,7 +375,7 @@ class RunStore:
             "pattern": str(factors.pattern),
             "relative_loss": float(factors.relative_loss),
             "seconds": None if seconds is None else float(seconds),
-            "device": str(factors.core.device) if cfg.device is None else str(cfg.device),
+            "device": str(factors.core.device) if device is None else str(device),
             "config": config_to_dict(cfg),
             "rank": self.rank,
             "written_at": time.time(),
@@ -433,7 +435,7 @@ class RunStore:
         """Merge the rank manifests into ``manifest.json`` and remove them and stale temp files.
 
         Rank 0 only, once every rank has finished writing (after a barrier). Single-process
-        runs call it at the end of :func:`~torch_armor.engine.layers.factorize_layers`.
+        runs call it at the end of :func:`~torch_armor.armor.layers.factorize_layers`.
         """
         if self.rank != 0:
             raise ArmorInputError(f"finalize() merges the rank manifests and must run on rank 0, not rank {self.rank}")

@@ -24,7 +24,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from torch_armor.engine.checkpoint import LazyCheckpoint
-from torch_armor.engine.distributed import launched_world_size
+from torch_armor.engine.topology import launched_world_size
 from torch_armor.engine.memory import available_memory
 from torch_armor.engine.sources import is_streamable_checkpoint
 from torch_armor.errors import ArmorInputError, require_extra

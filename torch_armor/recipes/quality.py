@@ -262,7 +262,7 @@ def run_quality(
                     if pruned:
                         settings = method_for(cfg).describe(cfg)
                         t = time.perf_counter()
-                        store = armor_run_dir(label) if armor_run_dir and method_for(cfg).factorizes else None
+                        store = armor_run_dir(label) if armor_run_dir and method_for(cfg).stores_layers else None
                         report = prune_model(net, calib_ids, cfg, layers=names, options=PruneOptions(
                             sequential=seq, batch_size=max(1, batch_size // 2), progress=progress, run_dir=store))
                         prune_s = time.perf_counter() - t

@@ -16,10 +16,10 @@ import torch
 from torch_armor import ArmorConfig
 from torch_armor.core.config import BcdConfig
 from torch_armor.core.config_format import config_from_dict
-from torch_armor.engine.layers import factorize_layers
+from torch_armor.armor.layers import factorize_layers
 from torch_armor.engine.runstore import MANIFEST_NAME, RunMismatchError, RunStore
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))  # test_runstore's helpers
 from test_runstore import CFG, assert_same_factors, make_layers, stats_hash  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,9 +73,9 @@ def test_kill_and_resume_gives_the_uninterrupted_result(tmp_path, one_thread):
         import torch
         torch.set_num_threads(1)
         sys.path.insert(0, {str(ROOT)!r})
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        sys.path.insert(0, {str(Path(__file__).parents[1] / "engine")!r})
         from test_runstore import CFG, make_layers, stats_hash
-        from torch_armor.engine.layers import factorize_layers
+        from torch_armor.armor.layers import factorize_layers
         from torch_armor.engine.runstore import RunStore
 
         layers = make_layers()
@@ -188,7 +188,7 @@ def test_failed_layer_is_recorded_and_retried(tmp_path):
 
 def test_expert_layers_resume_mid_parameter_and_equal_the_serial_factorization(tmp_path):
     from torch_armor.core.factorize import factorize  # the serial per-layer reference
-    from torch_armor.engine.layers import expert_batches  # which layers run as one batch
+    from torch_armor.armor.layers import expert_batches  # which layers run as one batch
 
     gen = torch.Generator().manual_seed(7)
     names = [f"m.mlp.experts.down_proj.{e}" for e in range(5)]

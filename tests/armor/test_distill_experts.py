@@ -15,8 +15,8 @@ from torch.func import functional_call
 
 from torch_armor.core.config import ArmorConfig, BcdConfig
 from torch_armor.core.levers import DistillConfig
-from torch_armor.engine.distill_kl import dense_top_k, windows_of
-from torch_armor.engine.distill_train import InMemoryStudent
+from torch_armor.armor.distill_kl import dense_top_k, windows_of
+from torch_armor.armor.distill_train import InMemoryStudent
 from torch_armor.engine.prune import PruneOptions, prune_model
 from torch_armor.tensor.armor_tensor import ArmorTensor
 from torch_armor.tensor.experts import ArmorExpertsTensor

@@ -5,7 +5,7 @@ import itertools
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from torch_armor.engine.allocate import (allocate_block_sizes, candidate_block_sizes, layer_kind, loss_curves,
+from torch_armor.armor.allocate import (allocate_block_sizes, candidate_block_sizes, layer_kind, loss_curves,
                                          overhead_of)
 
 SHAPES = [(64, 64), (32, 64), (128, 64), (64, 128)]
@@ -52,7 +52,7 @@ def test_allocation_is_optimal_and_within_budget(problem):
 
 
 def test_coarse_units_still_respect_the_budget(monkeypatch):
-    import torch_armor.engine.allocate as allocate
+    import torch_armor.armor.allocate as allocate
 
     monkeypatch.setattr(allocate, "MAX_UNITS", 7)
     shapes = {f"m.layers.{i}.lin": s for i, s in enumerate(SHAPES)}

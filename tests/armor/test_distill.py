@@ -17,9 +17,9 @@ from _helpers import check_mask
 from torch_armor import ArmorConfig, prune_model, PruneOptions
 from torch_armor.core.config import BcdConfig, ReconstructConfig, RefineConfig
 from torch_armor.core.levers import DistillConfig
-from torch_armor.engine.distill import DISTILLED_NAME
-from torch_armor.engine.distill_kl import TopK, coarse_kl, windows_of
-from torch_armor.engine.distill_train import fast_bf16, training_autocast
+from torch_armor.armor.distill import DISTILLED_NAME
+from torch_armor.armor.distill_kl import TopK, coarse_kl, windows_of
+from torch_armor.armor.distill_train import fast_bf16, training_autocast
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import ArmorTensor
 

@@ -6,7 +6,7 @@ resolved for the layer's shape), the layers a :class:`~torch_armor.engine.runsto
 does not hold yet (a finished layer computed with other settings or of another shape is
 refused with :class:`~torch_armor.engine.runstore.RunMismatchError`), then each of them
 factorized and written to the store as soon as it is done, so an interrupted run loses at most
-the layer in progress. :func:`~torch_armor.engine.distributed.distributed_factorize` shares the
+the layer in progress. :func:`~torch_armor.armor.distributed.distributed_factorize` shares the
 same pieces out across ``torchrun`` ranks.
 
 Example::
@@ -40,15 +40,16 @@ import torch
 
 from torch_armor.calibration.experts import split_expert_name
 from torch_armor.core.config import ArmorConfig
+from torch_armor.core.factorize_batched import factorize_batched
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.engine.identity import act_sq_norm_of
-from torch_armor.engine.methods import armor_experts
+from torch_armor.engine.methods import act_sq_norm_for, xtx_of
 from torch_armor.engine.runner import solve_layer
 from torch_armor.engine.runstore import RunStore
 from torch_armor.errors import ArmorInputError, RunMismatchError
 from torch_armor.progress import tqdm
 
-__all__ = ["factorize_layers", "layer_configs", "check_layer_inputs", "eager_shapes", "compute_layers", "expert_batches",
+__all__ = ["factorize_layers", "armor_experts", "layer_configs", "check_layer_inputs", "eager_shapes", "compute_layers", "expert_batches",
            "pending_layers", "LayerInput"]
 
 logger = logging.getLogger("torch_armor")
@@ -121,6 +122,24 @@ def eager_shapes(layers: Mapping[str, Any]) -> Dict[str, Tuple[int, int]]:
 # --------------------------------------------------------------------------- the loop
 
 
+def armor_experts(weights: Sequence[torch.Tensor], stats: Sequence[Any], config: ArmorConfig,
+                  names: Sequence[str]) -> List[ArmorFactors]:
+    """ARMOR on the same-shape experts of one fused parameter at once
+    (:func:`~torch_armor.core.factorize_batched.factorize_batched`), with the checks of one layer."""
+    for s, name in zip(stats, names):
+        if s is None or getattr(s, "num_tokens", None) == 0:
+            raise ArmorInputError(f"layer {name!r} saw no calibration data: run forward passes on calibration "
+                                  "inputs before solving it")
+        if config.refines and xtx_of(s) is None and not isinstance(s, torch.Tensor):
+            raise ArmorInputError(f"layer {name!r}: output-space refinement needs XᵀX statistics (calibrate with "
+                                  "track_xtx=True), or set ArmorConfig(refine=None)")
+    hs = torch.stack([act_sq_norm_for(s, w) for s, w in zip(stats, weights)])
+    return factorize_batched(torch.stack([w.detach() for w in weights]), hs, config, xtxs=[xtx_of(s) for s in stats],
+                             names=list(names))
+
+
+
+
 def _materialize(fqn: str, value: LayerInput) -> Tuple[torch.Tensor, torch.Tensor]:
     if callable(value):
         value = value()
@@ -162,7 +181,7 @@ def compute_layers(
 
     def finish(fqn: str, factors: ArmorFactors, cfg, seconds: float) -> None:
         if store is not None:
-            store.save(fqn, factors, config=cfg, seconds=seconds)
+            store.save(fqn, factors, config=cfg, seconds=seconds, device=cfg.device)
         logger.info("%s: %s (%.1fs)", fqn, factors.loss_text(), seconds)
         if on_layer_done is not None:
             on_layer_done(fqn, factors)
@@ -285,7 +304,7 @@ def factorize_layers(
     if store is not None and store.rank != 0:
         raise ArmorInputError(
             f"this store writes as rank {store.rank}; factorize_layers runs a single process (rank 0). "
-            "Use torch_armor.engine.distributed.distributed_factorize for multi-rank runs"
+            "Use torch_armor.armor.distributed.distributed_factorize for multi-rank runs"
         )
     todo = list(layers) if store is None else pending_layers(layers, configs, store)
     if store is not None:

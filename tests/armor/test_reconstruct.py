@@ -14,9 +14,9 @@ from conftest import make_tiny_llama
 from torch_armor import ArmorConfig, prune_model, PruneOptions
 from torch_armor.core.config import BcdConfig, ReconstructConfig, RefineConfig
 from torch_armor.calibration.blocks import BlockInput, block_statistics, capture_block_inputs, run_block
-from torch_armor.engine.reconstruct import reconstruct_block
+from torch_armor.armor.reconstruct import reconstruct_block
 from torch_armor.core.factorize import factorize
-from torch_armor.engine.reconstruct_weights import (FactoredLinears, FactorLeaves, build_weights, kept_index,
+from torch_armor.armor.reconstruct_weights import (FactoredLinears, FactorLeaves, build_weights, kept_index,
                                                    scatter_core, weight_names)
 from torch_armor.engine.runner import solve_layer
 from torch_armor.errors import ArmorInputError
@@ -109,7 +109,7 @@ def test_xtx_leaves_memory_for_reconstruction_and_comes_back_bit_identical(tmp_p
     """With a run directory, each block's ``XᵀX`` waits on disk while the block is reconstructed
     and the file is gone afterwards; the report's output losses (which read it back) equal those
     of a run without a run directory, where nothing moves."""
-    import torch_armor.engine.blocks as engine_blocks
+    import torch_armor.armor.method as engine_blocks
 
     cfg = ArmorConfig(block_size=8, optimizer=BcdConfig(iters=2), refine=RefineConfig(rounds=1),
                       reconstruct=ReconstructConfig(steps=4), distill=None)
@@ -333,7 +333,7 @@ def test_each_block_is_fitted_on_the_pruned_stream_to_the_chosen_target(monkeypa
     """Block 1 is reconstructed on what the pruned block 0 hands it. ``target="block"`` fits it to
     the dense block 1 run on those inputs; ``"model"`` to the dense model's own hidden states after
     block 1 — both recomputed here from an untouched copy of the model with forward hooks."""
-    import torch_armor.engine.blocks as engine_blocks
+    import torch_armor.armor.method as engine_blocks
 
     seen = []
     real = engine_blocks.reconstruct_block

@@ -14,12 +14,13 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from _helpers import free_port
-from torch_armor.engine.distributed import Topology, distributed_factorize, init_distributed, layer_cost, shard_layers
-from torch_armor.engine.layers import factorize_layers
+from torch_armor.armor.distributed import distributed_factorize, layer_cost, shard_layers
+from torch_armor.engine.topology import Topology, init_distributed
+from torch_armor.armor.layers import factorize_layers
 from torch_armor.engine.identity import hash_tensors
 from torch_armor.engine.runstore import MANIFEST_NAME, RunStore
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))  # test_runstore's helpers
 from test_runstore import CFG, assert_same_factors, make_layers, stats_hash  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,15 +97,8 @@ def test_single_process_is_factorize_layers(tmp_path, monkeypatch):
         assert_same_factors(out[name], reference[name])
 
 
-def test_world_size_without_launcher_says_use_torchrun(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.delenv("MASTER_ADDR", raising=False)
-    with pytest.raises(ValueError, match="torchrun --nproc-per-node"):
-        init_distributed()
-
-
 def test_lazy_layers_need_costs():
-    from torch_armor.engine.distributed import _costs_for
+    from torch_armor.armor.distributed import _costs_for
 
     layers = make_layers(2)
     lazy = {n: (lambda v=v: v) for n, v in layers.items()}
@@ -125,7 +119,8 @@ torch.set_num_threads(1)
 sys.path.insert(0, {root!r})
 sys.path.insert(0, {tests!r})
 from test_runstore import CFG, make_layers
-from torch_armor.engine.distributed import distributed_factorize, init_distributed, layer_cost, shard_layers
+from torch_armor.armor.distributed import distributed_factorize, layer_cost, shard_layers
+from torch_armor.engine.topology import init_distributed
 from torch_armor.engine.identity import hash_statistics, hash_tensors
 from torch_armor.engine.runstore import RunStore
 
@@ -179,7 +174,7 @@ def test_two_cpu_ranks_match_one_process_bit_for_bit(tmp_path):
                      progress=False)
 
     script = tmp_path / "worker.py"
-    script.write_text(textwrap.dedent(WORKER.format(root=str(ROOT), tests=str(Path(__file__).parent))))
+    script.write_text(textwrap.dedent(WORKER.format(root=str(ROOT), tests=str(Path(__file__).parents[1] / "engine"))))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", LOGLEVEL="WARNING")
     env.pop("WORLD_SIZE", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from torch_armor.calibration.blocks import BlockInput
-from torch_armor.engine.reconstruct_data import Unit, lr_factor, split_windows, take_rows
+from torch_armor.armor.reconstruct_data import Unit, lr_factor, split_windows, take_rows
 from torch_armor.errors import ArmorInputError
 
 

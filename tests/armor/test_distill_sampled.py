@@ -15,9 +15,9 @@ from torch_armor import ArmorConfig, PruneOptions, prune_model
 from torch_armor.core.config import BcdConfig, RefineConfig
 from torch_armor.core.levers import ReconstructConfig
 from torch_armor.core.levers import DistillConfig
-from torch_armor.engine.distill import Distillation
-from torch_armor.engine.distill_kl import dense_top_k, sample_windows, windows_of
-from torch_armor.engine.distill_train import held_out_split
+from torch_armor.armor.distill import Distillation
+from torch_armor.armor.distill_kl import dense_top_k, sample_windows, windows_of
+from torch_armor.armor.distill_train import held_out_split
 from torch_armor.errors import ArmorInputError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -148,7 +148,7 @@ def test_sampled_windows_in_the_block_pass_calibrate_it_as_leading_calibration_w
 
 
 def test_block_reconstruction_holds_out_calibration_windows_only(monkeypatch):
-    import torch_armor.engine.reconstruct as reconstruct
+    import torch_armor.armor.reconstruct as reconstruct
 
     held_batches = []
     real_split = reconstruct.split_windows
@@ -170,7 +170,7 @@ def test_a_resumed_run_reuses_its_sampled_windows(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from torch_armor.engine.distill import SAMPLED_NAME
+    from torch_armor.armor.distill import SAMPLED_NAME
 
     dense = make_tiny_llama()
     cfg = dataclasses.replace(_BLOCK_PASS, distill=_IN_PASS)

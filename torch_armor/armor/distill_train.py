@@ -1,4 +1,4 @@
-"""The training loop of end-to-end distillation (:mod:`torch_armor.engine.distill`), one for every
+"""The training loop of end-to-end distillation (:mod:`torch_armor.armor.distill`), one for every
 student: Adam on the ARMOR layers' wrappers (and cores) — linears' and every fused expert's — towards
 the teacher, the held-out KL every ``eval_every`` steps, the best iterate kept; resumable at a step
 boundary from a state file."""
@@ -25,8 +25,8 @@ from torch_armor.calibration.experts import transposed_experts
 from torch_armor.core.blockdiag import block_diag_left, block_diag_right
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.core.levers import DistillConfig
-from torch_armor.engine.distill_kl import TopK, Window, logits_of, window_kl
-from torch_armor.engine.reconstruct_data import set_scheduled_lr
+from torch_armor.armor.distill_kl import TopK, Window, logits_of, window_kl
+from torch_armor.armor.reconstruct_data import set_scheduled_lr
 from torch_armor.errors import ArmorInputError
 from torch_armor.progress import tqdm
 from torch_armor.tensor.armor_tensor import ArmorTensor, armor_linear_from_factors

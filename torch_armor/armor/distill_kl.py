@@ -1,4 +1,4 @@
-"""The teacher and the loss of end-to-end distillation (:mod:`torch_armor.engine.distill`): the
+"""The teacher and the loss of end-to-end distillation (:mod:`torch_armor.armor.distill`): the
 dense model's top-``k`` next-token distributions per window, windows sampled from it, and the KL
 between those distributions coarsened to ``k`` tokens plus one bin for the rest."""
 

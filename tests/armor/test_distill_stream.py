@@ -22,10 +22,10 @@ from torch_armor import ArmorConfig, prune_model, PruneOptions
 from torch_armor.core.config import BcdConfig, RefineConfig
 from torch_armor.core.levers import DistillConfig
 from torch_armor.engine.blocks import BLOCKS_DIR
-from torch_armor.engine.distill import STATE_NAME, distill_skip_reason
-from torch_armor.engine.distill_kl import dense_top_k, windows_of
-from torch_armor.engine.distill_stream import BlockStream, StreamedStudent
-from torch_armor.engine.distill_train import InMemoryStudent, distill_model
+from torch_armor.armor.distill import STATE_NAME, distill_skip_reason
+from torch_armor.armor.distill_kl import dense_top_k, windows_of
+from torch_armor.armor.distill_stream import BlockStream, StreamedStudent
+from torch_armor.armor.distill_train import InMemoryStudent, distill_model
 from torch_armor.engine.sources import ShardWriter, Streamed
 from torch_armor.tensor.serialization import load_pretrained
 

@@ -16,10 +16,11 @@ coarsened to those ``top_k`` tokens plus one bin for the rest (:func:`coarse_kl`
 rule of the KL divergence it equals the full KL minus ``p_rest · KL(p(·|rest) ‖ q(·|rest))``, a
 lower bound that is exact when ``top_k`` covers the vocabulary.
 
-The pieces: the teacher and the loss in :mod:`~torch_armor.engine.distill_kl`, the one training
-loop and the in-memory student in :mod:`~torch_armor.engine.distill_train`, the streamed teacher
-and student (one decoder block resident) in :mod:`~torch_armor.engine.distill_stream`; here, what
-:func:`~torch_armor.prune_model` runs (:class:`Distillation`) and what it skips.
+The pieces: the teacher and the loss in :mod:`~torch_armor.armor.distill_kl`, the one training
+loop and the in-memory student in :mod:`~torch_armor.armor.distill_train`, the streamed teacher
+and student (one decoder block resident) in :mod:`~torch_armor.armor.distill_stream`; here, what
+:func:`~torch_armor.prune_model` runs (:class:`Distillation`) and what it skips, as ARMOR's pass around the
+block pass (:func:`distillation_pass`, the method's ``model_pass`` hook).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict
+import warnings
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -38,15 +40,17 @@ from safetensors.torch import save
 from torch import nn
 
 from torch_armor._io import atomic_write
+from torch_armor.core.config import ArmorConfig
 from torch_armor.core.levers import DistillConfig
-from torch_armor.engine.distill_kl import TopK, Window, dense_top_k, sample_windows, windows_of
-from torch_armor.engine.distill_stream import BlockStream, StreamedStudent
-from torch_armor.engine.distill_train import (ArmorWeight, InMemoryStudent, TrainingState, armor_layers, core_of,
+from torch_armor.armor.distill_kl import TopK, Window, dense_top_k, sample_windows, windows_of
+from torch_armor.armor.distill_stream import BlockStream, StreamedStudent
+from torch_armor.armor.distill_train import (ArmorWeight, InMemoryStudent, TrainingState, armor_layers, core_of,
                                               distill_model, held_out_split, windows_needed)
+from torch_armor.engine.methods import ModelPass, RunContext
 from torch_armor.errors import ArmorInputError
 
 __all__ = ["distill_skip_reason", "sampling_skip_reason", "NO_DISTILL_COST", "Distillation", "DISTILLED_NAME",
-           "SAMPLED_NAME", "STATE_NAME"]
+           "SAMPLED_NAME", "STATE_NAME", "DistillationPass", "distillation_pass"]
 
 logger = logging.getLogger("torch_armor")
 
@@ -213,3 +217,60 @@ class Distillation:
             summary = json.loads((fh.metadata() or {})["summary"])
         self.log(f"distillation already finished in {self.path.parent}: applied")
         return summary
+
+
+@dataclass
+class DistillationPass(ModelPass):
+    """Distillation with ``distill`` (``None``: skipped, for the reason ``skipped``), seeded by ``seed``;
+    ``sampling_skipped``: why it runs without its sampled windows (``""``: it samples them)."""
+
+    distill: Optional[DistillConfig]
+    seed: int
+    skipped: str = ""
+    sampling_skipped: str = ""
+    distillation: Optional[Distillation] = None
+
+    def before_blocks(self, model: nn.Module, batches: Sequence[Any], run: RunContext) -> Tuple[Sequence[Any], int]:
+        if self.distill is None:
+            return batches, 0
+        stream = (BlockStream(run.source, run.blocks_prefix, run.n_blocks, run.writer, run.device)
+                  if run.writer is not None else None)
+        self.distillation = Distillation(self.distill, batches, seed=self.seed, run_dir=run.run_dir,
+                                         identity=run.identity, storage=run.storage, stream=stream, device=run.device,
+                                         rank=run.rank, world_size=run.world_size, log=run.log, progress=run.progress)
+        self.distillation.capture(model)  # the dense teacher, before the block pass prunes in place
+        return self.distillation.block_pass_batches(batches, run.batch_size)
+
+    def after_model(self, model: nn.Module, report: Any) -> None:
+        if self.distillation is not None:
+            report.distill = self.distillation.run(model)
+            if self.sampling_skipped:
+                report.distill["sampled_windows_skipped"] = self.sampling_skipped
+        elif self.skipped:  # prune_report.json says what the run did not do, and why
+            report.distill = {"skipped": self.skipped, "expected_cost": NO_DISTILL_COST}
+
+
+def distillation_pass(config: ArmorConfig, batches: Sequence[Any], *, streamed: bool) -> Optional[DistillationPass]:
+    """The distillation ``config`` asks for on these calibration batches (``None``: ``distill=None``),
+    with a warning when it is skipped (too few windows) or runs without its sampled windows (``streamed``)."""
+    distill = config.distill
+    if distill is None:
+        return None
+    why_not = distill_skip_reason(distill, n_windows=len(windows_of(batches)))
+    if why_not:
+        recon = config.reconstruct
+        hint = ('; ReconstructConfig(target="model") makes up for part of it by fitting each block to the dense '
+                "model's hidden states" if recon is not None and recon.target == "block" else "")
+        samples = (f"; its {distill.sampled_windows} sampled windows are not drawn, so the block pass calibrates on "
+                   "the calibration windows alone" if distill.sampled_in_block_pass else "")
+        warnings.warn(f"end-to-end distillation skipped: {why_not}; ArmorConfig(distill=None) prunes without it"
+                      + samples + hint + f" ({NO_DISTILL_COST})", stacklevel=4)
+        return DistillationPass(None, config.seed, skipped=why_not)
+    sampling_skipped = sampling_skip_reason(distill, streamed=streamed)
+    if sampling_skipped:
+        block_pass = " and the block pass calibrates on the calibration windows alone" \
+            if distill.sampled_in_block_pass else ""
+        warnings.warn(f"end-to-end distillation runs on the calibration windows alone: {sampling_skipped}"
+                      f"{block_pass}", stacklevel=4)
+        distill = replace(distill, sampled_windows=0, sampled_in_block_pass=False)
+    return DistillationPass(distill, config.seed, sampling_skipped=sampling_skipped)

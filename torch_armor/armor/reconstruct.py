@@ -18,7 +18,7 @@ Memory: the trainable tensors are the kept core values only (half the core at 2:
 per tensor (no multi-tensor temporaries), a step's gradient is accumulated one window at a time
 (one window's activations alive, not the micro-batch's), each linear's ``Ŵ`` and its matmul are one
 checkpointed function (the graph keeps the linear's input, not ``Ŵ``, which the backward pass rebuilds:
-:class:`~torch_armor.engine.reconstruct_weights.FactoredLinears`), and a snapshot is taken only
+:class:`~torch_armor.armor.reconstruct_weights.FactoredLinears`), and a snapshot is taken only
 when the held-out error improves.
 """
 
@@ -34,8 +34,8 @@ from torch.func import functional_call
 from torch_armor.calibration.blocks import BlockInput, to_device as _to
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.core.levers import ReconstructConfig
-from torch_armor.engine.reconstruct_data import Unit, set_scheduled_lr, split_windows, take_rows
-from torch_armor.engine.reconstruct_weights import (FactoredLinears, FactorLeaves, build_weights, expert_layouts,
+from torch_armor.armor.reconstruct_data import Unit, set_scheduled_lr, split_windows, take_rows
+from torch_armor.armor.reconstruct_weights import (FactoredLinears, FactorLeaves, build_weights, expert_layouts,
                                                     weight_names)
 from torch_armor.errors import ArmorInputError
 
@@ -95,7 +95,7 @@ def reconstruct_block(block: nn.Module, factors: Mapping[str, ArmorFactors], inp
     Args:
         block: the decoder block, its linears still holding their dense weights (fp32 compute).
         factors: ``{name inside block: its ArmorFactors}`` (``P.e`` for expert ``e`` of a fused
-            3-D parameter ``P``, see :mod:`torch_armor.engine.reconstruct_weights`).
+            3-D parameter ``P``, see :mod:`torch_armor.armor.reconstruct_weights`).
         inputs: the calibration batches that reach the block.
         targets: the dense block's output for each batch.
         config: steps, schedule, micro-batches, held-out windows, stages.

@@ -6,7 +6,7 @@ are the block pass's shards in the run directory. A training step runs the forwa
 keeping only each block's input hidden states, then the backward from the top: each block is
 loaded again and its forward re-run from the saved input, and the gradient with respect to that
 input flows to the block below (the boundary-activation scheme of gradient checkpointing). Only the
-trained tensors (:func:`~torch_armor.engine.distill_train.float_leaves`) and Adam's state stay
+trained tensors (:func:`~torch_armor.armor.distill_train.float_leaves`) and Adam's state stay
 resident. The embeddings are loaded only to compute the first block's inputs, the final norm and the
 output layer only to compute the logits: with untied embeddings of a large vocabulary each is as big as
 several blocks, and neither is resident while a block runs.
@@ -24,8 +24,8 @@ from torch.func import functional_call
 
 from torch_armor.calibration.blocks import BlockInput, capture_block_inputs, to_device
 from torch_armor.core.levers import DistillConfig
-from torch_armor.engine.distill_kl import TopK, Window, top_k_of, window_kl
-from torch_armor.engine.distill_train import ArmorWeight, armor_layers, core_of, float_leaves, result_tensors
+from torch_armor.armor.distill_kl import TopK, Window, top_k_of, window_kl
+from torch_armor.armor.distill_train import ArmorWeight, armor_layers, core_of, float_leaves, result_tensors
 from torch_armor.engine.sources import ShardWriter, Streamed
 from torch_armor.errors import ArmorInputError
 from torch_armor.progress import tqdm
@@ -143,7 +143,7 @@ class BlockStream:
 
     @torch.no_grad()
     def dense_top_k(self, windows: Sequence[Window], k: int, progress: bool = False) -> List[TopK]:
-        """:func:`~torch_armor.engine.distill_kl.dense_top_k` of the dense checkpoint, block by block."""
+        """:func:`~torch_armor.armor.distill_kl.dense_top_k` of the dense checkpoint, block by block."""
         inputs = self.block_inputs(windows)
         hidden = [inp.hidden for inp in inputs]
         for index in tqdm(range(self.n_blocks), desc=f"distillation: dense top-{k}", unit="block",
@@ -167,7 +167,7 @@ class BlockStream:
 
 class StreamedStudent:
     """The pruned blocks of a :class:`BlockStream` as a distillation student
-    (:class:`~torch_armor.engine.distill_train.Student`): the trained tensors resident, every
+    (:class:`~torch_armor.armor.distill_train.Student`): the trained tensors resident, every
     other weight read from the shards when its block runs."""
 
     def __init__(self, stream: BlockStream, config: DistillConfig, writes: bool = True) -> None:

@@ -38,11 +38,8 @@ Example (one process; the same call runs sharded under ``torchrun``)::
 
 from __future__ import annotations
 
-import datetime
 import heapq
 import math
-import os
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
@@ -50,36 +47,13 @@ import torch.distributed as dist
 
 from torch_armor.core.config import ArmorConfig
 from torch_armor.core.factors import ArmorFactors
-from torch_armor.engine.layers import (LayerInput, check_layer_inputs, compute_layers, eager_shapes, factorize_layers,
+from torch_armor.armor.layers import (LayerInput, check_layer_inputs, compute_layers, eager_shapes, factorize_layers,
                                        layer_configs, pending_layers)
 from torch_armor.engine.runstore import RunStore
+from torch_armor.engine.topology import init_distributed
 from torch_armor.errors import ArmorInputError, ArmorRankError
 
-__all__ = [
-    "Topology",
-    "layer_cost",
-    "shard_layers",
-    "init_distributed",
-    "launched_world_size",
-    "launched_rank",
-    "distributed_factorize",
-]
-
-#: Process-group timeout when this module creates the group: ranks wait at the final
-#: collective while the slowest rank finishes its share, which can take hours.
-DEFAULT_TIMEOUT = datetime.timedelta(hours=24)
-
-
-@dataclass(frozen=True)
-class Topology:
-    """Where this process stands: ``rank`` of ``world_size`` (``local_rank`` on its node);
-    ``initialized_here``: :func:`init_distributed` created the process group."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    initialized_here: bool = False
-
+__all__ = ["layer_cost", "shard_layers", "distributed_factorize"]
 
 def layer_cost(shape: Union[torch.Tensor, Sequence[int]], block_size: int) -> float:
     """Relative cost of factorizing one layer: ``d_out · d_in · d_b``.
@@ -130,78 +104,6 @@ def shard_layers(costs: Mapping[str, float], world_size: int) -> List[List[str]]
     return shards
 
 
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ArmorInputError(f"environment variable {name}={value!r} is not an integer") from None
-
-
-def launched_world_size() -> int:
-    """How many ranks this process belongs to: the process group's size, else ``$WORLD_SIZE``
-    (set by ``torchrun``), else 1."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return max(1, _env_int("WORLD_SIZE", 1))
-
-
-def launched_rank() -> int:
-    """This process's rank: the process group's, else ``$RANK`` (set by ``torchrun``), else 0."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    try:
-        return max(0, _env_int("RANK", 0))
-    except ValueError:
-        return 0
-
-
-def init_distributed(
-    backend: Optional[str] = None,
-    *,
-    device: Optional[Union[str, torch.device]] = None,
-    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
-) -> Topology:
-    """Join the process group ``torchrun`` describes, or report a single process.
-
-    An initialized group is used as is. Otherwise, if ``WORLD_SIZE > 1`` (set by ``torchrun``),
-    a group is created from the environment (``RANK``, ``MASTER_ADDR``, ``MASTER_PORT``):
-    ``backend`` ``None`` picks NCCL when ``device`` is a CUDA device (each rank then uses GPU
-    ``LOCAL_RANK``) and gloo otherwise.
-
-    Example::
-
-        >>> init_distributed()  # a plain process
-        Topology(rank=0, world_size=1, local_rank=0, initialized_here=False)
-    """
-    if dist.is_available() and dist.is_initialized():
-        rank = dist.get_rank()
-        return Topology(rank, dist.get_world_size(), _env_int("LOCAL_RANK", rank), False)
-    world = _env_int("WORLD_SIZE", 1)
-    if world <= 1:
-        return Topology()
-    if not dist.is_available():
-        raise ArmorInputError(f"WORLD_SIZE={world} but this PyTorch build has no torch.distributed; run one process")
-    rank, local = _env_int("RANK", -1), _env_int("LOCAL_RANK", -1)
-    if rank < 0 or not os.environ.get("MASTER_ADDR") or not os.environ.get("MASTER_PORT"):
-        raise ArmorInputError(
-            f"WORLD_SIZE={world} is set but RANK, MASTER_ADDR or MASTER_PORT is not: launch with "
-            "`torchrun --nproc-per-node N ...`, or unset WORLD_SIZE to run one process"
-        )
-    local = rank if local < 0 else local
-    on_cuda = device is not None and torch.device(device).type == "cuda"
-    if backend is None:
-        backend = "nccl" if on_cuda and torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        if not torch.cuda.is_available():
-            raise ArmorInputError("backend 'nccl' needs CUDA; use backend='gloo' on CPU")
-        torch.cuda.set_device(local % torch.cuda.device_count())
-    dist.init_process_group(backend=backend, timeout=timeout)
-    return Topology(rank, world, local, True)
-
-
 def _costs_for(
     names: Sequence[str],
     layers: Mapping[str, LayerInput],
@@ -248,7 +150,7 @@ def distributed_factorize(
     hold yet and broadcasts them; they are split by :func:`shard_layers`; each rank factorizes
     its share, writing every finished layer to ``store``'s directory (its own files, its own
     manifest); after all ranks finish, rank 0 merges the manifests and returns every layer's
-    factors. With one process this is :func:`~torch_armor.engine.layers.factorize_layers`.
+    factors. With one process this is :func:`~torch_armor.armor.layers.factorize_layers`.
 
     Args:
         layers: ``{name: (weight, act_sq_norm)}`` or ``{name: callable returning it}`` (lazy:
@@ -257,7 +159,7 @@ def distributed_factorize(
         store: the shared run directory (a path all ranks see, e.g. on one machine or a shared
             file system); required with more than one rank, optional with one.
         costs: ``{name: cost}`` (default :func:`layer_cost` of each weight's shape).
-        per_layer_overrides: as in :func:`~torch_armor.engine.layers.factorize_layers`.
+        per_layer_overrides: as in :func:`~torch_armor.armor.layers.factorize_layers`.
         progress: progress bar (rank 0 only, showing its own share).
         on_layer_done: called on the computing rank after each layer is saved.
         return_factors: rank 0 returns all factors (loading the other ranks' from the store);

@@ -1,0 +1,274 @@
+"""ARMOR's hooks into the engine: one layer factorized, a block's layers through the run store
+(resumable, shared out across ``torchrun`` ranks), block reconstruction after each block, the
+block-size budget planned up front, and end-to-end distillation around the block pass
+(:mod:`torch_armor.armor.distill`).
+
+Registered as the method of :class:`~torch_armor.core.config.ArmorConfig` (the default) when this
+module is imported (``import torch_armor`` does).
+
+Example::
+
+    >>> from torch_armor.core.config import ArmorConfig
+    >>> from torch_armor.engine.methods import method_for
+    >>> method = method_for(ArmorConfig())
+    >>> method.label, method.stores_layers, method.block_targets(ArmorConfig(), sequential=True)
+    ('ARMOR', True, 'block')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save
+from torch import nn
+
+from torch_armor._io import atomic_write
+from torch_armor.calibration.blocks import BlockInput, block_statistics, run_block
+from torch_armor.core.config import ArmorConfig
+from torch_armor.core.factorize import factorize
+from torch_armor.core.pattern import auto_block_size, candidate_block_sizes, check_layer_shape
+from torch_armor.core.refine import with_losses
+from torch_armor.armor.allocate import allocate_block_sizes, layer_kind, loss_curves
+from torch_armor.armor.distill import distillation_pass
+from torch_armor.armor.distributed import distributed_factorize
+from torch_armor.engine.experts import layer_module
+from torch_armor.engine.methods import Method, ModelPass, Result, act_sq_norm_for, register_method, xtx_of
+from torch_armor.armor.reconstruct import reconstruct_block
+from torch_armor.engine.runner import LayerSolution, solve_layer
+from torch_armor.errors import ArmorInputError
+
+__all__ = ["ArmorMethod", "RECONSTRUCTED_DIR", "XTX_OFFLOAD_NAME", "ALLOCATION_SAMPLE_BLOCKS"]
+
+logger = logging.getLogger("torch_armor")
+
+RECONSTRUCTED_DIR = "reconstructed"
+#: In a run directory, while a block is reconstructed: its linears' ``XᵀX`` (removed afterwards).
+XTX_OFFLOAD_NAME = "xtx-offload.safetensors"
+#: ``block_size="budget"`` measures loss-versus-block-size curves on this many decoder blocks
+#: (first, middle, last) and applies each layer kind's mean curve to every block.
+ALLOCATION_SAMPLE_BLOCKS = 3
+
+
+def _needs_xtx(config: ArmorConfig) -> bool:
+    """Refinement fits to ``XᵀX``; block reconstruction reports each layer's output loss with it."""
+    return config.refines or config.reconstructs
+
+
+def _describe(cfg: ArmorConfig) -> str:
+    """``d_b=16, bcd, ≤30 it, output refine ×3, block reconstruction 32 steps``."""
+    opt = cfg.optimizer
+    size = f"{100 * cfg.max_overhead:g}% model-wide budget" if cfg.block_size == "budget" else f"d_b={cfg.block_size}"
+    parts = [size, opt.name]
+    if opt.time_budget_s is not None:
+        parts.append(f"{opt.time_budget_s:g} s/layer")
+    parts.append(f"≤{opt.iterations} it")
+    parts.append(f"output refine ×{cfg.refine.rounds}" if cfg.refine is not None and cfg.refine.rounds else "no refine")
+    if cfg.reconstruct is not None:
+        parts.append(f"block reconstruction {cfg.reconstruct.steps} steps")
+    return ", ".join(parts)
+
+
+def _marker(run: Any, index: int) -> Optional[Path]:
+    """The run directory's record that block ``index`` was reconstructed (its stored factors are final)."""
+    return None if run.store is None else run.store.directory / RECONSTRUCTED_DIR / f"block-{index:05d}.json"
+
+
+def _replay_errors(run: Any, index: int, report: Any) -> bool:
+    """Copy the held-out errors and curve of a block a run already reconstructed (its marker)
+    into ``report``; ``False`` if there is no marker."""
+    marker = _marker(run, index)
+    if marker is None or not marker.exists():
+        return False
+    saved = json.loads(marker.read_text())
+    report.block_errors[index] = tuple(saved["errors"])
+    report.block_curves[index] = [tuple(point) for point in saved.get("curve", ())]
+    return True
+
+
+@contextmanager
+def _xtx_on_disk(run: Any, stats: Dict[str, Any]) -> Iterator[None]:
+    """The block's ``XᵀX`` (one per distinct input: q/k/v share one) written to the run
+    directory and dropped from ``stats`` while block reconstruction runs — it reads none; the
+    report's output losses after it do — then read back (bit-identical). Without a run
+    directory nothing moves."""
+    first: Dict[int, str] = {}
+    for name, s in stats.items():
+        if s.xtx is not None:
+            first.setdefault(id(s.xtx), name)
+    if run.store is None or not first:
+        yield
+        return
+    path = run.store.directory / XTX_OFFLOAD_NAME
+    keys = {name: first[id(s.xtx)] for name, s in stats.items() if s.xtx is not None}
+    device = stats[next(iter(keys))].xtx.device
+    atomic_write(path, save({key: stats[key].xtx.detach().cpu().contiguous() for key in set(keys.values())}))
+    for name in keys:
+        stats[name] = dataclasses.replace(stats[name], xtx=None)
+    try:
+        yield
+    finally:
+        with safe_open(str(path), framework="pt") as fh:
+            loaded = {key: fh.get_tensor(key).to(device) for key in set(keys.values())}
+        for name, key in keys.items():
+            stats[name] = dataclasses.replace(stats[name], xtx=loaded[key])
+        path.unlink(missing_ok=True)
+
+
+class ArmorMethod(Method):
+    """ARMOR's hooks: see the module docstring."""
+
+    stores_layers = True
+
+    def block_targets(self, config: ArmorConfig, sequential: bool) -> Optional[str]:
+        """Block reconstruction fits to the dense block's outputs, or (``ReconstructConfig(target="model")``
+        in a sequential prune) to the dense model's hidden states."""
+        if not config.reconstructs:
+            return None
+        return "model" if sequential and config.reconstruct.target == "model" else "block"
+
+    def solve_block(self, names: Sequence[str], layers: Dict[str, Any], stats: Dict[str, Any],
+                    configs: Dict[str, Any], run: Any) -> Dict[str, LayerSolution]:
+        """Factorize the block's layers through the run store, shared out across ranks."""
+        def done(fqn: str, factors) -> None:
+            run.bar.set_postfix_str(f"{fqn[-32:]} {factors.loss_text()}", refresh=False)
+
+        todo = {n: (layers[n].weight.detach(), stats[n]) for n in names}
+        factors = distributed_factorize(todo, run.config, run.store, per_layer_overrides=configs,
+                                        progress=False, on_layer_done=done, return_factors=True)
+        if run.world_size > 1:
+            dist.barrier()  # rank 0 has merged the manifests: every rank reads every layer
+            if run.rank != 0:
+                store = run.fresh_store()
+                factors = {n: store.load(n) for n in names}
+        return {n: LayerSolution(n, self.name, factors=factors[n],
+                                 seconds=float(factors[n].history_time_s[-1])) for n in names}
+
+    def after_block(self, index: int, block: nn.Module, layers: Dict[str, Any], stats: Dict[str, Any],
+                    solutions: Dict[str, LayerSolution], configs: Dict[str, Any], data: Any, run: Any,
+                    report: Any) -> Dict[str, LayerSolution]:
+        """Block reconstruction: Adam on the block's factors against the dense block's outputs (rank 0;
+        the result goes through the run store, and a marker says the block's stored factors are final)."""
+        if data is None:
+            return solutions
+        # the block's last stage, seconds on a real model: the bar says so (and a log line, when long)
+        run.bar.set_postfix_str(f"block {index}: reconstruction, {run.config.reconstruct.steps} steps")
+        names = list(solutions)
+        if _replay_errors(run, index, report):  # an interrupted run finished it: the store holds the result
+            return solutions
+        prefix = f"{run.blocks_prefix}.{index}."
+        if run.rank == 0:
+            start = time.perf_counter()
+            with _xtx_on_disk(run, stats):
+                result = reconstruct_block(block, {n[len(prefix):]: solutions[n].factors for n in names}, data[0],
+                                           data[1], run.config.reconstruct, device=run.device,
+                                           seed=run.config.seed, held_out_from=run.held_out_from)
+            new, before, after = result.factors, result.before, result.after
+            seconds = (time.perf_counter() - start) / len(names)
+            solutions = {n: LayerSolution(n, self.name, seconds=solutions[n].seconds + seconds,
+                                          factors=with_losses(new[n[len(prefix):]], layers[n].weight, stats[n].xtx,
+                                                              stats[n].act_sq_norm, seconds))
+                         for n in names}
+            if run.store is not None:
+                for n in names:
+                    run.store.save(n, solutions[n].factors, config=configs[n], seconds=solutions[n].seconds,
+                                   device=configs[n].device)
+                marker = _marker(run, index)
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write(marker, json.dumps({"errors": [before, after], "curve": result.curve}).encode())
+            report.block_errors[index] = (before, after)
+            report.block_curves[index] = [tuple(point) for point in result.curve]
+            logger.info("block %d reconstructed (%d steps): held-out relative output error %s", index, result.steps,
+                        " -> ".join(f"{e:.5f}" for _, e in result.curve))
+        if run.world_size > 1:
+            dist.barrier()  # rank 0 saved the reconstructed factors: every rank reads them
+            if run.rank != 0:
+                store = run.fresh_store()
+                solutions = {n: LayerSolution(n, self.name, factors=store.load(n), seconds=solutions[n].seconds)
+                             for n in names}
+                _replay_errors(run, index, report)
+        return solutions
+
+    def replay_block(self, index: int, run: Any, report: Any) -> None:
+        _replay_errors(run, index, report)
+
+    def plan(self, config: ArmorConfig, run: Any, inputs: Sequence[Any], by_block: List[List[str]]) -> ArmorConfig:
+        """``block_size="budget"``: measure each layer kind's loss at every candidate block size on
+        a few blocks (dense stream), then give every layer its size within the model-wide budget."""
+        if not config.needs_allocation:
+            return config
+        cfg = dataclasses.replace(config, block_size=16)
+        with_layers = [i for i, names in enumerate(by_block) if names]
+        count = min(ALLOCATION_SAMPLE_BLOCKS, len(with_layers))
+        sample = sorted({with_layers[round(k * (len(with_layers) - 1) / max(1, count - 1))] for k in range(count)})
+        work = [BlockInput(inp.hidden, inp.kwargs, layer_kwargs=inp.layer_kwargs) for inp in inputs]
+        multiple = cfg.sparsity.group
+        measured: Dict[str, Dict[int, float]] = {}
+        uncalled: Dict[str, str] = {}
+        start = time.perf_counter()
+        for index in range(sample[-1] + 1):
+            prefix = f"{run.blocks_prefix}.{index}"
+            block = run.source.load_block(prefix)
+            block.to(run.device).eval()
+            for inp in work:
+                inp.enter_block(index)
+            if index in sample:
+                layers = {n: layer_module(run.source.model, n) for n in by_block[index]}
+                stats = block_statistics(block, layers, work, device=run.device,
+                                         track_xtx=self.needs_xtx(cfg), propagate=True,
+                                         expert_calibration=run.expert_calibration,
+                                         min_expert_tokens=run.min_expert_tokens, uncalled=uncalled)
+                for n, layer in layers.items():
+                    if n in uncalled:  # left dense by the block pass: no curve
+                        continue
+                    d_out, d_in = layer.weight.shape
+                    measured[n] = {}
+                    for size in candidate_block_sizes(d_out, d_in, multiple):
+                        f = solve_layer(layer.weight, stats[n], dataclasses.replace(cfg, block_size=size), n).factors
+                        measured[n][size] = f.relative_output_loss if f.refined else f.relative_loss
+            else:
+                for inp in work:
+                    inp.hidden = run_block(block, inp, run.device)
+            run.source.release_block(prefix)
+        unmeasured = {layer_kind(n) for n in uncalled} - {layer_kind(n) for n in measured}  # left dense everywhere
+        allocated = [n for n in run.names if layer_kind(n) not in unmeasured]
+        shapes = {n: tuple(layer_module(run.source.model, n).weight.shape) for n in allocated}
+        sizes = allocate_block_sizes(loss_curves(measured, allocated), shapes, cfg.max_overhead)
+        logger.info("block sizes within a %.1f%% model-wide overhead, from blocks %s (%.0f s): %s",
+                    100 * cfg.max_overhead, sample, time.perf_counter() - start,
+                    {k: v for k, v in sorted(sizes.items()) if k.startswith(f"{run.blocks_prefix}.{sample[0]}.")})
+        return dataclasses.replace(config, block_sizes=tuple(sizes.items()))
+
+    def fit_fallback(self, config: ArmorConfig, d_out: int, d_in: int) -> Optional[Tuple[int, str]]:
+        """An integer block size that does not fit a layer: the largest one dividing it within
+        ``max_overhead``."""
+        if not isinstance(config.block_size, int):
+            return None
+        check_layer_shape(d_out, d_in, config.sparsity, None)
+        block = auto_block_size(d_out, d_in, config.max_overhead, config.sparsity.group)
+        return block, f"block size {block}"
+
+    def with_fallbacks(self, config: ArmorConfig, fallbacks: Sequence[Tuple[str, Any]]) -> ArmorConfig:
+        if not fallbacks:
+            return config
+        return dataclasses.replace(config, block_sizes=tuple(fallbacks) + tuple(config.block_sizes))
+
+    def model_pass(self, config: ArmorConfig, batches: Sequence[Any], *, streamed: bool) -> Optional[ModelPass]:
+        return distillation_pass(config, batches, streamed=streamed)
+
+
+@register_method(ArmorConfig, label="ARMOR", needs_xtx=_needs_xtx, describe=_describe, kind=ArmorMethod, default=True)
+def _armor(weight: torch.Tensor, stats: Any, config: ArmorConfig, name: str = "") -> Result:
+    xtx = xtx_of(stats)  # a bare Σx² tensor: the diagonal proxy only, no refinement
+    if config.refines and xtx is None and not isinstance(stats, torch.Tensor):
+        raise ArmorInputError(f"layer {name!r}: output-space refinement needs XᵀX statistics (calibrate with "
+                              "track_xtx=True), or set ArmorConfig(refine=None)")
+    return factorize(weight, act_sq_norm_for(stats, weight), config, xtx=xtx, name=name or None)
