@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
+import sys
 import warnings
+from pathlib import Path
 from typing import Dict, Tuple
 
 import torch
@@ -195,3 +198,13 @@ def install_stored_factors(reference: nn.Module, run_dir, names, transposed: boo
             reference.get_submodule(n).weight.data = f.dense()
         else:
             reference.get_parameter(split[0]).data[split[1]] = f.dense().T if transposed else f.dense()
+
+
+@functools.lru_cache(maxsize=None)
+def moe_table_tool():
+    """``tools/moe_table.py`` as a module (tools/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("moe_table", Path(__file__).resolve().parents[1] / "tools" / "moe_table.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

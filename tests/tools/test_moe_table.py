@@ -5,24 +5,14 @@ status its row states."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
+from _tiny_moe import moe_table_tool
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("moe_table", ROOT / "tools" / "moe_table.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-moe_table = _tool()
+moe_table = moe_table_tool()
 STATED = moe_table.stated((ROOT / "docs" / "moe.md").read_text(encoding="utf-8")) or {}
 
 
