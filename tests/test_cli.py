@@ -293,6 +293,9 @@ def test_preset_then_the_options_given():
         reconstruct=dataclasses.replace(fast.reconstruct, steps=7))
     assert _armor_config(parser.parse_args(["prune", "smollm2", "--out", "x", "--preset", "max", "--refine", "none",
                                             "--reconstruct-steps", "0"])).reconstruct is None
+    distilled = _armor_config(parser.parse_args(["prune", "smollm2", "--out", "x", "--preset", "max", "--distill-steps", "5"]))
+    assert distilled.distill == dataclasses.replace(ArmorConfig.preset("max").distill, steps=5)
+    assert _armor_config(parser.parse_args(["prune", "smollm2", "--out", "x", "--distill-steps", "0"])).distill is None
     with pytest.raises(SystemExit):
         parser.parse_args(["prune", "smollm2", "--out", "x", "--preset", "slow"])
 

@@ -17,7 +17,7 @@ from torch_armor.engine.methods import METHODS, method_names
 ROOT = Path(__file__).resolve().parents[1]
 #: a valid value of each method flag that differs from what the method gets without it
 VALUES = {"--pattern": "4:8", "--preset": "max", "--block-size": "32", "--max-overhead": "0.1", "--optimizer": "adam",
-          "--iters": "5", "--time-budget": "2", "--refine": "none", "--reconstruct-steps": "5",
+          "--iters": "5", "--time-budget": "2", "--refine": "none", "--reconstruct-steps": "5", "--distill-steps": "4",
           "--sparsegpt-block-size": "64", "--damp": "0.5"}
 
 

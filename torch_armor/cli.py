@@ -166,6 +166,10 @@ def _add_armor(p: argparse.ArgumentParser) -> None:
     steps = default.reconstruct.steps if default.reconstruct is not None else 0
     g.add_argument("--reconstruct-steps", type=int, default=None,
                    help=f"Adam steps of block reconstruction per decoder block (default {steps}; 0: off)")
+    distill_steps = default.distill.steps if default.distill is not None else 0
+    g.add_argument("--distill-steps", type=int, default=None,
+                   help=f"Adam steps of end-to-end distillation after the block pass (default {distill_steps}; "
+                        "0: off)")
     g.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default=None,
                    help=f"per-layer optimizer (default {default.optimizer.name})")
     g.add_argument("--iters", type=int, default=None,
@@ -285,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "and print the quality table, a row as soon as its method is done. Quick by "
                                    f"default ({', '.join(QUICK_PROTOCOL['methods'])}; {QUICK_PROTOCOL['n_calib']} calibration and "
                                    f"{QUICK_PROTOCOL['n_eval']} evaluation windows; ARMOR {QUICK_PROTOCOL['iters']} sweeps, "
-                                   f"{QUICK_PROTOCOL['reconstruct_steps']} reconstruction steps); --full: "
+                                   f"{QUICK_PROTOCOL['reconstruct_steps']} reconstruction steps, "
+                                   f"{QUICK_PROTOCOL['distill_steps']} distillation steps); --full: "
                                    "every method under the README's protocol (about an hour on 2 cores). Finished "
                                    "rows are saved in --run-dir: after Ctrl-C the same command resumes.")
     d.add_argument("--full", action="store_true",

@@ -22,7 +22,7 @@ from torch_armor._io import RUN_DIR_NAME
 from torch_armor.cli_flags import method_fields, with_flags
 from torch_armor.cli_names import DENSE, FULL_PROTOCOL, HARNESS_JSON, QUICK_PROTOCOL, REPORT_JSON, REPORT_PNG
 from torch_armor.core.config import ArmorConfig
-from torch_armor.core.levers import DEFAULT_RECONSTRUCT, DEFAULT_REFINE, OPTIMIZERS
+from torch_armor.core.levers import DEFAULT_RECONSTRUCT, DEFAULT_REFINE, OPTIMIZERS, DistillConfig
 from torch_armor.engine.topology import launched_rank
 from torch_armor.engine.methods import method_named
 from torch_armor.engine.options import PruneOptions
@@ -82,6 +82,9 @@ def armor_config(args: argparse.Namespace) -> ArmorConfig:
         changes["reconstruct"] = (dataclasses.replace(base.reconstruct or DEFAULT_RECONSTRUCT,
                                                       steps=args.reconstruct_steps)
                                   if args.reconstruct_steps else None)
+    if args.distill_steps is not None:
+        changes["distill"] = (dataclasses.replace(base.distill or DistillConfig(), steps=args.distill_steps)
+                              if args.distill_steps else None)
     return dataclasses.replace(base, **changes)
 
 
@@ -296,6 +299,8 @@ def demo_protocol(args: argparse.Namespace) -> None:
         args.iters = protocol["iters"]
     if args.reconstruct_steps is None:
         args.reconstruct_steps = protocol["reconstruct_steps"]
+    if args.distill_steps is None:
+        args.distill_steps = protocol["distill_steps"]
     args.run_dir = args.run_dir or str(Path("runs") / ("demo-full" if args.full else "demo-quick"))
 
 

@@ -42,6 +42,7 @@ METHOD_FLAGS: Dict[str, str] = {
     "--time-budget": "ArmorConfig.optimizer.time_budget_s",
     "--refine": "ArmorConfig.refine",
     "--reconstruct-steps": "ArmorConfig.reconstruct.steps",
+    "--distill-steps": "ArmorConfig.distill.steps",
     "--sparsegpt-block-size": "SparseGPTConfig.block_size",
     "--damp": "SparseGPTConfig.damp",
 }
