@@ -13,5 +13,5 @@ trap 'rm -rf "$WORK"' EXIT
   || { cat "$WORK/pip.log" >&2; echo "floor check: could not install transformers==$floor" >&2; exit 1; }
 got="$(PYTHONPATH="$WORK/site" "$VENV/bin/python" -c 'import transformers; print(transformers.__version__)')"
 [ "$got" = "$floor" ] || { echo "floor check: imported transformers $got, wanted $floor" >&2; exit 1; }
-PYTHONPATH="$WORK/site" "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_hf.py
-echo "floor check (transformers $floor, tests/test_hf.py) passed in $(( $(date +%s) - start )) s"
+PYTHONPATH="$WORK/site" "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/format/test_hf.py
+echo "floor check (transformers $floor, tests/format/test_hf.py) passed in $(( $(date +%s) - start )) s"

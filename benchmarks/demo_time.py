@@ -74,7 +74,7 @@ def main() -> None:
                     help="the demo's --threads (record: 1, so that the CPU time has no threads waiting on a busy "
                          "machine; check: the demo's own choice)")
     args = ap.parse_args()
-    from torch_armor.cli_names import DEMO_METHODS, QUICK_PROTOCOL
+    from torch_armor.cli.names import DEMO_METHODS, QUICK_PROTOCOL
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work or tmp)

@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from reconstruct_sweep import PREVIOUS_MAX, add_protocol_arguments, protocol_data, start  # noqa: E402
 from torch_armor import ArmorConfig, PruneOptions, prune_model  # noqa: E402
-from torch_armor.core.levers import DistillConfig  # noqa: E402
-from torch_armor.core.presets import PRESETS  # noqa: E402
+from torch_armor.config.levers import DistillConfig  # noqa: E402
+from torch_armor.config.presets import PRESETS  # noqa: E402
 from torch_armor.armor.distill import Distillation  # noqa: E402
 from torch_armor.armor.reconstruct_data import split_windows  # noqa: E402
 from torch_armor.recipes.evaluate import perplexity  # noqa: E402

@@ -74,7 +74,7 @@ from torch_armor.recipes.data import calibration_windows, eval_windows, tokenize
 from torch_armor.tensor.quant import ArmorCoreConfig
 from torch_armor.sparsifier import ArmorSparsifier
 from torch_armor import ArmorConfig
-from torch_armor.core.config import BcdConfig
+from torch_armor.config.armor import BcdConfig
 from torch_armor.tensor.armor_tensor import ArmorTensor
 
 LAYER = "model.layers.0.mlp.up_proj"

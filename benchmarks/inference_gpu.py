@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torch_armor.core.config import ArmorConfig
+from torch_armor.config.armor import ArmorConfig
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.core.proxy import nm_mask_from_scores
 from torch_armor.tensor import policy

@@ -45,7 +45,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 from torch_armor.calibration.blocks import block_statistics, capture_block_inputs, decoder_blocks  # noqa: E402
 from torch_armor.calibration.experts import split_expert_name  # noqa: E402
 from torch_armor.calibration.selection import prunable_names  # noqa: E402
-from torch_armor.core.config import ArmorConfig, BcdConfig  # noqa: E402
+from torch_armor.config.armor import ArmorConfig, BcdConfig  # noqa: E402
 from torch_armor.engine import layers as engine_layers  # noqa: E402
 from torch_armor.engine.experts import layer_module  # noqa: E402
 from torch_armor.engine.methods import config_for_method, method_label  # noqa: E402

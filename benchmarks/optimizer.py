@@ -35,7 +35,7 @@ from layer_stats import layer_problem  # noqa: E402
 
 factorize_module = importlib.import_module("torch_armor.core.factorize")  # the module, not the function
 from torch_armor import ArmorConfig  # noqa: E402
-from torch_armor.core.config import AdamConfig, BcdConfig  # noqa: E402
+from torch_armor.config.armor import AdamConfig, BcdConfig  # noqa: E402
 from torch_armor.core.factorize import factorize  # noqa: E402
 
 LAYERS = ("q_proj", "k_proj", "up_proj", "down_proj")

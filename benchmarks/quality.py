@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from torch_armor import ArmorConfig  # noqa: E402
-from torch_armor.core.config import DistillConfig, ReconstructConfig, RefineConfig  # noqa: E402
-from torch_armor.core.levers import OPTIMIZERS  # noqa: E402
-from torch_armor.core.presets import PRESETS  # noqa: E402
+from torch_armor.config.armor import DistillConfig, ReconstructConfig, RefineConfig  # noqa: E402
+from torch_armor.config.levers import OPTIMIZERS  # noqa: E402
+from torch_armor.config.presets import PRESETS  # noqa: E402
 from torch_armor.recipes.quality import DEMO_METHODS, run_quality  # noqa: E402
 from reconstruct_sweep import PREVIOUS_MAX  # noqa: E402
 

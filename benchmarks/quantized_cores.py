@@ -34,14 +34,14 @@ import torch
 from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, Int8DynamicActivationInt8WeightConfig, quantize_
 
 from torch_armor import load_pretrained
-from torch_armor.cli_commands import prune_calibration
+from torch_armor.cli.commands import prune_calibration
 from torch_armor.recipes.assets import smollm2_tokenizer
 from torch_armor.recipes.data import calibration_windows, eval_windows
 from torch_armor.recipes.evaluate import perplexity
 from torch_armor.tensor.finetune import checkpoint_size
 from torch_armor.tensor.armor_tensor import ArmorTensor
 from torch_armor.tensor.quant import ArmorCoreConfig, dequantize_armor_core
-from torch_armor.tensor.serialization import save_pretrained
+from torch_armor.format.serialization import save_pretrained
 from torch_armor.tensor.smoothing import smooth_core_inputs
 
 CONFIGS = {"int8": Int8DynamicActivationInt8WeightConfig, "fp8": Float8DynamicActivationFloat8WeightConfig}

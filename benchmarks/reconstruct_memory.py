@@ -34,7 +34,7 @@ def measure(which: str, old: str, hidden: int, inter: int, batch: int, seq_len: 
 
     from torch_armor.calibration.blocks import BlockInput, run_block  # noqa: PLC0415
     from torch_armor.core.factors import ArmorFactors  # noqa: PLC0415
-    from torch_armor.core.levers import ReconstructConfig  # noqa: PLC0415
+    from torch_armor.config.levers import ReconstructConfig  # noqa: PLC0415
 
     from torch_armor.engine.memory import fix_mmap_threshold  # noqa: PLC0415
 

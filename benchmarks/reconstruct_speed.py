@@ -31,7 +31,7 @@ def measure(steps: int, threads: int, out: str) -> None:
 
     import torch_armor  # noqa: PLC0415
     from torch_armor import ArmorConfig  # noqa: PLC0415
-    from torch_armor.core.config import BcdConfig, ReconstructConfig  # noqa: PLC0415
+    from torch_armor.config.armor import BcdConfig, ReconstructConfig  # noqa: PLC0415
     from torch_armor.calibration.blocks import block_statistics, capture_block_inputs, run_block  # noqa: PLC0415
     from torch_armor.armor.reconstruct import reconstruct_block  # noqa: PLC0415
     from torch_armor.engine.runner import solve_layer  # noqa: PLC0415

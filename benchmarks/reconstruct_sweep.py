@@ -10,7 +10,7 @@ calibration perplexity (the column settings are chosen on), Wikipedia perplexity
 wall time and this process's CPU time during the prune (others share the machine: wall under
 load overstates the cost alone).
 
-Settings (``--settings``): the presets (``fast``, ``default``, ``max``: :mod:`torch_armor.core.presets`)
+Settings (``--settings``): the presets (``fast``, ``default``, ``max``: :mod:`torch_armor.config.presets`)
 and the named changes of :data:`SETTINGS` (``steps32`` … : changes of :data:`SETTINGS_BASE`, the
 block pass they were measured on).
 
@@ -38,9 +38,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torch_armor import ArmorConfig, PruneOptions, prune_model  # noqa: E402
-from torch_armor.core.config import BcdConfig, DistillConfig, ReconstructConfig, RefineConfig  # noqa: E402
-from torch_armor.core.levers import DEFAULT_RECONSTRUCT, DEFAULT_REFINE  # noqa: E402
-from torch_armor.core.presets import PRESETS  # noqa: E402
+from torch_armor.config.armor import BcdConfig, DistillConfig, ReconstructConfig, RefineConfig  # noqa: E402
+from torch_armor.config.levers import DEFAULT_RECONSTRUCT, DEFAULT_REFINE  # noqa: E402
+from torch_armor.config.presets import PRESETS  # noqa: E402
 from torch_armor.engine.options import check_device  # noqa: E402
 from torch_armor.recipes.data import calibration_windows, eval_windows, load_text, tokenize_text  # noqa: E402
 from torch_armor.recipes.evaluate import perplexity  # noqa: E402

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torch_armor import ArmorConfig  # noqa: E402
-from torch_armor.core.config import BcdConfig  # noqa: E402
+from torch_armor.config.armor import BcdConfig  # noqa: E402
 from torch_armor.core.factorize import factorize  # noqa: E402
 from torch_armor.calibration.observer import collect_statistics  # noqa: E402
 from torch_armor.core.proxy import nowag_prune  # noqa: E402

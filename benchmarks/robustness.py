@@ -41,7 +41,7 @@ import torch  # noqa: E402
 
 from torch_armor.errors import ArmorError  # noqa: E402
 from torch_armor import PruneOptions, WandaConfig  # noqa: E402
-from torch_armor.core.config import AdamConfig  # noqa: E402
+from torch_armor.config.armor import AdamConfig  # noqa: E402
 
 CASES: List[Tuple[str, str, Callable[[], object], str]] = []  # (group, name, run, what the message must name)
 
@@ -79,7 +79,7 @@ def check(cond: bool, what: str) -> None:
 # ------------------------------------------------------------------------------------------ core
 def _factorize(w, h, name="blk.proj", **cfg):
     from torch_armor import ArmorConfig
-    from torch_armor.core.config import BcdConfig
+    from torch_armor.config.armor import BcdConfig
     from torch_armor.core.factorize import factorize
     from torch_armor.core.proxy import nowag_prune, proxy_loss
 
@@ -157,7 +157,7 @@ def _():
 
 def _factorize_zero(w, h):
     from torch_armor import ArmorConfig
-    from torch_armor.core.config import BcdConfig
+    from torch_armor.config.armor import BcdConfig
     from torch_armor.core.factorize import factorize
 
     return factorize(w, h, ArmorConfig(block_size=16, optimizer=BcdConfig(iters=3)), name="blk.proj")
@@ -225,7 +225,7 @@ def _():
 @case("config", "negative ridge", "ridge")
 def _():
     from torch_armor import ArmorConfig
-    from torch_armor.core.config import BcdConfig
+    from torch_armor.config.armor import BcdConfig
 
     ArmorConfig(optimizer=BcdConfig(ridge=-1.0))
 
@@ -271,7 +271,7 @@ def _():
 def _():
     from conftest import make_tiny_llama
     from torch_armor import ArmorConfig, prune_model
-    from torch_armor.core.config import BcdConfig
+    from torch_armor.config.armor import BcdConfig
 
     model = make_tiny_llama()
     ids = torch.randint(0, 128, (2, 8))
@@ -281,7 +281,7 @@ def _():
 
 # ------------------------------------------------------------------------------------- files
 def _saved_dir(tmp: Path) -> Path:
-    from torch_armor.tensor.serialization import save_pretrained
+    from torch_armor.format.serialization import save_pretrained
 
     torch.manual_seed(0)
     folder = tmp / "ckpt"
@@ -290,7 +290,7 @@ def _saved_dir(tmp: Path) -> Path:
 
 
 def _load(folder: Path):
-    from torch_armor.tensor.serialization import load_pretrained
+    from torch_armor.format.serialization import load_pretrained
 
     return load_pretrained(folder, torch.nn.Sequential(torch.nn.Linear(8, 8)))
 
@@ -331,7 +331,7 @@ def _():
 
 @case("files", "save over a directory holding a stale pytorch_model.bin", "pytorch_model.bin")
 def _():
-    from torch_armor.tensor.serialization import save_pretrained
+    from torch_armor.format.serialization import save_pretrained
 
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "pytorch_model.bin").write_bytes(b"x")
@@ -340,7 +340,7 @@ def _():
 
 @case("faults", "save_pretrained interrupted by ENOSPC, then loaded", "armor_config.json")
 def _():
-    import torch_armor.tensor.serialization as ser
+    import torch_armor.format.serialization as ser
 
     with tempfile.TemporaryDirectory() as d:
         folder = _saved_dir(Path(d))
@@ -388,7 +388,7 @@ class CliResult:
 
 
 def _cli(argv) -> CliResult:
-    from torch_armor.cli import main
+    from torch_armor.cli.parser import main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):

@@ -34,7 +34,7 @@ def calib_ids(vocab: int = 128, n: int = 2) -> torch.Tensor:
 
 def armor_cfg():
     from torch_armor import ArmorConfig
-    from torch_armor.core.config import BcdConfig
+    from torch_armor.config.armor import BcdConfig
 
     return ArmorConfig(block_size=16, optimizer=BcdConfig(iters=1))
 
@@ -136,7 +136,7 @@ PRUNE_SCRIPT = """
 import sys, torch
 torch.set_num_threads(1)
 from torch_armor import ArmorConfig, PruneOptions, prune_model
-from torch_armor.core.config import BcdConfig
+from torch_armor.config.armor import BcdConfig
 model, run_dir, out = sys.argv[1:4]
 calib = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
 prune_model(model, calib, ArmorConfig(block_size=16, optimizer=BcdConfig(iters=2)), options=PruneOptions(run_dir=None if run_dir == "-" else run_dir,

@@ -24,7 +24,7 @@ from robustness_fixtures import STATE, tmp_dir
 def _plain():
     """The tiny model in a plain directory and what ``prune`` writes for it (once)."""
     from _tiny_dir import fast_prune_args, save_tiny_model
-    from torch_armor.cli import main
+    from torch_armor.cli.parser import main
 
     if "plain46" not in STATE:
         folder = tmp_dir()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 
 from torch_armor import ArmorConfig, PruneOptions  # noqa: E402
-from torch_armor.core.config import BcdConfig  # noqa: E402
+from torch_armor.config.armor import BcdConfig  # noqa: E402
 from robustness_fixtures import (  # noqa: E402
     calib_ids,
     dense_dir,

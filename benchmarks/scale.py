@@ -70,7 +70,7 @@ SMOL_BLOCK, SMOL_ITERS = 16, 3
 def smol_config():
     """``ArmorConfig(block_size=16, optimizer=BcdConfig(iters=3))`` (torch_armor imported on use)."""
     from torch_armor import ArmorConfig
-    from torch_armor.core.config import BcdConfig
+    from torch_armor.config.armor import BcdConfig
 
     return ArmorConfig(block_size=SMOL_BLOCK, optimizer=BcdConfig(iters=SMOL_ITERS))
 SMOL_WINDOWS = 8
@@ -143,7 +143,7 @@ def cmd_measure(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     from torch_armor import ArmorConfig
     from torch_armor.core.factorize import factorize
-    from torch_armor.core.levers import OPTIMIZERS
+    from torch_armor.config.levers import OPTIMIZERS
 
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(args.d_out, args.d_in, generator=g)

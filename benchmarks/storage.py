@@ -47,10 +47,10 @@ from torchao.quantization import Int8WeightOnlyConfig, quantize_
 from torch_armor.recipes.assets import load_smollm2
 from torch_armor.calibration.observer import decoder_linear_names
 from torch_armor.tensor.quant import ArmorCoreConfig
-from torch_armor.tensor.serialization import WEIGHTS_NAME, load_pretrained, save_pretrained
+from torch_armor.format.serialization import WEIGHTS_NAME, load_pretrained, save_pretrained
 from torch_armor.sparsifier import ArmorSparsifier
 from torch_armor import ArmorConfig
-from torch_armor.core.config import BcdConfig
+from torch_armor.config.armor import BcdConfig
 
 TARGET_RATIO = 0.60
 

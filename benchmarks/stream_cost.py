@@ -28,7 +28,7 @@ import resource, sys, time
 import torch_armor.engine.memory as memory
 pinned = sys.argv[1] == "pinned"
 memory.pin_needed = lambda *args: pinned
-from torch_armor.cli import main
+from torch_armor.cli.parser import main
 start = time.perf_counter()
 rc = main(sys.argv[2:])
 r = resource.getrusage(resource.RUSAGE_SELF)

@@ -37,7 +37,7 @@ def fast_prune_args(folder: Path, method: str = "armor") -> list:
     text, 2 windows of 32 tokens, block size 16, 2 sweeps, no refinement or reconstruction, one thread,
     streamed block by block (what a checkpoint too large for memory gets; the tiny one would load whole)
     (for another ``method``, without the ARMOR options: the command line refuses them)."""
-    from torch_armor.cli_flags import METHOD_FLAGS, applies_to
+    from torch_armor.cli.flags import METHOD_FLAGS, applies_to
 
     armor = {"--block-size": "16", "--iters": "2", "--reconstruct-steps": "0", "--refine": "none"}
     given = [[flag, value] for flag, value in armor.items() if flag not in METHOD_FLAGS or method in applies_to(flag)]

@@ -21,10 +21,10 @@ from typing import Dict, Tuple
 import torch
 from torch import nn
 
-from torch_armor.core.config import ArmorConfig, BcdConfig
+from torch_armor.config.armor import ArmorConfig, BcdConfig
 from torch_armor.core.factorize import factorize
 from torch_armor.tensor.experts import armor_experts_from_factors
-from torch_armor.tensor.hf_format import attach_quantizer
+from torch_armor.format.hf_format import attach_quantizer
 
 ARCHS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
 #: calibration token ids (8 windows of 16, vocabulary 64) and the ids logits are compared on
@@ -159,7 +159,7 @@ def assert_saves_and_loads_bit_identically(model: nn.Module, directory, ids: tor
 def reconstruction_errors(model: nn.Module, calib: torch.Tensor) -> Dict[int, Tuple[float, float]]:
     """``report.block_errors`` (``{block: (held-out error before, after)}``) of an ARMOR prune of ``model``
     with a short block reconstruction (block size 8), checked to cover every block and never to get worse."""
-    from torch_armor.core.config import ReconstructConfig
+    from torch_armor.config.armor import ReconstructConfig
     from torch_armor.engine.prune import PruneOptions, prune_model
 
     config = ArmorConfig(block_size=8, optimizer=BcdConfig(iters=2), refine=None, distill=None,

@@ -126,7 +126,7 @@ def make_converted_tiny_llama(iters: int = 5):
     """:func:`make_tiny_llama` with every decoder linear converted by ``ArmorSparsifier`` (block 16, ``iters``
     BCD sweeps) after one calibration batch; lm_head stays dense."""
     from torch_armor import ArmorConfig, ArmorSparsifier
-    from torch_armor.core.config import BcdConfig
+    from torch_armor.config.armor import BcdConfig
 
     model = make_tiny_llama()
     sparsifier = ArmorSparsifier(ArmorConfig(block_size=16, optimizer=BcdConfig(iters=iters)), progress=False)

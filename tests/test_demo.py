@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from torch_armor.cli import build_parser
-from torch_armor.cli_commands import demo_protocol as _demo_protocol
+from torch_armor.cli.parser import build_parser
+from torch_armor.cli.commands import demo_protocol as _demo_protocol
 from torch_armor.recipes.demo_runs import ROWS_JSON, TABLE_MD
 
 ROOT = Path(__file__).resolve().parents[1]

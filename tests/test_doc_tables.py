@@ -85,7 +85,7 @@ def test_prose_states_each_presets_numbers(page, starts, preset):
 
 
 def test_the_presets_module_states_its_own_numbers():
-    from torch_armor.core import presets
+    from torch_armor.config import presets
 
     doc = presets.__doc__
     for preset in ("fast", "default", "max"):

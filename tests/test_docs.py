@@ -264,7 +264,7 @@ def test_quick_start_command_lines_run(tmp_path, monkeypatch, capsys, tiny_model
     small-run flags are appended (2 windows of 32 tokens of this README as calibration and
     evaluation text, 2 ARMOR sweeps, no progress bars). Output paths and everything else stay as
     written, so ``eval`` reads what ``prune`` wrote."""
-    from torch_armor.cli import main
+    from torch_armor.cli.parser import main
 
     text = tmp_path / "text.txt"
     text.write_text(README.read_text(encoding="utf-8"), encoding="utf-8")
@@ -320,7 +320,7 @@ def test_api_reference_shows_every_field_with_its_real_default():
     import dataclasses
 
     import torch_armor
-    import torch_armor.core.config as configs  # ARMOR's nested configs live there, not at the top level
+    import torch_armor.config.armor as configs  # ARMOR's nested configs live there, not at the top level
 
     namespace = {"torch": torch, **{n: getattr(configs, n) for n in configs.__all__},
                  **{n: getattr(torch_armor, n) for n in torch_armor.__all__}}
@@ -357,7 +357,7 @@ def test_user_guide_config_examples_build():
 
 def cli_flags(capsys) -> dict:
     """``{subcommand: its --flags}``, read from ``torch-armor SUBCOMMAND --help``."""
-    from torch_armor.cli import main
+    from torch_armor.cli.parser import main
 
     flags = {}
     for command in ("prune", "eval", "demo"):

@@ -8,7 +8,7 @@ import pytest
 
 import torch_armor
 
-SKIP = {"torch_armor.cli", "torch_armor.__main__"}
+SKIP = {"torch_armor.cli.parser", "torch_armor.__main__"}
 SLOW = {"torch_armor.recipes.assets"}  # its examples load the real model
 MODULES = sorted(
     m.name for m in pkgutil.walk_packages(torch_armor.__path__, "torch_armor.") if m.name not in SKIP

@@ -22,10 +22,10 @@ from hypothesis import strategies as st
 
 from tests._helpers import check_mask
 from torch_armor import ArmorConfig
-from torch_armor.core.config import AdamConfig, BcdConfig, ReconstructConfig, RefineConfig
+from torch_armor.config.armor import AdamConfig, BcdConfig, ReconstructConfig, RefineConfig
 from torch_armor.engine.methods import config_for_method
 from torch_armor.core.factorize import factorize
-from torch_armor.core.levers import OPTIMIZERS
+from torch_armor.config.levers import OPTIMIZERS
 from torch_armor.core.proxy import nowag_prune, proxy_loss
 from torch_armor.errors import ArmorError
 
@@ -206,7 +206,7 @@ _OPTIONS = {
 @given(st.sampled_from(["prune", "eval"]), st.sampled_from(["missing", "not-a-model", "file", "typo"]),
        st.dictionaries(st.sampled_from(sorted(_OPTIONS)), st.integers(0, 4), max_size=4))
 def test_cli_argument_space(command, model_kind, picks):
-    from torch_armor.cli import main
+    from torch_armor.cli.parser import main
 
     with tempfile.TemporaryDirectory() as d:
         model = {"missing": os.path.join(d, "nope"), "not-a-model": d, "file": os.path.join(d, "f.txt"),
@@ -232,7 +232,7 @@ def test_cli_argument_space(command, model_kind, picks):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     from torch_armor.sparsifier import ArmorSparsifier
-    from torch_armor.tensor.serialization import save_pretrained
+    from torch_armor.format.serialization import save_pretrained
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 8))
@@ -257,7 +257,7 @@ def test_load_pretrained_on_corrupted_directories(saved, how, seed):
     import random
     import shutil
 
-    from torch_armor.tensor.serialization import load_pretrained
+    from torch_armor.format.serialization import load_pretrained
 
     folder, x, expected = saved
     rnd = random.Random(seed)

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from _tiny_dir import save_tiny_model
-from torch_armor.cli import REPORT_JSON, REPORT_PNG, main
+from torch_armor.cli.parser import REPORT_JSON, REPORT_PNG, main
 from torch_armor.errors import ArmorError, MissingExtraError, _EXTRAS, require_extra
 
 

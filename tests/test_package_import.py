@@ -17,16 +17,16 @@ import torch_armor
 ROOT = Path(__file__).resolve().parents[1]
 
 REGISTERED = {
-    "config": "torch_armor.hf.ArmorQuantizationConfig",
-    "quantizer": "torch_armor.hf.ArmorHfQuantizer",
+    "config": "torch_armor.format.hf.ArmorQuantizationConfig",
+    "quantizer": "torch_armor.format.hf.ArmorHfQuantizer",
     "torchao": ["torch_armor.tensor.quant.ArmorCoreConfig"],
     # the method registry, in registration order: (name, config type, hooks); the engine imports no method
-    "methods": [["magnitude", "torch_armor.core.method_config.MagnitudeConfig", "torch_armor.engine.methods.Method"],
-                ["wanda", "torch_armor.core.method_config.WandaConfig", "torch_armor.engine.methods.Method"],
-                ["sparsegpt", "torch_armor.core.method_config.SparseGPTConfig", "torch_armor.engine.methods.Method"],
-                ["nowag", "torch_armor.core.method_config.NoWagConfig", "torch_armor.engine.methods.Method"],
-                ["armor", "torch_armor.core.config.ArmorConfig", "torch_armor.armor.method.ArmorMethod"]],
-    "default": "torch_armor.core.config.ArmorConfig",
+    "methods": [["magnitude", "torch_armor.config.methods.MagnitudeConfig", "torch_armor.engine.methods.Method"],
+                ["wanda", "torch_armor.config.methods.WandaConfig", "torch_armor.engine.methods.Method"],
+                ["sparsegpt", "torch_armor.config.methods.SparseGPTConfig", "torch_armor.engine.methods.Method"],
+                ["nowag", "torch_armor.config.methods.NoWagConfig", "torch_armor.engine.methods.Method"],
+                ["armor", "torch_armor.config.armor.ArmorConfig", "torch_armor.armor.method.ArmorMethod"]],
+    "default": "torch_armor.config.armor.ArmorConfig",
 }
 
 # Imports the modules in order under the given argv, and prints the registrations seen after each.
@@ -69,8 +69,8 @@ def _registrations_after_each(argv, modules):
 @pytest.mark.parametrize("argv, modules", [
     # the case: the console script's name, prune_model imported from its module
     (["torch-armor", "prune"], ["torch_armor.engine.prune", "torch_armor"]),
-    (["/venv/bin/torch-armor", "--help"], ["torch_armor.cli", "torch_armor.hf"]),
-    (["-c"], ["torch_armor.core.pattern", "torch_armor.tensor.serialization"]),
+    (["/venv/bin/torch-armor", "--help"], ["torch_armor.cli.parser", "torch_armor.format.hf"]),
+    (["-c"], ["torch_armor.core.pattern", "torch_armor.format.serialization"]),
     # the registry's own module first, then a method's: every method is registered by then all the same
     (["script.py"], ["torch_armor.engine.methods", "torch_armor.armor.method", "torch_armor.baselines"]),
     (["torch-armor"], ["torch_armor.engine.blocks", "torch_armor.calibrated_sparsifier"]),
@@ -95,13 +95,13 @@ def test_at_most_15_public_names_each_importing_from_the_package():
                "RefineConfig", "ReconstructConfig", "DistillConfig", "ArmorFactors", "config_for_method",
                "register_method", "RunMismatchError"]
     assert [n for n in removed if hasattr(torch_armor, n)] == []
-    import torch_armor.hf as hf
+    import torch_armor.format.hf as hf
     import torch_armor.sparsifier as sparsifier
 
     assert not hasattr(sparsifier, "PruningSparsifier") and not hasattr(hf, "from_pretrained")
 
 
-PUBLIC_MODULES = sorted({"torch_armor", "torch_armor.cli", "torch_armor.hf",
+PUBLIC_MODULES = sorted({"torch_armor", "torch_armor.cli.parser", "torch_armor.format.hf",
                          *(getattr(torch_armor, name).__module__ for name in torch_armor.__all__)})
 
 

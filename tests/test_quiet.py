@@ -17,8 +17,8 @@ from torch import nn
 import torch_armor.progress as progress_module
 from _tiny_dir import save_tiny_model
 from torch_armor._quiet import known_import_noise_dropped
-from torch_armor.cli import main
-from torch_armor.core.config import ArmorConfig, BcdConfig
+from torch_armor.cli.parser import main
+from torch_armor.config.armor import ArmorConfig, BcdConfig
 from torch_armor.sparsifier import ArmorSparsifier
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,7 +191,7 @@ def test_every_stage_of_an_in_memory_prune_reports_in_a_log(capsys, monkeypatch,
     as it starts) and distillation each report; with the interval at 0 s, every status is a line, as
     a stage longer than LOG_EVERY_S does on a real model."""
     from torch_armor import PruneOptions, prune_model
-    from torch_armor.core.config import DistillConfig, ReconstructConfig
+    from torch_armor.config.armor import DistillConfig, ReconstructConfig
 
     monkeypatch.setattr(progress_module, "LOG_EVERY_S", 0.0)
     config = ArmorConfig(block_size=16, optimizer=BcdConfig(iters=1), reconstruct=ReconstructConfig(steps=2),

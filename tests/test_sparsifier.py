@@ -18,7 +18,7 @@ import torch_armor.armor.method as runner_module  # where the ARMOR method calls
 import torch_armor.sparsifier as sparsifier_module
 from torch_armor.core import baselines
 from torch_armor import ArmorConfig, MagnitudeConfig, SparseGPTConfig, WandaConfig
-from torch_armor.core.config import BcdConfig
+from torch_armor.config.armor import BcdConfig
 from torch_armor.engine.methods import config_for_method
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.core.proxy import nowag_prune

@@ -11,7 +11,7 @@ import time
 import torch
 from hypothesis import given, strategies as st
 
-from torch_armor import cli_commands
+from torch_armor.cli import commands as cli_commands
 from torch_armor.threads import choose_threads, load_average, physical_cores
 
 

@@ -5,13 +5,13 @@ Pure ``ast`` (nothing is imported or executed). Every module of the package sits
 an import may point to the same floor or a lower one, never up:
 
     0  errors, _io, progress, threads     (no torch_armor imports besides each other)
-    1  core, kernels                      (pure math, sparsity patterns, the method configs; GPU kernels)
+    1  core, config, kernels              (pure math, sparsity patterns; the method configs; GPU kernels)
     2  calibration                        (hooks, statistics)
-    3  tensor                             (ArmorTensor, storages; the save/load format)
+    3  tensor, format                     (ArmorTensor, storages; the save/load format, transformers)
     4  engine                             (the method hooks and registry, runner, pipeline, sources, run store,
                                           prune_model: it never names a method)
     5  armor, baselines                   (the methods: their hooks, registered on import)
-    6  sparsifier, calibrated_sparsifier, sparsifier_state, hf, cli, cli_flags, recipes, __main__   (front ends)
+    6  sparsifier, calibrated_sparsifier, sparsifier_state, cli, recipes, __main__   (front ends)
     7  torch_armor (the package's __init__: the public names)
 
 Violations (each printed on one line; exit status 1 if there is any):
@@ -71,20 +71,18 @@ FLOORS: Tuple[Tuple[str, int], ...] = (
     ("torch_armor.progress", 0),
     ("torch_armor.threads", 0),
     ("torch_armor.core", 1),
+    ("torch_armor.config", 1),
     ("torch_armor.kernels", 1),
     ("torch_armor.calibration", 2),
     ("torch_armor.tensor", 3),
+    ("torch_armor.format", 3),
     ("torch_armor.engine", 4),
     ("torch_armor.armor", 5),
     ("torch_armor.baselines", 5),
     ("torch_armor.sparsifier", 6),
     ("torch_armor.calibrated_sparsifier", 6),
     ("torch_armor.sparsifier_state", 6),
-    ("torch_armor.hf", 6),
     ("torch_armor.cli", 6),
-    ("torch_armor.cli_commands", 6),
-    ("torch_armor.cli_names", 6),
-    ("torch_armor.cli_flags", 6),
     ("torch_armor.recipes", 6),
     ("torch_armor.__main__", 6),
     ("torch_armor", 7),  # the package's __init__ only: a new top-level module must be placed
@@ -342,7 +340,7 @@ def method_blind(modules: Dict[str, Module], root: Path) -> List[str]:
     """The engine's violations of the method-blind rules (``method-import``, ``config-type``, ``method-test``)."""
     configs: Dict[str, Tuple[str, ...]] = {}
     for name, mod in modules.items():
-        if _in(name, f"{PACKAGE}.core"):
+        if _in(name, f"{PACKAGE}.config"):
             configs.update(mod.config_classes)
     types = set(configs) - {SHARED_CONFIG}
     fields = {f for kind in types for f in configs[kind]} - set(SHARED_FIELDS)

@@ -13,7 +13,7 @@ Tables:
 * ``prune options`` (docs/user-guide.md): every option of ``torch-armor prune``, its default and its
   help text, read from the parser itself (what ``torch-armor prune --help`` prints);
 * ``presets`` (docs/api.md): every field each ARMOR preset changes, from
-  ``torch_armor.core.presets.PRESETS``, a nested config shown with only its fields that differ from
+  ``torch_armor.config.presets.PRESETS``, a nested config shown with only its fields that differ from
   that config's own defaults.
 """
 
@@ -39,7 +39,7 @@ def _cell(text: str) -> str:
 
 def prune_options() -> str:
     """Markdown table of ``torch-armor prune``'s options: option, default, help."""
-    from torch_armor.cli import build_parser  # the package: only when a table is built
+    from torch_armor.cli.parser import build_parser  # the package: only when a table is built
 
     parser = build_parser()
     prune = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["prune"]
@@ -76,7 +76,7 @@ def _short(value: Any) -> str:
 
 def presets() -> str:
     """Markdown table of every ARMOR preset's changes of ``ArmorConfig()``."""
-    from torch_armor.core.presets import PRESETS  # the package: only when a table is built
+    from torch_armor.config.presets import PRESETS  # the package: only when a table is built
 
     rows = ["| preset | `ArmorConfig` field | value |", "|---|---|---|"]
     for name, changes in PRESETS.items():

@@ -141,7 +141,7 @@ def status(model_type: str) -> str:
     """What a tiny prune of ``model_type`` does (see the module docstring)."""
     import torch
 
-    from torch_armor.core.config import ArmorConfig, BcdConfig
+    from torch_armor.config.armor import ArmorConfig, BcdConfig
     from torch_armor.engine.prune import PruneOptions, prune_model
     from torch_armor.errors import ArmorError
 
@@ -209,7 +209,7 @@ def round_trip(model: Any, ids: Any) -> str:
 
     import torch
 
-    from torch_armor.tensor.serialization import load_pretrained, save_pretrained
+    from torch_armor.format.serialization import load_pretrained, save_pretrained
 
     with tempfile.TemporaryDirectory() as d, warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")

@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from conftest import make_tiny_llama  # noqa: E402  (the tests' tiny model, not a copy of it)
 
-from torch_armor.core.config import ArmorConfig, BcdConfig  # noqa: E402
-from torch_armor.core.levers import DistillConfig, ReconstructConfig  # noqa: E402
-from torch_armor.core.method_config import MagnitudeConfig, NoWagConfig, SparseGPTConfig, WandaConfig  # noqa: E402
+from torch_armor.config.armor import ArmorConfig, BcdConfig  # noqa: E402
+from torch_armor.config.levers import DistillConfig, ReconstructConfig  # noqa: E402
+from torch_armor.config.methods import MagnitudeConfig, NoWagConfig, SparseGPTConfig, WandaConfig  # noqa: E402
 from torch_armor.engine.prune import PruneOptions, prune_model  # noqa: E402
 
 

@@ -6,7 +6,7 @@ outputs of the already-pruned blocks before it)::
     >>> import torch
     >>> from transformers import LlamaConfig, LlamaForCausalLM
     >>> from torch_armor import ArmorConfig, PruneOptions, prune_model
-    >>> from torch_armor.core.config import BcdConfig
+    >>> from torch_armor.config.armor import BcdConfig
     >>> llama = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
     ...                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=50))
     >>> report = prune_model(llama, torch.randint(0, 50, (4, 16)), ArmorConfig(optimizer=BcdConfig(iters=2)),
@@ -43,27 +43,27 @@ from torch_armor import _quiet
 # The front doors, by the module that defines each (15 at most): one call prunes a model, the
 # config's type is the method, one sparsifier serves the torch.ao protocol whatever the config, one
 # function saves (the Hugging Face format) and one loads. Everything else is imported from the module
-# where it lives: nested configs (BcdConfig, RefineConfig, …) from torch_armor.core.config, the
+# where it lives: nested configs (BcdConfig, RefineConfig, …) from torch_armor.config.armor, the
 # per-layer math from torch_armor.core, the tensor plumbing from torch_armor.tensor.
 _EXPORTS = {
     "prune_model": "torch_armor.engine.prune",
     "PruneOptions": "torch_armor.engine.options",
     "PruneReport": "torch_armor.engine.report",
-    "ArmorConfig": "torch_armor.core.config",
-    "SparseGPTConfig": "torch_armor.core.method_config",
-    "WandaConfig": "torch_armor.core.method_config",
-    "NoWagConfig": "torch_armor.core.method_config",
-    "MagnitudeConfig": "torch_armor.core.method_config",
+    "ArmorConfig": "torch_armor.config.armor",
+    "SparseGPTConfig": "torch_armor.config.methods",
+    "WandaConfig": "torch_armor.config.methods",
+    "NoWagConfig": "torch_armor.config.methods",
+    "MagnitudeConfig": "torch_armor.config.methods",
     "ArmorSparsifier": "torch_armor.sparsifier",
-    "save_pretrained": "torch_armor.tensor.serialization",
-    "load_pretrained": "torch_armor.tensor.serialization",
+    "save_pretrained": "torch_armor.format.serialization",
+    "load_pretrained": "torch_armor.format.serialization",
     "ArmorTensor": "torch_armor.tensor.armor_tensor",
     "ArmorCoreConfig": "torch_armor.tensor.quant",  # (registers the torchao handler)
     "enable_finetuning": "torch_armor.tensor.finetune",
     "evaluate": "torch_armor.recipes.harness",  # lm-evaluation-harness: the eval extra
 }
 # imported for what importing them registers: quant_method "armor" with transformers
-_REGISTERS = ("torch_armor.baselines", "torch_armor.armor", "torch_armor.hf")  # the methods register with the engine; the format with transformers
+_REGISTERS = ("torch_armor.baselines", "torch_armor.armor", "torch_armor.format.hf")  # the methods register with the engine; the format with transformers
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"
 

@@ -2,7 +2,7 @@
 
 import sys
 
-from torch_armor.cli import main
+from torch_armor.cli.parser import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from torch_armor.core import baselines
-from torch_armor.core.method_config import MagnitudeConfig, NoWagConfig, SparseGPTConfig, WandaConfig
+from torch_armor.config.methods import MagnitudeConfig, NoWagConfig, SparseGPTConfig, WandaConfig
 from torch_armor.core.proxy import nowag_prune
 from torch_armor.engine.methods import Result, act_sq_norm_for, register_method, xtx_of
 from torch_armor.errors import ArmorInputError

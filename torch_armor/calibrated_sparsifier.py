@@ -4,7 +4,7 @@
 the one per-layer runner (:func:`~torch_armor.engine.runner.solve_layer`: the base config's
 method) in ``step``, writes results with :meth:`~torch_armor.engine.runner.LayerSolution.apply`
 in ``convert``, and saves / restores statistics and finished layers. It takes any method config
-(an :class:`~torch_armor.core.config.ArmorConfig` or a baseline's); a layer may override the
+(an :class:`~torch_armor.config.armor.ArmorConfig` or a baseline's); a layer may override the
 config's fields in ``prepare``.
 """
 
@@ -20,7 +20,7 @@ from torch import nn
 from torch.ao.pruning import BaseSparsifier
 
 from torch_armor.calibration.observer import ActSqNormObserver, LayerStatistics, decoder_linear_names, set_token_mask
-from torch_armor.core.config_format import config_changes, config_to_dict
+from torch_armor.config.serialized import config_changes, config_to_dict
 from torch_armor.engine.identity import hash_tensors
 from torch_armor.engine.methods import Method, method_for
 from torch_armor.engine.runner import LayerSolution, solve_layer
@@ -207,7 +207,7 @@ class CalibratedSparsifier(BaseSparsifier):
 
         Example::
 
-            >>> from torch_armor.core.method_config import WandaConfig
+            >>> from torch_armor.config.methods import WandaConfig
             >>> from torch_armor.sparsifier import ArmorSparsifier
             >>> lin = nn.Sequential(nn.Linear(8, 4))
             >>> sp = ArmorSparsifier(WandaConfig(), progress=False)

@@ -1,9 +1,9 @@
 """The ``torch.ao.pruning``-style sparsifier of every method: statistics hooks → per-layer solve → weight swap.
 
 :class:`ArmorSparsifier` takes any method config, like :func:`~torch_armor.prune_model`: the
-config's type is the method. :class:`~torch_armor.core.config.ArmorConfig` factorizes every prepared
+config's type is the method. :class:`~torch_armor.config.armor.ArmorConfig` factorizes every prepared
 linear into an :class:`~torch_armor.tensor.armor_tensor.ArmorTensor`; a baseline
-(:class:`~torch_armor.core.method_config.MagnitudeConfig`, ``WandaConfig``, ``NoWagConfig``,
+(:class:`~torch_armor.config.methods.MagnitudeConfig`, ``WandaConfig``, ``NoWagConfig``,
 ``SparseGPTConfig``) writes the pruned dense weight. Every method sees the same data through the
 same ``prepare → calibrate → step → convert`` shell, and each layer is solved by the one per-layer
 runner, :func:`~torch_armor.engine.runner.solve_layer`, and written back with
@@ -37,13 +37,13 @@ from typing import Any, Callable, Dict, Optional
 from torch import nn
 
 from torch_armor.calibrated_sparsifier import CalibratedSparsifier
-from torch_armor.core.config import ArmorConfig
+from torch_armor.config.armor import ArmorConfig
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.engine.runner import LayerSolution
 from torch_armor.errors import ArmorInputError
 from torch_armor.sparsifier_state import STATE_DICT_VERSION
 from torch_armor.tensor.armor_tensor import STORAGES
-from torch_armor.tensor.hf_format import attach_quantizer
+from torch_armor.format.hf_format import attach_quantizer
 
 __all__ = ["ArmorSparsifier", "STATE_DICT_VERSION"]
 
@@ -52,7 +52,7 @@ class ArmorSparsifier(CalibratedSparsifier):
 
     Args:
         config: a method config, whose type is the method (default ``ArmorConfig()``):
-            :class:`~torch_armor.core.config.ArmorConfig` converts to ArmorTensor weights;
+            :class:`~torch_armor.config.armor.ArmorConfig` converts to ArmorTensor weights;
             ``SparseGPTConfig``, ``WandaConfig``, ``NoWagConfig`` and ``MagnitudeConfig`` write the
             pruned dense weights (with exact zeros). SparseGPT also accumulates ``XᵀX`` per layer
             (``d_in²`` floats each); magnitude needs no calibration.
@@ -76,7 +76,7 @@ class ArmorSparsifier(CalibratedSparsifier):
 
         >>> import torch
         >>> from torch import nn
-        >>> from torch_armor.core.config import BcdConfig
+        >>> from torch_armor.config.armor import BcdConfig
         >>> model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32), nn.Linear(32, 10))
         >>> sparsifier = ArmorSparsifier(ArmorConfig(block_size=16, optimizer=BcdConfig(iters=5)), progress=False)
         >>> sparsifier.prepare(model, [{"tensor_fqn": "0.weight"}, {"tensor_fqn": "2.weight"}])
@@ -87,7 +87,7 @@ class ArmorSparsifier(CalibratedSparsifier):
 
     The same class runs a baseline::
 
-        >>> from torch_armor.core.method_config import WandaConfig
+        >>> from torch_armor.config.methods import WandaConfig
         >>> model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
         >>> sparsifier = ArmorSparsifier(WandaConfig(pattern="2:4"), progress=False)
         >>> sparsifier.prepare(model, [{"tensor_fqn": "0.weight"}])

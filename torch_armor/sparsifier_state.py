@@ -21,7 +21,7 @@ from torch_armor.errors import ArmorInputError
 __all__ = ["STATE_DICT_VERSION", "MODULE_KEYS", "plain", "solution_state", "solution_from_state"]
 
 #: 2: weight hashes (``"weight_hashes"``), factors as ``to_tensors()`` + ``"factor_metadata"``;
-#: 3: each layer's config nested (:mod:`torch_armor.core.config_format`).
+#: 3: each layer's config nested (:mod:`torch_armor.config.serialized`).
 STATE_DICT_VERSION = 3
 MODULE_KEYS = ("module", "module_fqn", "tensor_name")  # filled in by BaseSparsifier.prepare
 

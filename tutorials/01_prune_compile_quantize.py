@@ -39,11 +39,11 @@ if importlib.util.find_spec("torch_armor") is None:  # run from a checkout witho
 # torch_armor first: it keeps torchao's and torch's import-time warnings about CUDA-only
 # extensions (irrelevant on a CPU build) out of your output
 from torch_armor.tensor.quant import ArmorCoreConfig
-from torch_armor.tensor.serialization import load_pretrained, save_pretrained
+from torch_armor.format.serialization import load_pretrained, save_pretrained
 from torch_armor.sparsifier import ArmorSparsifier
 from torch_armor.tensor.armor_tensor import ArmorTensor
 from torch_armor import ArmorConfig
-from torch_armor.core.config import BcdConfig
+from torch_armor.config.armor import BcdConfig
 
 import torch  # noqa: E402
 from torchao.quantization import Int8WeightOnlyConfig, quantize_  # noqa: E402

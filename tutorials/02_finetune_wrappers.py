@@ -34,7 +34,7 @@ if importlib.util.find_spec("torch_armor") is None:  # run from a checkout witho
 # extensions (irrelevant on a CPU build) out of your output
 import torch_armor
 from torch_armor import ArmorConfig, ArmorTensor, enable_finetuning, prune_model, PruneOptions
-from torch_armor.core.config import BcdConfig
+from torch_armor.config.armor import BcdConfig
 from torch_armor.tensor.finetune import model_size
 from torch_armor.tensor.finetune import trainable_parts
 from torch_armor.tensor.packing import unpack_nm

@@ -38,7 +38,7 @@ import torch
 from torch.utils.data import Dataset
 
 from torch_armor import ArmorConfig, ArmorTensor, PruneOptions, enable_finetuning, prune_model  # first: quiets torchao's import
-from torch_armor.core.config import BcdConfig
+from torch_armor.config.armor import BcdConfig
 
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
 from transformers.trainer_callback import PrinterCallback  # noqa: E402

@@ -15,8 +15,8 @@ import torch
 from conftest import make_tiny_llama
 from _helpers import check_mask
 from torch_armor import ArmorConfig, prune_model, PruneOptions
-from torch_armor.core.config import BcdConfig, ReconstructConfig, RefineConfig
-from torch_armor.core.levers import DistillConfig
+from torch_armor.config.armor import BcdConfig, ReconstructConfig, RefineConfig
+from torch_armor.config.levers import DistillConfig
 from torch_armor.armor.distill import DISTILLED_NAME
 from torch_armor.armor.distill_kl import TopK, coarse_kl, windows_of
 from torch_armor.armor.distill_train import fast_bf16, training_autocast

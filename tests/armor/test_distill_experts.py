@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from torch_armor.core.config import ArmorConfig, BcdConfig
-from torch_armor.core.levers import DistillConfig
+from torch_armor.config.armor import ArmorConfig, BcdConfig
+from torch_armor.config.levers import DistillConfig
 from torch_armor.armor.distill_kl import dense_top_k, windows_of
 from torch_armor.armor.distill_train import InMemoryStudent
 from torch_armor.engine.prune import PruneOptions, prune_model

@@ -12,9 +12,9 @@ from torch import nn
 
 from conftest import make_tiny_llama
 from torch_armor import ArmorConfig, PruneOptions, prune_model
-from torch_armor.core.config import BcdConfig, RefineConfig
-from torch_armor.core.levers import ReconstructConfig
-from torch_armor.core.levers import DistillConfig
+from torch_armor.config.armor import BcdConfig, RefineConfig
+from torch_armor.config.levers import ReconstructConfig
+from torch_armor.config.levers import DistillConfig
 from torch_armor.armor.distill import Distillation
 from torch_armor.armor.distill_kl import dense_top_k, sample_windows, windows_of
 from torch_armor.armor.distill_train import held_out_split

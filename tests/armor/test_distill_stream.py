@@ -19,15 +19,15 @@ from _processes import CODE
 from conftest import make_tiny_llama
 from test_cli import _assert_same_model  # the same check as the CLI's resume test
 from torch_armor import ArmorConfig, prune_model, PruneOptions
-from torch_armor.core.config import BcdConfig, RefineConfig
-from torch_armor.core.levers import DistillConfig
+from torch_armor.config.armor import BcdConfig, RefineConfig
+from torch_armor.config.levers import DistillConfig
 from torch_armor.engine.blocks import BLOCKS_DIR
 from torch_armor.armor.distill import STATE_NAME, distill_skip_reason
 from torch_armor.armor.distill_kl import dense_top_k, windows_of
 from torch_armor.armor.distill_stream import BlockStream, StreamedStudent
 from torch_armor.armor.distill_train import InMemoryStudent, distill_model
 from torch_armor.engine.sources import ShardWriter, Streamed
-from torch_armor.tensor.serialization import load_pretrained
+from torch_armor.format.serialization import load_pretrained
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB = 128
@@ -219,8 +219,8 @@ import json, sys
 import torch
 torch.set_num_threads(1)
 from torch_armor import ArmorConfig, prune_model, PruneOptions
-from torch_armor.core.config import BcdConfig, RefineConfig
-from torch_armor.core.levers import DistillConfig
+from torch_armor.config.armor import BcdConfig, RefineConfig
+from torch_armor.config.levers import DistillConfig
 ckpt, calib, out, distill = sys.argv[1:5]
 config = ArmorConfig(block_size=8, optimizer=BcdConfig(iters=2), refine=RefineConfig(rounds=0), reconstruct=None,
                      distill=DistillConfig(**json.loads(distill)))

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from torch_armor import ArmorConfig
-from torch_armor.core.config import BcdConfig
-from torch_armor.core.config_format import config_from_dict
+from torch_armor.config.armor import BcdConfig
+from torch_armor.config.serialized import config_from_dict
 from torch_armor.armor.layers import factorize_layers
 from torch_armor.engine.runstore import MANIFEST_NAME, RunMismatchError, RunStore
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from conftest import make_tiny_llama
 from torch_armor import ArmorConfig, prune_model, PruneOptions
-from torch_armor.core.config import BcdConfig, ReconstructConfig, RefineConfig
+from torch_armor.config.armor import BcdConfig, ReconstructConfig, RefineConfig
 from torch_armor.calibration.blocks import BlockInput, block_statistics, capture_block_inputs, run_block
 from torch_armor.armor.reconstruct import reconstruct_block
 from torch_armor.core.factorize import factorize

@@ -87,7 +87,7 @@ def test_prune_model_padding_changes_nothing(tiny_llama_factory):
     Wanda (a function of the statistics alone) bit for bit in its masks, ARMOR to 0.5% in every
     layer's loss (summation order differs; counting the pads instead moves them by up to ~10%)."""
     from torch_armor import ArmorConfig, prune_model
-    from torch_armor.core.config import BcdConfig
+    from torch_armor.config.armor import BcdConfig
 
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(2))
     junk = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(3))

@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from torch_armor import ArmorConfig
-from torch_armor.core.config import BcdConfig
+from torch_armor.config.armor import BcdConfig
 from torch_armor.core.factorize import factorize
 from torch_armor.core.bcd import refine_core_cg, update_a, update_b
 from torch_armor.core.factorize import reconstruct_normalized

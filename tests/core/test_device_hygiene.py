@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torch_armor import ArmorConfig
-from torch_armor.core.config import BcdConfig
+from torch_armor.config.armor import BcdConfig
 from torch_armor.core.factorize import factorize
 from torch_armor.core.bcd import update_a, update_b
 from torch_armor.core.proxy import LOSS_CHUNK, proxy_loss

@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from torch_armor import ArmorConfig
-from torch_armor.core.config import AdamConfig, BcdConfig
+from torch_armor.config.armor import AdamConfig, BcdConfig
 from torch_armor.core.factorize import factorize
 from torch_armor.core.proxy import nowag_prune, proxy_loss, relative_proxy_loss
 from torch_armor.core.proxy import normalize_weight

@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from torch_armor import ArmorConfig
-from torch_armor.core.config import AdamConfig, BcdConfig
+from torch_armor.config.armor import AdamConfig, BcdConfig
 from torch_armor.core.factorize import factorize
 from torch_armor.core.factorize_batched import factorize_batched, serial_reason
 from torch_armor.core.sparse_core import select_groups, selection_uniforms

@@ -7,7 +7,7 @@ import torch
 
 from torch_armor import ArmorConfig
 from torch_armor.core.factors import ArmorFactors
-from torch_armor.core.config import BcdConfig
+from torch_armor.config.armor import BcdConfig
 from torch_armor.core.factorize import factorize
 
 from _helpers import random_layer

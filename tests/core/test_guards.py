@@ -8,8 +8,8 @@ import torch
 
 from tests._helpers import check_mask
 from torch_armor import ArmorConfig
-from torch_armor.core.config import BcdConfig
-from torch_armor.core.levers import OPTIMIZERS
+from torch_armor.config.armor import BcdConfig
+from torch_armor.config.levers import OPTIMIZERS
 from torch_armor.core import factorize as factorize_mod
 from torch_armor.core.factorize import factorize
 from torch_armor.core.proxy import nowag_prune, proxy_loss

@@ -175,7 +175,7 @@ def test_for_layer_resolves_block_sizes_of_a_model_and_checks_shapes():
     from torch import nn
 
     from torch_armor import ArmorConfig
-    from torch_armor.core.config import BcdConfig
+    from torch_armor.config.armor import BcdConfig
 
     model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 48), nn.Linear(30, 8))
 

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from torch_armor import ArmorConfig
-from torch_armor.core.config import BcdConfig
+from torch_armor.config.armor import BcdConfig
 from torch_armor.core.factorize import factorize
 from torch_armor.core import refine
 from torch_armor.core.refine import damped_xtx, output_loss, refine_output
@@ -166,7 +166,7 @@ def test_core_steps_keep_n_m_and_beat_the_fixed_mask_refinement(seed):
 
 
 def test_core_steps_through_the_config_and_its_checks():
-    from torch_armor.core.config import RefineConfig  # only this test needs it
+    from torch_armor.config.armor import RefineConfig  # only this test needs it
     from torch_armor.errors import ArmorInputError  # only this test needs it
 
     w, _, xtx = _correlated_layer(6)

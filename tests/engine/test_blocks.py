@@ -19,7 +19,7 @@ from conftest import make_tiny_llama
 from torch_armor.calibration.blocks import block_statistics, capture_block_inputs, decoder_blocks
 from torch_armor.calibration.observer import collect_statistics, decoder_linear_names
 from torch_armor import ArmorConfig, NoWagConfig, PruneOptions, SparseGPTConfig, WandaConfig, prune_model
-from torch_armor.core.config import BcdConfig
+from torch_armor.config.armor import BcdConfig
 from torch_armor.core.proxy import nowag_prune
 from torch_armor.engine.options import RUN_DIR_NAME
 from torch_armor.errors import RunMismatchError
@@ -125,7 +125,7 @@ _SCRIPT = textwrap.dedent("""
     import torch_armor.armor.method as engine_runner  # where the ARMOR method calls factorize
     import torch_armor.engine.runstore as runstore
     from torch_armor import ArmorConfig, PruneOptions, prune_model
-    from torch_armor.core.config import BcdConfig
+    from torch_armor.config.armor import BcdConfig
 
     torch.set_num_threads(1)
     kind, count = (os.environ.get("KILL_AT") or "none:0").split(":")
@@ -191,7 +191,7 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path, kill_at, finished, targe
 
 @pytest.mark.parametrize("method", ["armor", "sparsegpt"])
 def test_streamed_checkpoint_equals_in_memory(tmp_path, method):
-    from torch_armor.tensor.serialization import load_pretrained
+    from torch_armor.format.serialization import load_pretrained
 
     ckpt = tmp_path / "ckpt"
     make_tiny_llama().save_pretrained(str(ckpt), max_shard_size="100KB")  # several shards

@@ -20,7 +20,7 @@ from transformers import (AutoModelForCausalLM, BambaConfig, BambaForCausalLM, F
 
 from torch_armor import load_pretrained, save_pretrained
 from torch_armor.calibration.blocks import NEVER_REACHED, READ_BY_KERNEL, BlockInput, block_statistics
-from torch_armor.core.config import ArmorConfig, BcdConfig
+from torch_armor.config.armor import ArmorConfig, BcdConfig
 from torch_armor.engine.prune import PruneOptions, prune_model
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import ArmorTensor

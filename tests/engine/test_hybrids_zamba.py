@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers import Zamba2Config, Zamba2ForCausalLM, ZambaConfig, ZambaForCausalLM
 
-from torch_armor.core.config import ArmorConfig, BcdConfig
+from torch_armor.config.armor import ArmorConfig, BcdConfig
 from torch_armor.engine.prune import PruneOptions, prune_model
 from torch_armor.tensor.armor_tensor import ArmorTensor
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from test_cli import _assert_same_model  # the same check as the CLI's resume test
-from torch_armor.cli import main
+from torch_armor.cli.parser import main
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -22,7 +22,7 @@ _PRUNE = textwrap.dedent("""
     import sys, torch
     torch.set_num_threads(1)
     from torch_armor import ArmorConfig, PruneOptions, prune_model
-    from torch_armor.core.config import BcdConfig
+    from torch_armor.config.armor import BcdConfig
     model, run_dir, out = sys.argv[1:4]
     calib = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
     prune_model(model, calib, ArmorConfig(block_size=16, optimizer=BcdConfig(iters=2)),

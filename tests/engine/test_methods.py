@@ -11,11 +11,11 @@ import torch
 
 from conftest import make_tiny_llama
 from torch_armor import ArmorConfig, MagnitudeConfig, NoWagConfig, PruneOptions, SparseGPTConfig, WandaConfig, prune_model
-from torch_armor.core.config import ReconstructConfig
+from torch_armor.config.armor import ReconstructConfig
 from torch_armor.engine.methods import config_for_method
 from torch_armor.calibration.observer import LayerStatistics
 from torch_armor.core import baselines
-from torch_armor.core.method_config import MethodConfig
+from torch_armor.config.methods import MethodConfig
 from torch_armor.core.proxy import nowag_prune
 from torch_armor.engine.methods import METHODS, Method, ModelPass, method_for, method_names, register_method
 from torch_armor.engine.runner import solve_layer

@@ -15,8 +15,8 @@ from transformers import (MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeF
 
 from torch_armor import load_pretrained, save_pretrained
 from torch_armor.calibration.experts import split_expert_name
-from torch_armor.core.levers import RefineConfig
-from torch_armor.core.config import ArmorConfig, BcdConfig
+from torch_armor.config.levers import RefineConfig
+from torch_armor.config.armor import ArmorConfig, BcdConfig
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.engine.methods import config_for_method, method_names
 from torch_armor.engine.prune import PruneOptions, prune_model

@@ -15,8 +15,8 @@ import torch
 from _tiny_moe import moe_table_tool
 from torch_armor.calibration.experts import expert_layer_names
 from torch_armor.calibration.routers import router_names
-from torch_armor.core.config import ArmorConfig, BcdConfig
-from torch_armor.core.method_config import MagnitudeConfig
+from torch_armor.config.armor import ArmorConfig, BcdConfig
+from torch_armor.config.methods import MagnitudeConfig
 from torch_armor.engine.prune import PruneOptions, prune_model
 
 ARCHITECTURES = ["afmoe", "aria_text", "deepseek_v4", "hunyuan_v1_moe", "jamba", "laguna", "longcat_flash",

@@ -15,7 +15,7 @@ from transformers import JetMoeConfig, JetMoeForCausalLM
 
 from torch_armor.calibration.experts import GroupedExpertsObserver, split_expert_name
 from torch_armor.calibration.observer import token_mask
-from torch_armor.core.config import ArmorConfig, BcdConfig
+from torch_armor.config.armor import ArmorConfig, BcdConfig
 from torch_armor.engine.prune import PruneOptions, prune_model
 
 from _tiny_moe import (armor_and_magnitude_errors, assert_saves_and_loads_bit_identically, install_stored_factors,

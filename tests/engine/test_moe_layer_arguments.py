@@ -20,7 +20,7 @@ from transformers import (Gemma4ForCausalLM, Gemma4TextConfig, Inkling2ForCausal
 from torch_armor import load_pretrained, save_pretrained
 from torch_armor.calibration.blocks import capture_block_inputs, decoder_blocks
 from torch_armor.calibration.experts import split_expert_name
-from torch_armor.core.config import ArmorConfig, BcdConfig
+from torch_armor.config.armor import ArmorConfig, BcdConfig
 from torch_armor.engine.methods import config_for_method
 from torch_armor.engine.prune import PruneOptions, prune_model
 from torch_armor.errors import ArmorInputError

@@ -10,7 +10,7 @@ from transformers import LongcatFlashConfig, LongcatFlashForCausalLM
 
 from torch_armor import load_pretrained, save_pretrained
 from torch_armor.calibration.experts import split_expert_name
-from torch_armor.core.config import ArmorConfig, BcdConfig
+from torch_armor.config.armor import ArmorConfig, BcdConfig
 from torch_armor.engine.prune import PruneOptions, prune_model
 
 from _tiny_moe import install_stored_factors

@@ -19,8 +19,8 @@ from transformers import InklingForCausalLM, InklingTextConfig, Llama4ForCausalL
 
 from torch_armor.calibration.experts import ExpertsObserver, expert_params, split_expert_name, unsupported_experts
 from torch_armor.calibration.observer import token_mask
-from torch_armor.core.config import ArmorConfig, BcdConfig
-from torch_armor.core.levers import DistillConfig
+from torch_armor.config.armor import ArmorConfig, BcdConfig
+from torch_armor.config.levers import DistillConfig
 from torch_armor.engine.prune import PruneOptions, prune_model
 from torch_armor.tensor.experts import ArmorExpertsTensor
 

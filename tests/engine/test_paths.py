@@ -13,7 +13,7 @@ import torch
 
 from conftest import make_tiny_llama
 from torch_armor import ArmorConfig, MagnitudeConfig, PruneOptions, WandaConfig, prune_model
-from torch_armor.core.config import BcdConfig
+from torch_armor.config.armor import BcdConfig
 from torch_armor.engine.paths import check_prune_paths
 
 
@@ -69,7 +69,7 @@ def test_in_memory_model_keeps_its_source_directory(model_dir, tmp_path):
 
 @pytest.mark.parametrize("extra", [[], ["--overwrite"]])
 def test_cli_refuses_out_equal_to_model(model_dir, tmp_path, extra):
-    from torch_armor.cli import main
+    from torch_armor.cli.parser import main
 
     before = _tree_hash(tmp_path)
     for alias in _aliases(model_dir, tmp_path):

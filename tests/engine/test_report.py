@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from torch_armor import ArmorConfig, PruneOptions
-from torch_armor.core.config import BcdConfig
+from torch_armor.config.armor import BcdConfig
 from torch_armor.calibration.observer import decoder_linear_names
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.engine.report import wrapper_overhead

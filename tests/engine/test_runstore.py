@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from torch_armor import ArmorConfig
-from torch_armor.core.config import BcdConfig
+from torch_armor.config.armor import BcdConfig
 from torch_armor.core.factorize import factorize
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.calibration.observer import LayerStatistics
@@ -211,7 +211,7 @@ def test_layer_files_are_byte_identical_across_saves(tmp_path):
     """Issue #14: the same layer saved twice gives the same bytes (safetensors' own writer orders
     the metadata by a randomly seeded hash map); the file still reads back exactly."""
     from torch_armor import ArmorConfig
-    from torch_armor.core.config import BcdConfig
+    from torch_armor.config.armor import BcdConfig
     from torch_armor.core.factorize import factorize
     from torch_armor.engine.identity import hash_statistics
     from torch_armor.engine.runstore import RunStore

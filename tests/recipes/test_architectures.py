@@ -8,7 +8,7 @@ import torch
 
 import torch_armor  # noqa: F401  (registers the ARMOR quantizer)
 from torch_armor import ArmorConfig, ArmorTensor, prune_model, PruneOptions
-from torch_armor.core.config import BcdConfig
+from torch_armor.config.armor import BcdConfig
 
 VOCAB = 96
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torch_armor.cli import build_parser
-from torch_armor.cli_commands import armor_config, demo_protocol
-from torch_armor.cli_names import DEMO_METHODS, QUICK_PROTOCOL
+from torch_armor.cli.parser import build_parser
+from torch_armor.cli.commands import armor_config, demo_protocol
+from torch_armor.cli.names import DEMO_METHODS, QUICK_PROTOCOL
 from torch_armor.recipes.demo_record import DEMO_RECORD
 from torch_armor.recipes.demo_time import DemoClock, forward_seconds, matches_record, row_work
 

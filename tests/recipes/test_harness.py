@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from conftest import make_tiny_llama
 from torch_armor import ArmorConfig, ArmorTensor, PruneOptions, evaluate, prune_model
-from torch_armor.core.config import BcdConfig
-from torch_armor.cli import HARNESS_JSON, REPORT_JSON, main
+from torch_armor.config.armor import BcdConfig
+from torch_armor.cli.parser import HARNESS_JSON, REPORT_JSON, main
 from torch_armor.errors import ArmorInputError
 
 TASKS = Path(__file__).resolve().parent / "harness_tasks"

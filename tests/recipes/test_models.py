@@ -107,7 +107,7 @@ def test_prune_loads_a_small_local_checkpoint_whole_and_says_why(tmp_path, capsy
     """The CLI's default: a checkpoint whose run fits the free memory is loaded whole (so distillation can
     run); --stream streams it; the log says which and why."""
     from _tiny_dir import fast_prune_args, save_tiny_model
-    from torch_armor.cli import main
+    from torch_armor.cli.parser import main
 
     model_dir = save_tiny_model(tmp_path)
     args = [a for a in fast_prune_args(tmp_path) if a != "--stream"]
@@ -123,7 +123,7 @@ def test_prune_loads_a_small_local_checkpoint_whole_and_says_why(tmp_path, capsy
 
 
 def test_prune_help_states_the_run_room():
-    from torch_armor.cli import build_parser
+    from torch_armor.cli.parser import build_parser
     from torch_armor.recipes.models import RUN_ROOM
 
     sub = next(a for a in build_parser()._actions if a.dest == "command")

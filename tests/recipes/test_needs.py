@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from torch_armor.cli import build_parser, job_needs, main
+from torch_armor.cli.parser import build_parser, job_needs, main
 from torch_armor.recipes.needs import DEMO_INSTALL, SMOLLM2_INSTALL, missing_message, needs_for
 
 ROOT = Path(__file__).resolve().parents[2]

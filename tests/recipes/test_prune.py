@@ -13,7 +13,7 @@ from torch import nn
 
 from conftest import make_tiny_llama
 from torch_armor import ArmorConfig, PruneOptions, WandaConfig, prune_model
-from torch_armor.core.config import BcdConfig
+from torch_armor.config.armor import BcdConfig
 from torch_armor.engine.methods import config_for_method
 from torch_armor.calibration.observer import collect_statistics, decoder_linear_names
 from torch_armor.core.pattern import auto_block_size

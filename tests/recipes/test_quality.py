@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from torch_armor import ArmorConfig, NoWagConfig, PruneOptions
-from torch_armor.core.config import BcdConfig
+from torch_armor.config.armor import BcdConfig
 from torch_armor.calibration.observer import decoder_linear_names
 from torch_armor.recipes.data import calibration_windows
 from torch_armor.recipes.evaluate import perplexity

@@ -160,7 +160,7 @@ def test_prune_model_on_cuda_returns_the_model_where_it_was():
     """Issue #21 row 8: before, the decoder stayed on the GPU and embeddings/lm_head on the CPU."""
     from conftest import make_tiny_llama
     from torch_armor import ArmorConfig, PruneOptions, prune_model
-    from torch_armor.core.config import BcdConfig
+    from torch_armor.config.armor import BcdConfig
 
     model = make_tiny_llama()
     calib = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))

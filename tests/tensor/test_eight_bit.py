@@ -25,7 +25,7 @@ from torch_armor.tensor.armor_tensor import ArmorTensor
 from torch_armor.tensor.eight_bit import (Fp8ArmorTensor, Fp8CusparseltArmorTensor, Int8ArmorTensor,
                                           Int8CusparseltArmorTensor, quantize_core_8bit)
 from torch_armor.tensor.quant import ArmorCoreConfig, dequantize_armor_core, quantize_armor_core
-from torch_armor.tensor.serialization import load_pretrained, save_pretrained
+from torch_armor.format.serialization import load_pretrained, save_pretrained
 
 CONFIGS = {"int8": Int8DynamicActivationInt8WeightConfig(set_inductor_config=False),
            "fp8": Float8DynamicActivationFloat8WeightConfig(set_inductor_config=False)}

@@ -9,7 +9,7 @@ from torch import nn
 from _helpers import block_diag_dense, random_pattern_factors
 from conftest import make_tiny_llama
 from torch_armor import ArmorConfig, enable_finetuning, prune_model, PruneOptions
-from torch_armor.core.config import BcdConfig
+from torch_armor.config.armor import BcdConfig
 from torch_armor.tensor.finetune import model_size
 from torch_armor.tensor.armor_tensor import ArmorTensor, armor_linear_from_factors
 from torch_armor.tensor.finetune import trainable_parts

@@ -18,13 +18,13 @@ from torch_armor.tensor.quant import (
     is_armor_linear,
     quantize_armor_core,
 )
-from torch_armor.tensor.serialization import load_pretrained, save_pretrained
+from torch_armor.format.serialization import load_pretrained, save_pretrained
 from torch_armor.sparsifier import ArmorSparsifier
 from torch_armor.tensor.armor_tensor import ArmorTensor, armor_linear_from_factors
 
 from conftest import make_tiny_llama
 from torch_armor import ArmorConfig
-from torch_armor.core.config import BcdConfig
+from torch_armor.config.armor import BcdConfig
 
 # set_inductor_config=False: torchao's recommended inductor settings change global state; the
 # tests do not need them (and they only tune GPU kernels).

@@ -18,7 +18,7 @@ from torch import nn
 from _fake_cuda import fake_cuda, traced_ops
 from _helpers import random_pattern_factors
 
-from torch_armor.core.config import ArmorConfig, BcdConfig
+from torch_armor.config.armor import ArmorConfig, BcdConfig
 from torch_armor.core.factorize import factorize
 from torch_armor.kernels import block_diag as block_diag_kernels
 from torch_armor.tensor import policy

@@ -97,15 +97,15 @@ def test_the_engine_knows_no_method(tmp_path):
     which method it is; the shared ``MethodConfig`` and its ``pattern`` stay allowed."""
     root = _package(tmp_path, {
         "__init__.py": "",
-        "core/__init__.py": "",
-        "core/method_config.py": "class MethodConfig:\n    pattern: str = '2:4'\n",
-        "core/config.py": "class ArmorConfig:\n    pattern: str = '2:4'\n    seed: int = 0\n    max_overhead: float = 0.05\n",
+        "config/__init__.py": "",
+        "config/methods.py": "class MethodConfig:\n    pattern: str = '2:4'\n",
+        "config/armor.py": "class ArmorConfig:\n    pattern: str = '2:4'\n    seed: int = 0\n    max_overhead: float = 0.05\n",
         "engine/__init__.py": "",
         "engine/methods.py": "class Method:\n    pass\n",
         "engine/loop.py": '''\
             """Runs ``ArmorConfig()`` and the baselines alike."""
-            from torch_armor.core.config import ArmorConfig
-            from torch_armor.core.method_config import MethodConfig
+            from torch_armor.config.armor import ArmorConfig
+            from torch_armor.config.methods import MethodConfig
             from torch_armor.armor import method
 
 
@@ -118,14 +118,14 @@ def test_the_engine_knows_no_method(tmp_path):
         ''',
         "engine/clean.py": '''\
             """Example: ``>>> ArmorConfig().seed``."""
-            from torch_armor.core.method_config import MethodConfig
+            from torch_armor.config.methods import MethodConfig
 
 
             def run(config: MethodConfig, method):
                 return method.plan(config), config.pattern
         ''',
         "armor/__init__.py": "",
-        "armor/method.py": "from torch_armor.core.config import ArmorConfig\nfrom torch_armor.engine.methods import Method\n"
+        "armor/method.py": "from torch_armor.config.armor import ArmorConfig\nfrom torch_armor.engine.methods import Method\n"
                            "def seed(config: ArmorConfig):\n    return config.seed\n",
     })
     problems = _tool().check(root / "torch_armor")

@@ -40,8 +40,8 @@ from safetensors.torch import save
 from torch import nn
 
 from torch_armor._io import atomic_write
-from torch_armor.core.config import ArmorConfig
-from torch_armor.core.levers import DistillConfig
+from torch_armor.config.armor import ArmorConfig
+from torch_armor.config.levers import DistillConfig
 from torch_armor.armor.distill_kl import TopK, Window, dense_top_k, sample_windows, windows_of
 from torch_armor.armor.distill_stream import BlockStream, StreamedStudent
 from torch_armor.armor.distill_train import (ArmorWeight, InMemoryStudent, TrainingState, armor_layers, core_of,

@@ -23,14 +23,14 @@ from torch import nn
 from torch.func import functional_call
 
 from torch_armor.calibration.blocks import BlockInput, capture_block_inputs, to_device
-from torch_armor.core.levers import DistillConfig
+from torch_armor.config.levers import DistillConfig
 from torch_armor.armor.distill_kl import TopK, Window, top_k_of, window_kl
 from torch_armor.armor.distill_train import ArmorWeight, armor_layers, core_of, float_leaves, result_tensors
 from torch_armor.engine.sources import ShardWriter, Streamed
 from torch_armor.errors import ArmorInputError
 from torch_armor.progress import tqdm
-from torch_armor.tensor.flatten import unflatten_armor_state
-from torch_armor.tensor.safetensors_io import read_shard_metadata
+from torch_armor.format.flatten import unflatten_armor_state
+from torch_armor.format.safetensors_io import read_shard_metadata
 
 __all__ = ["BlockStream", "StreamedStudent"]
 

@@ -24,7 +24,7 @@ from torch_armor.calibration.experts import transposed_experts
 
 from torch_armor.core.blockdiag import block_diag_left, block_diag_right
 from torch_armor.core.factors import ArmorFactors
-from torch_armor.core.levers import DistillConfig
+from torch_armor.config.levers import DistillConfig
 from torch_armor.armor.distill_kl import TopK, Window, logits_of, window_kl
 from torch_armor.armor.reconstruct_data import set_scheduled_lr
 from torch_armor.errors import ArmorInputError

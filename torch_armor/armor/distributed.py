@@ -22,7 +22,7 @@ unless you set it; keep ``ranks × threads`` at most the number of cores.
 Example (one process; the same call runs sharded under ``torchrun``)::
 
     >>> import tempfile
-    >>> from torch_armor.core.config import ArmorConfig, BcdConfig
+    >>> from torch_armor.config.armor import ArmorConfig, BcdConfig
     >>> from torch_armor.engine.runstore import RunStore
     >>> from torch_armor.engine.identity import hash_statistics
     >>> g = torch.Generator().manual_seed(0)
@@ -45,7 +45,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from torch_armor.core.config import ArmorConfig
+from torch_armor.config.armor import ArmorConfig
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.armor.layers import (LayerInput, check_layer_inputs, compute_layers, eager_shapes, factorize_layers,
                                        layer_configs, pending_layers)

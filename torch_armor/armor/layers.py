@@ -12,7 +12,7 @@ same pieces out across ``torchrun`` ranks.
 Example::
 
     >>> import tempfile, torch
-    >>> from torch_armor.core.config import ArmorConfig, BcdConfig
+    >>> from torch_armor.config.armor import ArmorConfig, BcdConfig
     >>> from torch_armor.engine.runstore import RunStore
     >>> from torch_armor.engine.identity import hash_statistics
     >>> g = torch.Generator().manual_seed(0)
@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 import torch
 
 from torch_armor.calibration.experts import split_expert_name
-from torch_armor.core.config import ArmorConfig
+from torch_armor.config.armor import ArmorConfig
 from torch_armor.core.factorize_batched import factorize_batched
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.engine.identity import act_sq_norm_of

@@ -3,12 +3,12 @@
 block-size budget planned up front, and end-to-end distillation around the block pass
 (:mod:`torch_armor.armor.distill`).
 
-Registered as the method of :class:`~torch_armor.core.config.ArmorConfig` (the default) when this
+Registered as the method of :class:`~torch_armor.config.armor.ArmorConfig` (the default) when this
 module is imported (``import torch_armor`` does).
 
 Example::
 
-    >>> from torch_armor.core.config import ArmorConfig
+    >>> from torch_armor.config.armor import ArmorConfig
     >>> from torch_armor.engine.methods import method_for
     >>> method = method_for(ArmorConfig())
     >>> method.label, method.stores_layers, method.block_targets(ArmorConfig(), sequential=True)
@@ -33,7 +33,7 @@ from torch import nn
 
 from torch_armor._io import atomic_write
 from torch_armor.calibration.blocks import BlockInput, block_statistics, run_block
-from torch_armor.core.config import ArmorConfig
+from torch_armor.config.armor import ArmorConfig
 from torch_armor.core.factorize import factorize
 from torch_armor.core.pattern import auto_block_size, candidate_block_sizes, check_layer_shape
 from torch_armor.core.refine import with_losses

@@ -7,7 +7,7 @@ the block's output error applies (as block-wise reconstruction does for quantiza
 OmniQuant). The dense weights are swapped for ``Ŵ = A · (core ⊙ M) · B`` built from leaf tensors
 (``torch.func.functional_call``; the block itself is not modified).
 
-The loop (:class:`~torch_armor.core.levers.ReconstructConfig`): ``steps`` Adam steps walking
+The loop (:class:`~torch_armor.config.levers.ReconstructConfig`): ``steps`` Adam steps walking
 epochs over the training micro-batches (a new seeded order each epoch), a linear warm-up then a
 cosine/linear decay of the step size, ``checks`` evaluations of the relative error on held-out
 calibration windows — the best held-out iterate is kept (the input factors if none is better), so
@@ -33,7 +33,7 @@ from torch.func import functional_call
 
 from torch_armor.calibration.blocks import BlockInput, to_device as _to
 from torch_armor.core.factors import ArmorFactors
-from torch_armor.core.levers import ReconstructConfig
+from torch_armor.config.levers import ReconstructConfig
 from torch_armor.armor.reconstruct_data import Unit, set_scheduled_lr, split_windows, take_rows
 from torch_armor.armor.reconstruct_weights import (FactoredLinears, FactorLeaves, build_weights, expert_layouts,
                                                     weight_names)

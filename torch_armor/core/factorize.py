@@ -11,9 +11,9 @@ import torch
 
 from torch_armor.core.bcd import refine_core_cg, update_a, update_b
 from torch_armor.core.blockdiag import block_diag_left, block_diag_right
-from torch_armor.core.config import ArmorConfig
+from torch_armor.config.armor import ArmorConfig
 from torch_armor.core.factors import ArmorFactors
-from torch_armor.core.levers import AdamConfig, BcdConfig, Optimizer
+from torch_armor.config.levers import AdamConfig, BcdConfig, Optimizer
 from torch_armor.core.pattern import SparsityPattern, layer_prefix
 from torch_armor.core.proxy import mask_from_scores, normalize_weight, nowag_scores, validate_layer
 from torch_armor.core.refine import refine_output
@@ -232,9 +232,9 @@ def factorize(
     """Factorize one linear weight as ``W_hat = A · (W' ⊙ M) · B`` (ARMOR).
 
     Starts from NoWag-P (``A = B = I``, ``W' = W_bar``, top-N of ``W_bar² h`` per group) and
-    runs ``config.optimizer``: :class:`~torch_armor.core.levers.AdamConfig` (the paper's recipe: a
+    runs ``config.optimizer``: :class:`~torch_armor.config.levers.AdamConfig` (the paper's recipe: a
     joint Adam step on ``A``, ``B``, ``W'`` then the sparse-core step — one group per tile, all
-    ``C(M, N)`` supports solved, best kept) or :class:`~torch_armor.core.levers.BcdConfig` (exact
+    ``C(M, N)`` supports solved, best kept) or :class:`~torch_armor.config.levers.BcdConfig` (exact
     block-coordinate sweeps). The best iterate is
     returned, so the proxy loss is never above NoWag-P's. Unstructured patterns run only the
     continuous updates, on the NoWag-P mask.

@@ -12,14 +12,14 @@ Per-expert best-iterate tracking runs on device with ``torch.where``; no host sy
 
 The result equals E calls of :func:`~torch_armor.core.factorize.factorize` up to float rounding of the
 batched reductions (``tests/core/test_factorize_batched.py``). One rule picks the serial loop instead
-(:func:`serial_reason`): anything but :class:`~torch_armor.core.levers.BcdConfig` with ``tol=0`` and no
+(:func:`serial_reason`): anything but :class:`~torch_armor.config.levers.BcdConfig` with ``tol=0`` and no
 time budget, a pattern that is not N:M, a power-of-two pre-scaled expert, or an expert whose NoWag-P
 loss is zero.
 
 Example::
 
-    >>> from torch_armor.core.config import ArmorConfig
-    >>> from torch_armor.core.levers import BcdConfig
+    >>> from torch_armor.config.armor import ArmorConfig
+    >>> from torch_armor.config.levers import BcdConfig
     >>> w, h = torch.randn(3, 32, 32), torch.rand(3, 32) + 0.1
     >>> fs = factorize_batched(w, h, ArmorConfig(block_size=16, optimizer=BcdConfig(iters=4)))
     >>> len(fs), fs[0].dense().shape, all(f.relative_loss <= 1.0 for f in fs)
@@ -36,11 +36,11 @@ import torch
 
 from torch_armor.core import factorize as serial_module
 from torch_armor.core.bcd import refine_core_cg, update_a, update_b
-from torch_armor.core.config import ArmorConfig
+from torch_armor.config.armor import ArmorConfig
 from torch_armor.core.factorize import (factors_from_run, nowag_start, RunLog, weighted_sq, factorize,
                                         reconstruct_normalized)
 from torch_armor.core.factors import ArmorFactors
-from torch_armor.core.levers import BcdConfig
+from torch_armor.config.levers import BcdConfig
 from torch_armor.core.sparse_core import (DECREASE_SELECTIONS, block_grams, core_gradient, group_decrease, select_groups,
                                           selection_uniforms, sparse_core_steps)
 from torch_armor.errors import ArmorInputError

@@ -16,7 +16,7 @@ raises a convex quadratic), so a round is monotone; the best iterate is kept any
 Example::
 
     >>> import torch
-    >>> from torch_armor.core.config import ArmorConfig, BcdConfig
+    >>> from torch_armor.config.armor import ArmorConfig, BcdConfig
     >>> from torch_armor.core.factorize import factorize
     >>> g = torch.Generator().manual_seed(0)
     >>> w, x = torch.randn(32, 64, generator=g), torch.randn(256, 64, generator=g)

@@ -32,7 +32,7 @@ from torch import nn
 
 from torch_armor._io import atomic_write
 from torch_armor.calibration.blocks import BlockInput, block_statistics, capture_block_inputs, run_block
-from torch_armor.core.config_format import config_to_dict
+from torch_armor.config.serialized import config_to_dict
 from torch_armor.engine.experts import layer_module, write_experts
 from torch_armor.engine.methods import Method, method_for
 from torch_armor.engine.report import LayerResult, PruneReport

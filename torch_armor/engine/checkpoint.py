@@ -41,7 +41,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from torch_armor.calibration.blocks import decoder_blocks
 from torch_armor.errors import ArmorInputError
-from torch_armor.tensor.file_checks import check_weight_files
+from torch_armor.format.file_checks import check_weight_files
 
 __all__ = ["LazyCheckpoint"]
 

@@ -12,7 +12,7 @@ not divide its input width) it stays dense. Either way it is named in the report
 Example::
 
     >>> from torch import nn
-    >>> from torch_armor.core.config import ArmorConfig
+    >>> from torch_armor.config.armor import ArmorConfig
     >>> model = nn.ModuleDict({"wide": nn.Linear(64, 64), "odd": nn.Linear(1000, 2048), "tiny": nn.Linear(64, 4)})
     >>> names, config, unfit = fit_layers(model, ["wide", "odd", "tiny"], ArmorConfig(block_size=16), strict=False)
     >>> names, config.block_sizes

@@ -22,14 +22,14 @@ from urllib.parse import quote
 
 import torch
 
-from torch_armor.core.config_format import config_changes
+from torch_armor.config.serialized import config_changes
 from torch_armor.errors import ArmorInputError, RunMismatchError
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_NAME", "LAYERS_DIR", "SHARD_PREFIX", "NOT_IDENTITY",
            "STATUS_RANK", "config_diff", "read_manifest", "layer_filename", "default_rank", "identity_diff"]
 
 FORMAT_NAME = "torch_armor.run"
-FORMAT_VERSION = 2  # 2: configs in the nested form of torch_armor.core.config_format
+FORMAT_VERSION = 2  # 2: configs in the nested form of torch_armor.config.serialized
 MANIFEST_NAME = "manifest.json"
 LAYERS_DIR = "layers"
 SHARD_PREFIX = "manifest.rank-"

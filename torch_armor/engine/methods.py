@@ -22,7 +22,7 @@ line and the reports use (``"armor"``, ``"sparsegpt"``, ``"wanda"``, ``"nowag"``
 
 Example::
 
-    >>> from torch_armor.core.method_config import SparseGPTConfig
+    >>> from torch_armor.config.methods import SparseGPTConfig
     >>> method_for(SparseGPTConfig()).label, method_for(default_config()).stores_layers
     ('SparseGPT', True)
     >>> config_for_method("wanda", pattern="4:8")
@@ -42,7 +42,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from torch_armor.core.config_format import serializable
+from torch_armor.config.serialized import serializable
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.engine.solution import LayerSolution
 from torch_armor.errors import ArmorInputError
@@ -216,7 +216,7 @@ def register_method(config_type: type, *, label: Optional[str] = None, name: Opt
     ``Config``, lower case (``SparseGPTConfig`` -> ``"sparsegpt"``); ``label`` (tables) to ``name``.
     ``kind``: the :class:`Method` subclass whose hooks it runs. ``default``: its config's defaults
     are what ``prune_model`` runs without a config. A dataclass ``config_type`` is also registered
-    as serializable (:func:`~torch_armor.core.config_format.serializable`): reports and run
+    as serializable (:func:`~torch_armor.config.serialized.serializable`): reports and run
     directories hold it.
     """
     name = name or config_type.__name__.removesuffix("Config").lower()

@@ -24,7 +24,7 @@ from torch_armor._io import RUN_DIR_NAME
 from torch_armor.calibration.experts import EXPERT_CALIBRATIONS
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import STORAGES
-from torch_armor.tensor.serialization import PICKLE_SUFFIXES
+from torch_armor.format.serialization import PICKLE_SUFFIXES
 
 __all__ = ["PruneOptions", "RUN_DIR_NAME", "check_device", "check_out", "out_contents"]
 

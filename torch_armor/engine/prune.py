@@ -11,7 +11,7 @@ Example (a tiny random model; pruned in place)::
 
     >>> import torch
     >>> from transformers import LlamaConfig, LlamaForCausalLM
-    >>> from torch_armor.core.config import ArmorConfig, BcdConfig
+    >>> from torch_armor.config.armor import ArmorConfig, BcdConfig
     >>> cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
     ...                   num_attention_heads=4, num_key_value_heads=2, vocab_size=50)
     >>> model = LlamaForCausalLM(cfg).eval()
@@ -59,8 +59,8 @@ from torch_armor.engine.report import PruneReport
 from torch_armor.engine.runstore import RunStore
 from torch_armor.engine.sources import InMemory, ShardWriter, Streamed
 from torch_armor.errors import ArmorError, ArmorInputError, write_failed
-from torch_armor.tensor.hf_format import attach_quantizer
-from torch_armor.tensor.serialization import save_pretrained
+from torch_armor.format.hf_format import attach_quantizer
+from torch_armor.format.serialization import save_pretrained
 
 __all__ = ["prune_model", "PruneOptions", "RUN_DIR_NAME"]
 
@@ -137,8 +137,8 @@ def prune_model(
         calibration: ``(n_windows, seq_len)`` token ids (:func:`torch_armor.recipes.data.calibration_windows`)
             or a list of ``(batch, seq_len)`` tensors; with padding, ``{"input_ids", "attention_mask"}``
             or ``(ids, mask)`` (or a list of them): pad positions are left out of every statistic.
-        config: the method and its settings: :class:`~torch_armor.core.config.ArmorConfig` (``None``:
-            its defaults, ``ArmorConfig()``) or a baseline's (:class:`~torch_armor.core.method_config.SparseGPTConfig`, ``WandaConfig``,
+        config: the method and its settings: :class:`~torch_armor.config.armor.ArmorConfig` (``None``:
+            its defaults, ``ArmorConfig()``) or a baseline's (:class:`~torch_armor.config.methods.SparseGPTConfig`, ``WandaConfig``,
             ``NoWagConfig``, ``MagnitudeConfig``).
         layers: the linears to prune: names, a selection such as ``"0-3"`` (decoder block indices)
             or a regular expression, or a predicate ``(name, module) -> bool``

@@ -8,7 +8,7 @@ result into the module with :meth:`LayerSolution.apply`. ARMOR returns
 Example::
 
     >>> import torch
-    >>> from torch_armor.core.method_config import WandaConfig
+    >>> from torch_armor.config.methods import WandaConfig
     >>> g = torch.Generator().manual_seed(0)
     >>> w, h = torch.randn(16, 32, generator=g), torch.rand(32, generator=g) + 0.1
     >>> stats = LayerStatistics(h, num_tokens=8)

@@ -16,10 +16,10 @@ A run directory holds::
                                   block, a rerun resumes at that block
     blocks/block-NNNNN.safetensors
                                   (streamed checkpoints only) each finished decoder block, written
-                                  by :func:`~torch_armor.tensor.safetensors_io.save_shard`; at the
+                                  by :func:`~torch_armor.format.safetensors_io.save_shard`; at the
                                   end ``blocks/rest.safetensors`` (the weights outside the decoder
                                   blocks) joins them and all are moved into the output checkpoint
-                                  by :func:`~torch_armor.tensor.serialization.assemble_checkpoint`
+                                  by :func:`~torch_armor.format.serialization.assemble_checkpoint`
 
 The last two are written by :class:`~torch_armor.engine.blocks.BlockPipeline` and
 :func:`~torch_armor.engine.prune.prune_model` (which streams a model when given a checkpoint
@@ -61,12 +61,12 @@ from safetensors import safe_open
 
 from torch_armor._io import TMP_MARK, atomic_write, file_sha256
 from torch_armor.core.factors import ArmorFactors
-from torch_armor.core.config_format import config_to_dict
+from torch_armor.config.serialized import config_to_dict
 from torch_armor.engine.manifest import (FORMAT_NAME, FORMAT_VERSION, LAYERS_DIR, MANIFEST_NAME, SHARD_PREFIX,
                                          STATUS_RANK, config_diff, default_rank, identity_diff, layer_filename,
                                          read_manifest)
 from torch_armor.errors import ArmorInputError, ArmorIOError, RunMismatchError
-from torch_armor.tensor.safetensors_io import write_safetensors
+from torch_armor.format.safetensors_io import write_safetensors
 
 __all__ = [
     "RunStore",
@@ -91,7 +91,7 @@ class RunStore:
 
     Args:
         directory: the run directory (created if missing).
-        config: the run's base method config (an :class:`~torch_armor.core.config.ArmorConfig`); an existing run with another config is
+        config: the run's base method config (an :class:`~torch_armor.config.armor.ArmorConfig`); an existing run with another config is
             refused (``device`` excepted: it may change between resumes and is kept per layer).
         model_id: identifies the model (and anything else that must not change, e.g. the
             calibration settings); any string.
@@ -107,7 +107,7 @@ class RunStore:
     Example::
 
         >>> import tempfile
-        >>> from torch_armor.core.config import ArmorConfig, BcdConfig
+        >>> from torch_armor.config.armor import ArmorConfig, BcdConfig
         >>> from torch_armor.core.factorize import factorize
         >>> from torch_armor.engine.identity import hash_statistics
         >>> w, h = torch.randn(16, 32), torch.rand(32) + 0.1

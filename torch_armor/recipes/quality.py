@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from torch_armor.core.config import ArmorConfig
+from torch_armor.config.armor import ArmorConfig
 from torch_armor.engine.methods import config_for_method, method_for, method_label, method_names
 from torch_armor.engine.options import PruneOptions
 from torch_armor.engine.prune import prune_model

@@ -38,7 +38,7 @@ from typing import Tuple
 import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
-from torch_armor.tensor.file_checks import copy_mismatch
+from torch_armor.format.file_checks import copy_mismatch
 from torch_armor.tensor.armor_tensor import ArmorTensor, implements, implements_torch_function
 from torch_armor.tensor.transposed import ArmorTransposed
 

@@ -27,7 +27,7 @@ them): ``Int8WeightOnlyConfig()`` 3.5 % (torchao's own int8 on the dense model's
 model: 6.0 %). The random model amplifies weight noise; on the real SmolLM2-135M see
 ``benchmarks/quantized_cores.py`` (docs/gpu.md).
 
-Saving: :func:`torch_armor.tensor.serialization.save_pretrained` stores a quantized core's own
+Saving: :func:`torch_armor.format.serialization.save_pretrained` stores a quantized core's own
 tensors (the int8 ``qdata`` packed N:M like a floating core, plus its scales) and the
 inner config (``torchao.core.config.config_to_dict``); loading rebuilds the same torchao
 tensor, so outputs are bit-identical.
