@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from torch_armor.core.pattern import parse_pattern
@@ -97,3 +99,22 @@ def edit_checkpoint(directory, tensors=None, quantization_config=None):
         quantization_config(cfg["quantization_config"])
         (d / "config.json").write_text(json.dumps(cfg))
     return d
+
+
+def saved_tensors(path) -> dict:
+    """Every tensor of a saved model, whatever its shards."""
+    from safetensors.torch import load_file
+
+    out: dict = {}
+    for shard in sorted(Path(path).glob("model*.safetensors")):
+        out.update(load_file(str(shard)))
+    assert out, f"no weights in {path}"
+    return out
+
+
+def assert_same_saved_model(a, b) -> None:
+    """Two saved models hold the same tensors under the same keys, bit for bit."""
+    ta, tb = saved_tensors(a), saved_tensors(b)
+    assert sorted(ta) == sorted(tb)
+    different = [k for k in ta if not torch.equal(ta[k], tb[k])]
+    assert not different, different[:5]

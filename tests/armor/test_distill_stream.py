@@ -17,7 +17,7 @@ import torch
 from _helpers import free_port
 from _processes import CODE
 from conftest import make_tiny_llama
-from test_cli import _assert_same_model  # the same check as the CLI's resume test
+from _helpers import assert_same_saved_model  # the same check as the CLI's resume test
 from torch_armor import ArmorConfig, prune_model, PruneOptions
 from torch_armor.config.armor import BcdConfig, RefineConfig
 from torch_armor.config.levers import DistillConfig
@@ -182,7 +182,7 @@ def test_an_interrupted_streamed_distillation_resumes_to_the_uninterrupted_resul
     assert any("resuming after step 2 of 4" in line for line in lines)
     assert not (tmp_path / "run" / STATE_NAME).exists()
     assert resumed.distill["curve"] == reference.distill["curve"]
-    _assert_same_model(tmp_path / "reference", tmp_path / "out")  # the files, bit for bit
+    assert_same_saved_model(tmp_path / "reference", tmp_path / "out")  # the files, bit for bit
 
 
 def test_a_streamed_prune_distills_like_the_in_memory_one(pruned, tmp_path):

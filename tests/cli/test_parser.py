@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _helpers import assert_same_saved_model
 from _tiny_dir import fast_prune_args, save_tiny_model
 from torch_armor.cli.parser import REPORT_JSON, REPORT_PNG, main
 
@@ -138,24 +139,6 @@ def test_prune_local_hf_directory_with_baseline(tmp_path, capsys, tiny_hf_dir, t
     assert code == 2 and "selects none" in capsys.readouterr().err
 
 
-def _tensors(path: Path) -> dict:
-    """Every tensor of a saved model, whatever its shards."""
-    from safetensors.torch import load_file
-
-    out: dict = {}
-    for shard in sorted(path.glob("model*.safetensors")):
-        out.update(load_file(str(shard)))
-    assert out, f"no weights in {path}"
-    return out
-
-
-def _assert_same_model(a: Path, b: Path) -> None:
-    ta, tb = _tensors(a), _tensors(b)
-    assert sorted(ta) == sorted(tb)
-    different = [k for k in ta if not torch.equal(ta[k], tb[k])]
-    assert not different, different[:5]
-
-
 def _armor_args(model_dir, calib) -> list:
     return [str(model_dir), "--calib", str(calib), "--n-calib", "2", "--seq-len", "32", "--block-size", "16",
             "--iters", "3", "--threads", "1", "--no-progress"]
@@ -194,7 +177,7 @@ def test_interrupted_prune_resumes_from_run_dir(tmp_path, capsys, monkeypatch, t
     assert main(["prune", *args, "--out", str(out), "--run-dir", str(run_dir), "--overwrite"]) == 0
     assert "5 of 14 layers already finished" in capsys.readouterr().err
     assert len(counted) == 14 - 5  # finished layers are not recomputed
-    _assert_same_model(out, reference)
+    assert_same_saved_model(out, reference)
     assert run_dir.is_dir()  # an explicit --run-dir is kept
 
     # the same run directory with other settings is refused, naming the difference
@@ -222,7 +205,7 @@ def test_torchrun_two_ranks_match_one_process(tmp_path, capsys, tiny_hf_dir, tex
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("pruned 14 linears") == 1  # rank 0 alone assembles and saves
-    _assert_same_model(sharded, single)
+    assert_same_saved_model(sharded, single)
     manifest = json.loads((run_dir / "manifest.json").read_text())
     # block reconstruction re-saves every layer from rank 0, hiding who factorized what
     assert {e["rank"] for e in manifest["layers"].values()} == ({0, 1} if reconstruct == "0" else {0})

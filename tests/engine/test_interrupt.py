@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_cli import _assert_same_model  # the same check as the CLI's resume test
+from _helpers import assert_same_saved_model  # the same check as the CLI's resume test
 from torch_armor.cli.parser import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,7 +97,7 @@ def test_signal_mid_prune_says_where_and_the_same_command_resumes(tmp_path, mode
     assert done == _hidden_block(out / "armor_run")  # the message counts what is on disk
 
     assert main(argv) == 0  # the same command, no --overwrite: resumes
-    _assert_same_model(out, reference)
+    assert_same_saved_model(out, reference)
 
 
 LATE_STEPS = {
@@ -124,7 +124,7 @@ def test_a_failure_after_the_last_block_is_resumed(tmp_path, monkeypatch, capsys
     assert main(_args(model, text, out, *(["--overwrite"] if overwrite else []))) == 0, capsys.readouterr().err
     assert "42 of 42 layers already finished" in capsys.readouterr().err  # nothing recomputed
     assert not (out / "armor_run").exists()
-    _assert_same_model(out, reference)
+    assert_same_saved_model(out, reference)
     from torch_armor import load_pretrained
 
     load_pretrained(out)  # complete and consistent

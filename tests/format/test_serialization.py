@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from torch_armor.errors import ArmorInputError
-from torch_armor.tensor import serialization
+from torch_armor.format import serialization
 from torch_armor.format.serialization import (
     ARMOR_CONFIG_NAME,
     WEIGHTS_NAME,
