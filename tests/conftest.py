@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,13 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "slow: real-model or long-running tests (deselect with -m 'not slow')"
     )
+    # the converted SmolLM2 is kept for this session only (its processes included), not in the user's cache
+    config._torch_armor_cache = tempfile.mkdtemp(prefix="torch_armor_cache_")
+    os.environ["TORCH_ARMOR_CACHE"] = config._torch_armor_cache
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(getattr(config, "_torch_armor_cache", ""), ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items) -> None:

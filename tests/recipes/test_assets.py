@@ -134,3 +134,93 @@ def test_smollm2_smoke(smollm2, wiki_available):
 
 def test_smollm2_tokenizer_is_cached(smollm2_tokenizer):
     assert assets.smollm2_tokenizer() is smollm2_tokenizer
+
+
+def test_the_cache_directory_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_ARMOR_CACHE", "off")
+    assert assets.smollm2_cache_dir() is None
+    monkeypatch.setenv("TORCH_ARMOR_CACHE", str(tmp_path / "kept"))
+    assert assets.smollm2_cache_dir() == tmp_path / "kept"
+    monkeypatch.delenv("TORCH_ARMOR_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert assets.smollm2_cache_dir() == tmp_path / "xdg" / "torch_armor"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert assets.smollm2_cache_dir() == tmp_path / "home" / ".cache" / "torch_armor"
+
+
+def _gguf_reference(dtype):
+    """The model and tokenizer as transformers dequantizes them from the GGUF file (no cache)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    return (AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype),
+            AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name))
+
+
+def _assert_same_model(model, reference):
+    ours, theirs = model.state_dict(), reference.state_dict()
+    assert ours.keys() == theirs.keys()
+    for key in theirs:
+        assert ours[key].dtype == theirs[key].dtype and torch.equal(ours[key], theirs[key]), key
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    config, expected = model.config.to_dict(), reference.config.to_dict()
+    # what saving adds (the architecture) and drops: the GGUF quantization config (the weights are dequantized)
+    for key in ("_name_or_path", "transformers_version", "quantization_config", "architectures"):
+        config.pop(key, None), expected.pop(key, None)
+    assert config == expected
+
+
+def test_the_kept_conversion_is_the_gguf_file_bit_for_bit(smollm2, wiki_available, sotu_available):
+    """The session's model and tokenizer come from the kept conversion, and equal what transformers
+    reads from the GGUF file: every weight bit for bit, the config, the token ids of real text."""
+    model, tokenizer = smollm2
+    folder = Path(model.name_or_path)
+    assert folder.parent == assets.smollm2_cache_dir() and (folder / "model.safetensors").is_file()
+    reference, reference_tokenizer = _gguf_reference(torch.float32)
+    _assert_same_model(model, reference)
+    text = wiki_text()[:20000] + sotu_text()[:20000] + "\n<|im_start|>user\nHi<|im_end|>"
+    assert tokenizer(text).input_ids == reference_tokenizer(text).input_ids
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "chat_template"):
+        assert getattr(tokenizer, name) == getattr(reference_tokenizer, name), name
+    assert len(tokenizer) == len(reference_tokenizer)
+
+
+@pytest.mark.slow
+def test_the_kept_conversion_casts_as_the_gguf_loader_does():
+    model, _ = load_smollm2(torch.bfloat16)
+    reference, _ = _gguf_reference(torch.bfloat16)
+    _assert_same_model(model, reference)
+
+
+def test_the_conversion_replaces_older_ones_and_an_unwritable_cache_is_skipped(tmp_path, caplog,
+                                                                                smollm2_tokenizer):
+    from conftest import make_tiny_llama
+
+    old = tmp_path / (assets._CONVERTED + "0" * 16)
+    (old / "x").mkdir(parents=True)
+    folder = tmp_path / (assets._CONVERTED + "1" * 16)
+    model = make_tiny_llama()
+    assets._keep_converted(model, smollm2_tokenizer, folder)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [folder.name]
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in folder.iterdir()}
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    with caplog.at_level("WARNING", logger=assets.__name__):
+        assets._keep_converted(model, smollm2_tokenizer, blocked / folder.name)
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(lines) == 1 and "TORCH_ARMOR_CACHE" in lines[0] and "\n" not in lines[0], lines
+    assert not (blocked / folder.name).exists()
+
+
+def test_the_line_before_a_load_says_when_it_converts(smollm2, monkeypatch, tmp_path):
+    from torch_armor.recipes.models import loading_note
+
+    assert loading_note("smollm2") == ""  # the session's conversion is kept
+    monkeypatch.setenv("TORCH_ARMOR_CACHE", str(tmp_path))
+    note = loading_note("smollm2")
+    assert str(tmp_path) in note and "TORCH_ARMOR_CACHE=off" in note and "\n" not in note
+    assert loading_note(str(tmp_path)) == ""  # a directory is only read
+    monkeypatch.setenv("TORCH_ARMOR_CACHE", "off")
+    assert loading_note("smollm2") == ""

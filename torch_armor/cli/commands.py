@@ -36,7 +36,7 @@ from torch_armor.recipes.demo_runs import TABLE_MD, DemoRuns
 from torch_armor.recipes.demo_time import DemoClock, forward_seconds, matches_record, row_work
 from torch_armor.recipes.evaluate import perplexity
 from torch_armor.recipes.harness import check_tasks, evaluate, results_table, write_results
-from torch_armor.recipes.models import load_model, load_tokenizer, parse_dtype, pruning_source
+from torch_armor.recipes.models import load_model, load_tokenizer, loading_note, parse_dtype, pruning_source
 from torch_armor.recipes.quality import quality_table, run_quality
 from torch_armor.tensor.armor_tensor import ArmorTensor
 from torch_armor.tensor.finetune import checkpoint_size
@@ -266,7 +266,7 @@ def _eval_tasks(args: argparse.Namespace) -> int:
     # before loading a model: the extra, the task names and their data (offline: one line saying what to do)
     tasks = check_tasks(args.tasks, include_path=args.include_path)
     setup(args)
-    log(f"loading {args.model}")
+    log(f"loading {args.model} …{loading_note(args.model)}")
     model, tokenizer = load_model(args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device)
     log("lm-evaluation-harness: reading the task data and building its requests, then scoring them")
     t = time.perf_counter()

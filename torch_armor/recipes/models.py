@@ -29,14 +29,14 @@ from torch_armor.engine.memory import available_memory
 from torch_armor.engine.sources import is_streamable_checkpoint
 from torch_armor.errors import ArmorInputError, require_extra
 from torch_armor.progress import third_party_bars_off
-from torch_armor.recipes.assets import load_smollm2
+from torch_armor.recipes.assets import load_smollm2, smollm2_first_load_note
 from torch_armor.format.file_checks import read_safetensors_header
 from torch_armor.format.hf_format import has_armor_quantization_config
 from torch_armor.format.layout import ARMOR_CONFIG_NAME
 from torch_armor.format.serialization import load_pretrained
 
 __all__ = ["parse_dtype", "is_armor_checkpoint", "check_model_source", "load_model", "pruning_source", "load_tokenizer",
-           "hub_reachable", "checkpoint_parameters", "free_memory", "choose_streaming", "RUN_ROOM"]
+           "loading_note", "hub_reachable", "checkpoint_parameters", "free_memory", "choose_streaming", "RUN_ROOM"]
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -304,5 +304,11 @@ def pruning_source(model: str, gguf_file: Optional[str] = None, dtype: Union[str
     if stream:
         raise ArmorInputError(f"stream=True needs a local Hugging Face directory with safetensors weights; "
                               f"{model!r} is not one")
-    say(f"loading {model} …")
+    say(f"loading {model} …{loading_note(model)}")
     return load_model(model, gguf_file=gguf_file, dtype=dtype, device=device)
+
+
+def loading_note(model: str) -> str:
+    """What loading ``model`` does beyond reading it, for the line said before: the embedded model's
+    first load converts its GGUF file (:func:`~torch_armor.recipes.assets.smollm2_first_load_note`)."""
+    return smollm2_first_load_note() if str(model) == "smollm2" and not Path(str(model)).exists() else ""

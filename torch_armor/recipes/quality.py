@@ -28,7 +28,7 @@ from torch_armor.errors import ArmorInputError
 from torch_armor.recipes.data import calibration_windows, eval_windows
 from torch_armor.recipes.evaluate import perplexity
 from torch_armor.calibration.selection import select_layers
-from torch_armor.recipes.models import load_model
+from torch_armor.recipes.models import load_model, loading_note
 from torch_armor.tensor.armor_tensor import ArmorTensor
 
 __all__ = ["DEMO_METHODS", "QualityRow", "QualityResult", "quality_table", "run_quality"]
@@ -228,6 +228,7 @@ def run_quality(
             raise ArmorInputError("pass the tokenizer along with a loaded model")
         net = model
     else:
+        say(f"loading {model} …{loading_note(model)}")
         net, tokenizer = load_model(model)
     timings["load"] = time.perf_counter() - t0
     say(f"loaded model in {timings['load']:.1f} s")
