@@ -37,8 +37,8 @@ def test_a_config_runs_its_method(config, direct):
     w, stats = _layer()
     sol = solve_layer(w, stats, config, "fc")
     mask, pruned = direct(w, stats)
-    assert torch.equal(sol.mask, mask) and torch.equal(sol.pruned, pruned)
-    assert sol.method == method_for(config).name and method_for(config).config_type is type(config)
+    assert torch.equal(sol.mask, mask) and torch.equal(sol.payload, pruned)
+    assert sol.method is method_for(config) and method_for(config).config_type is type(config)
 
 
 def test_names_map_to_config_types_in_one_place():
@@ -123,7 +123,7 @@ class _Hooked(Method):
         inputs, targets = data
         self.calls.append(("after_block", index, sorted(solutions), len(inputs), len(targets)))
         for sol in solutions.values():
-            sol.pruned = sol.pruned / 2
+            sol.payload = sol.payload / 2
         return solutions
 
     def model_pass(self, config, batches, *, streamed):
