@@ -46,7 +46,7 @@ def measure(steps: int, threads: int, out: str) -> None:
     layers = {n: m for n, m in block.named_modules() if isinstance(m, nn.Linear)}
     stats = block_statistics(block, layers, inputs, device=torch.device("cpu"), track_xtx=True)
     solve = ArmorConfig(optimizer=BcdConfig(iters=2), refine=None)
-    factors = {n: solve_layer(m.weight, stats[n], solve, n).factors for n, m in layers.items()}
+    factors = {n: solve_layer(m.weight, stats[n], solve, n).payload for n, m in layers.items()}
     targets = [run_block(block, inp, torch.device("cpu")) for inp in inputs]
     wall, cpu = time.perf_counter(), time.process_time()
     result = reconstruct_block(block, factors, inputs, targets, ReconstructConfig(steps=steps, checks=1))

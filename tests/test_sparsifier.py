@@ -248,7 +248,7 @@ def test_step_logs_and_on_layer_done():
     sp = prepared(make_mlp(), on_layer_done=lambda fqn, sol: calls.append((fqn, sol)))
     sp.step()
     assert [c[0] for c in calls] == LAYERS
-    assert all(isinstance(sol.factors, ArmorFactors) and sol.factors is sp.factors[fqn] for fqn, sol in calls)
+    assert all(isinstance(sol.payload, ArmorFactors) and sol.payload is sp.factors[fqn] for fqn, sol in calls)
     sp.step()  # nothing left to do
     assert len(calls) == len(LAYERS)
     with pytest.raises(ValueError, match="on_layer_done"):

@@ -27,6 +27,9 @@ Violations (each printed on one line; exit status 1 if there is any):
   methods register themselves with the engine, which never imports them;
 * ``config-type``: an engine module names a method's config type (``ArmorConfig``, ``SparseGPTConfig``,
   … every ``*Config`` class of ``core`` but the shared ``MethodConfig``), in code (docstrings may);
+* ``method-data``: an engine module imports a method's own data or the code that makes it
+  (``torch_armor.core.factors``, ``torch_armor.core.factorize``) or names its type (``ArmorFactors``),
+  in code (docstrings may): a layer's solution is opaque to the engine, the method's hooks read it;
 * ``method-test``: an engine module asks which method it runs (``.factorizes``, ``.needs_allocation``,
   ``.reconstructs``, ``.refines``) or reads a method's own setting off a config (``config.seed``,
   ``self.config.reconstruct``, … any field of a ``core`` config class but ``pattern``): it calls the
@@ -98,6 +101,9 @@ PENDING_REWRITE: Dict[str, str] = {}  # none: the tensor storages have landed
 ENGINE = "torch_armor.engine"
 #: The packages of the methods (each registers itself with the engine when imported).
 METHOD_PACKAGES = ("torch_armor.armor", "torch_armor.baselines")
+#: A method's own data (ARMOR's factors) and the modules that define or make it: opaque to the engine.
+METHOD_DATA_MODULES = ("torch_armor.core.factors", "torch_armor.core.factorize")
+METHOD_DATA_TYPES = ("ArmorFactors",)
 #: Questions that tell one method from another.
 METHOD_TESTS = ("factorizes", "needs_allocation", "reconstructs", "refines")
 #: The config type every method's config shares (the engine may name it) and the fields it shares.
@@ -337,7 +343,8 @@ def _in(name: str, package: str) -> bool:
 
 
 def method_blind(modules: Dict[str, Module], root: Path) -> List[str]:
-    """The engine's violations of the method-blind rules (``method-import``, ``config-type``, ``method-test``)."""
+    """The engine's violations of the method-blind rules (``method-import``, ``config-type``, ``method-data``,
+    ``method-test``)."""
     configs: Dict[str, Tuple[str, ...]] = {}
     for name, mod in modules.items():
         if _in(name, f"{PACKAGE}.config"):
@@ -353,6 +360,9 @@ def method_blind(modules: Dict[str, Module], root: Path) -> List[str]:
             if any(_in(imp.target, package) for package in METHOD_PACKAGES):
                 problems.append(f"method-import: {where}:{imp.line}: the engine imports {imp.target}; a method "
                                 "registers itself with the engine, which never imports it")
+            if imp.target in METHOD_DATA_MODULES or any(n in METHOD_DATA_TYPES for n in imp.names):
+                problems.append(f"method-data: {where}:{imp.line}: the engine imports {imp.target}, a method's own "
+                                "data; carry a solution's payload and let the method's hooks read it")
             for n in imp.names:
                 if n in types:
                     problems.append(f"config-type: {where}:{imp.line}: the engine imports {n}; ask the config's "
@@ -361,8 +371,14 @@ def method_blind(modules: Dict[str, Module], root: Path) -> List[str]:
             if n in types:
                 problems.append(f"config-type: {where}:{line}: the engine names {n}; ask the config's method "
                                 "(engine.methods.method_for) instead of naming its type")
+            elif n in METHOD_DATA_TYPES:
+                problems.append(f"method-data: {where}:{line}: the engine names {n}, a method's own data; carry a "
+                                "solution's payload and let the method's hooks read it")
         for line, base, attr in mod.attributes:
-            if attr in METHOD_TESTS:
+            if attr in METHOD_DATA_TYPES:
+                problems.append(f"method-data: {where}:{line}: the engine names {base}.{attr}, a method's own data; "
+                                "carry a solution's payload and let the method's hooks read it")
+            elif attr in METHOD_TESTS:
                 problems.append(f"method-test: {where}:{line}: .{attr} asks which method runs; give the method a "
                                 "hook (engine.methods.Method) and call it")
             elif attr in fields and base in CONFIG_NAMES:

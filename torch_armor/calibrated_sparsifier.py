@@ -21,6 +21,7 @@ from torch.ao.pruning import BaseSparsifier
 
 from torch_armor.calibration.observer import ActSqNormObserver, LayerStatistics, decoder_linear_names, set_token_mask
 from torch_armor.config.serialized import config_changes, config_to_dict
+from torch_armor.core.factors import ArmorFactors
 from torch_armor.engine.identity import hash_tensors
 from torch_armor.engine.methods import Method, method_for
 from torch_armor.engine.runner import LayerSolution, solve_layer
@@ -277,7 +278,7 @@ class CalibratedSparsifier(BaseSparsifier):
         sol = solve_layer(getattr(module, tensor_name), stats, self.config_for(fqn), fqn)
         self.state[fqn]["solution"] = sol
         label = self.method.label
-        result = sol.factors.loss_text() if sol.factors is not None else f"{label} pruned"
+        result = sol.payload.loss_text() if isinstance(sol.payload, ArmorFactors) else f"{label} pruned"
         logger.info("%s: %s (%.1fs)", fqn, result, sol.seconds)
 
     def _after_layer(self, fqn: str) -> None:
@@ -452,7 +453,7 @@ class CalibratedSparsifier(BaseSparsifier):
                     raise ArmorInputError(f"layer {fqn!r}: the saved state has no XᵀX (needed by {self.method.name!r} with these "
                                      "settings): recalibrate and save the state again")
                 stats = LayerStatistics(h.float(), int(entry["num_tokens"]), xtx.float() if self.track_xtx else None)
-            sol = solution_from_state(fqn, self.method.name, entry, tuple(module.weight.shape))
+            sol = solution_from_state(fqn, self.method, entry, tuple(module.weight.shape))
             loaded[fqn] = (stats, sol)
         for fqn in loaded:
             if state_dict["weight_hashes"].get(fqn) != self._weight_hashes[fqn]:

@@ -61,7 +61,7 @@ class ArmorSparsifier(CalibratedSparsifier):
         progress: show a tqdm progress bar in :meth:`step`.
         on_layer_done: called as ``on_layer_done(tensor_fqn, solution)`` after each layer is solved
             in :meth:`step` (the :class:`~torch_armor.engine.runner.LayerSolution` is already
-            stored: ``solution.factors`` for ARMOR, ``solution.pruned`` for a baseline), e.g. to
+            stored: ``solution.payload``: the ``ArmorFactors`` for ARMOR, the pruned weight for a baseline), e.g. to
             checkpoint ``sparsifier.state_dict()``.
 
     Per-layer overrides in ``prepare(model, [{"tensor_fqn": ..., "block_size": 16}, ...])`` may
@@ -121,7 +121,7 @@ class ArmorSparsifier(CalibratedSparsifier):
     @property
     def factors(self) -> Dict[str, ArmorFactors]:
         """Finished ARMOR factors by ``tensor_fqn`` (empty for a baseline, which has none)."""
-        return {fqn: sol.factors for fqn, sol in self.solutions.items() if sol.factors is not None}
+        return {fqn: sol.payload for fqn, sol in self.solutions.items() if isinstance(sol.payload, ArmorFactors)}
 
     def _after_layer(self, fqn: str) -> None:
         if self.on_layer_done is not None:

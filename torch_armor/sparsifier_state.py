@@ -15,6 +15,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from torch_armor.core.factors import ArmorFactors
+from torch_armor.engine.methods import Method
 from torch_armor.engine.runner import LayerSolution
 from torch_armor.errors import ArmorInputError
 
@@ -43,26 +44,26 @@ def plain(value: Any) -> Any:
 
 def solution_state(sol: LayerSolution) -> Dict[str, Any]:
     """One finished layer as tensors and numbers: ARMOR factors, or the pruned weight and mask."""
-    if sol.factors is not None:
-        return {"factors": sol.factors.to_tensors(), "factor_metadata": sol.factors.metadata(),
+    if isinstance(sol.payload, ArmorFactors):
+        return {"factors": sol.payload.to_tensors(), "factor_metadata": sol.payload.metadata(),
                 "seconds": float(sol.seconds)}
-    return {"pruned": sol.pruned.detach().cpu(), "mask": sol.mask.detach().cpu(), "seconds": float(sol.seconds)}
+    return {"pruned": sol.payload.detach().cpu(), "mask": sol.mask.detach().cpu(), "seconds": float(sol.seconds)}
 
 
-def solution_from_state(fqn: str, method: str, entry: Dict[str, Any], shape: tuple) -> Optional[LayerSolution]:
-    """The inverse of :func:`solution_state`, checked against the layer's ``shape``."""
+def solution_from_state(fqn: str, method: Method, entry: Dict[str, Any], shape: tuple) -> Optional[LayerSolution]:
+    """The inverse of :func:`solution_state` (``method``: the sparsifier's), checked against the layer's ``shape``."""
     seconds = float(entry.get("seconds") or 0.0)
     if "factors" in entry:
         try:
             factors = ArmorFactors.from_tensors(entry["factors"], **entry.get("factor_metadata", {}))
         except ValueError as err:
             raise ArmorInputError(f"layer {fqn!r}: saved factors: {err}") from None
-        sol = LayerSolution(fqn, method, factors=factors, seconds=seconds)
+        sol = LayerSolution(fqn, method, factors, seconds, factors.mask)
     elif "pruned" in entry:
-        sol = LayerSolution(fqn, method, pruned=entry["pruned"], mask=entry.get("mask"), seconds=seconds)
+        sol = LayerSolution(fqn, method, entry["pruned"], seconds, entry.get("mask"))
     else:
         return None
-    saved = tuple((sol.factors.core if sol.factors is not None else sol.pruned).shape)
+    saved = tuple(sol.payload.shape)
     if saved != shape:
         raise ArmorInputError(f"layer {fqn!r}: the saved result is for a {saved} weight, the layer is {shape}; "
                          "the state comes from a different model")

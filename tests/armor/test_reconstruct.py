@@ -32,7 +32,7 @@ def _block_problem():
     inputs = capture_block_inputs(model, block, list(CALIB.split(4)))
     layers = {n: m for n, m in block.named_modules() if isinstance(m, nn.Linear)}
     stats = block_statistics(block, layers, inputs, device=torch.device("cpu"), track_xtx=True)
-    factors = {n: solve_layer(m.weight, stats[n], CFG, n).factors for n, m in layers.items()}
+    factors = {n: solve_layer(m.weight, stats[n], CFG, n).payload for n, m in layers.items()}
     targets = [run_block(block, inp, torch.device("cpu")) for inp in inputs]
     return block, layers, inputs, targets, factors
 

@@ -8,6 +8,8 @@ import shlex
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import torch_armor.cli.commands as cli_commands
 from torch_armor.cli.parser import build_parser, main
@@ -123,3 +125,84 @@ def test_the_table():
     table = flag_table()
     assert "| `--iters` | ArmorConfig.optimizer.iters | ✗ | ✗ | ✗ | ✗ | ✓ |" in table
     assert "| `--damp` | SparseGPTConfig.damp | ✗ | ✗ | ✓ | ✗ | ✗ |" in table
+
+
+def _hand_built_armor_config(args):
+    """``cli/commands.py armor_config`` as it was before the flags built every config (the reference):
+    ARMOR's config assembled by hand from the flags."""
+    import dataclasses
+
+    from torch_armor.config.armor import ArmorConfig
+    from torch_armor.config.levers import DEFAULT_RECONSTRUCT, DEFAULT_REFINE, OPTIMIZERS, DistillConfig
+
+    base = ArmorConfig.preset(args.preset or "default")
+    changes = {"pattern": args.pattern, "seed": args.seed}
+    for key in ("block_size", "max_overhead"):
+        if getattr(args, key) is not None:
+            changes[key] = getattr(args, key)
+    if args.optimizer is not None or args.iters is not None or args.time_budget is not None:
+        kind = OPTIMIZERS[args.optimizer] if args.optimizer is not None else type(base.optimizer)
+        optimizer = base.optimizer if isinstance(base.optimizer, kind) else kind()
+        given = {"iters": args.iters, "time_budget_s": args.time_budget}
+        changes["optimizer"] = dataclasses.replace(optimizer, **{k: v for k, v in given.items() if v is not None})
+    if args.refine is not None:
+        changes["refine"] = (base.refine or DEFAULT_REFINE) if args.refine == "output" else None
+    if args.reconstruct_steps is not None:
+        changes["reconstruct"] = (dataclasses.replace(base.reconstruct or DEFAULT_RECONSTRUCT,
+                                                      steps=args.reconstruct_steps)
+                                  if args.reconstruct_steps else None)
+    if args.distill_steps is not None:
+        changes["distill"] = (dataclasses.replace(base.distill or DistillConfig(), steps=args.distill_steps)
+                              if args.distill_steps else None)
+    return dataclasses.replace(base, **changes)
+
+
+def _hand_built_config(args):
+    """The reference config of ``--method``: ARMOR's by hand, a baseline's from ``--pattern`` (and
+    SparseGPT's ``--sparsegpt-block-size``, ``--damp``)."""
+    from torch_armor.config.armor import ArmorConfig
+    from torch_armor.config.methods import SparseGPTConfig
+    from torch_armor.engine.methods import method_named
+
+    kind = method_named(args.method).config_type
+    if issubclass(kind, ArmorConfig):
+        return _hand_built_armor_config(args)
+    fields = {"pattern": args.pattern}
+    if issubclass(kind, SparseGPTConfig):
+        given = {"block_size": args.sparsegpt_block_size, "damp": args.damp}
+        fields.update({k: v for k, v in given.items() if v is not None})
+    return kind(**fields)
+
+
+def _outcome(build, args):
+    from torch_armor.errors import ArmorInputError
+
+    try:
+        config = build(args)
+    except ArmorInputError:
+        return "refused"
+    return type(config), repr(config)
+
+
+_FLAG_VALUES = {  # None: not given; values the parser accepts, some of them refused by the configs
+    "--pattern": [None, "2:4", "4:8", "unstructured:0.5"], "--preset": [None, "fast", "default", "max"],
+    "--block-size": [None, "8", "16", "32", "auto", "budget"], "--max-overhead": [None, "0.02", "0.1"],
+    "--optimizer": [None, "bcd", "adam"], "--iters": [None, "1", "5", "0", "-1"], "--time-budget": [None, "2", "0.5"],
+    "--refine": [None, "output", "none"], "--reconstruct-steps": [None, "0", "5", "-2"],
+    "--distill-steps": [None, "0", "4", "-1"], "--seed": [None, "0", "3"],
+    "--sparsegpt-block-size": [None, "64", "128"], "--damp": [None, "0.5", "0.01", "-1"],
+}
+
+
+@settings(max_examples=300, deadline=None)
+@given(method=st.one_of(st.just("armor"), st.sampled_from(method_names())),  # ARMOR has most flags
+       flags=st.fixed_dictionaries({flag: st.sampled_from(values) for flag, values in _FLAG_VALUES.items()}))
+def test_the_flags_give_the_config_the_hand_built_path_gave(method, flags):
+    """One generic path (the flag table, its value mappings) builds every method's config: the same
+    config, to its repr, as the hand-built path for any combination of flags, or refused by both."""
+    argv = ["prune", "smollm2", "--method", method, "--out", "x"]
+    for flag, value in flags.items():
+        if value is not None:
+            argv += [flag, value]
+    args = build_parser().parse_args(argv)
+    assert _outcome(cli_commands.method_config, args) == _outcome(_hand_built_config, args), argv

@@ -242,7 +242,10 @@ def test_block_size_default_is_the_config_default():
     from torch_armor import ArmorConfig
     from torch_armor.config.armor import ReconstructConfig
     from torch_armor.cli.parser import build_parser
-    from torch_armor.cli.commands import armor_config as _armor_config
+    from torch_armor.cli.flags import config_from_flags
+
+    def _armor_config(args):
+        return config_from_flags(args, ArmorConfig)
 
     parser = build_parser()
     for argv in (["prune", "smollm2", "--out", "x"], ["demo"]):
@@ -262,7 +265,10 @@ def test_preset_then_the_options_given():
 
     from torch_armor import ArmorConfig
     from torch_armor.cli.parser import build_parser
-    from torch_armor.cli.commands import armor_config as _armor_config
+    from torch_armor.cli.flags import config_from_flags
+
+    def _armor_config(args):
+        return config_from_flags(args, ArmorConfig)
 
     parser = build_parser()
     for name in ("fast", "default", "max"):

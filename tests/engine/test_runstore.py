@@ -227,3 +227,51 @@ def test_layer_files_are_byte_identical_across_saves(tmp_path):
         back = store.load("fc")
         assert torch.equal(back.core, f.core) and torch.equal(back.a_blocks, f.a_blocks)
     assert blobs[0] == blobs[1] == blobs[2]
+
+
+# ---------------------------------------------------------------------------- any method's payload
+
+
+def test_a_method_of_its_own_keeps_its_payload_in_the_run_store(tmp_path):
+    """The store writes what the run's method gives it (``Method.to_store``) and reads it back with
+    the method's ``from_store``: a payload type the engine has never heard of, bit-identical."""
+    import dataclasses
+
+    from torch_armor.config.methods import MethodConfig
+    from torch_armor.engine.methods import METHODS, Method, register_method
+    from torch_armor.engine.solution import StoredSolution
+    from torch_armor.errors import ArmorInputError
+
+    @dataclasses.dataclass(frozen=True)
+    class ScaledConfig(MethodConfig):
+        pattern: str = "2:4"
+
+    @dataclasses.dataclass
+    class Scaled:  # a method's own result: a weight and a scale
+        weight: torch.Tensor
+        scale: float
+
+    class ScaledMethod(Method):
+        stores_layers = True
+
+        def to_store(self, payload):
+            return StoredSolution({"weight": payload.weight}, {"scale": repr(payload.scale)},
+                                  {"shape": list(payload.weight.shape), "device": str(payload.weight.device)})
+
+        def from_store(self, tensors, header):
+            return Scaled(tensors["weight"], float(header["scale"]))
+
+    register_method(ScaledConfig, name="scaled", needs_statistics=False, kind=ScaledMethod)(
+        lambda weight, stats, config, name="": Scaled(weight, 0.5))
+    try:
+        weight = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+        store = RunStore(tmp_path, ScaledConfig(), "m", "h")
+        store.save("fc", Scaled(weight, 0.1), seconds=2.0)
+        back = RunStore(tmp_path, ScaledConfig(), "m", "h").load("fc")
+        assert isinstance(back, Scaled) and torch.equal(back.weight, weight) and back.scale == 0.1
+        entry = json.loads((tmp_path / MANIFEST_NAME).read_text())["layers"]["fc"]
+        assert entry["shape"] == [8, 16] and entry["device"] == "cpu" and entry["seconds"] == 2.0
+        with pytest.raises(ArmorInputError, match="'fc'.*ArmorFactors"):
+            RunStore(tmp_path / "armor", CFG, "m", "h").save("fc", Scaled(weight, 0.1))
+    finally:
+        METHODS.pop(ScaledConfig, None)

@@ -9,7 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torch_armor.cli.parser import build_parser
-from torch_armor.cli.commands import armor_config, demo_protocol
+from torch_armor.config.armor import ArmorConfig
+from torch_armor.cli.commands import demo_protocol
+from torch_armor.cli.flags import config_from_flags
 from torch_armor.cli.names import DEMO_METHODS, QUICK_PROTOCOL
 from torch_armor.recipes.demo_record import DEMO_RECORD
 from torch_armor.recipes.demo_time import DemoClock, forward_seconds, matches_record, row_work
@@ -27,17 +29,17 @@ def test_the_record_was_measured_with_todays_quick_demo():
     settings = DEMO_RECORD["settings"]
     assert (settings["n_calib"], settings["n_eval"], settings["seq_len"]) == (
         QUICK_PROTOCOL["n_calib"], QUICK_PROTOCOL["n_eval"], args.seq_len)
-    assert settings["armor"] == repr(armor_config(args))
+    assert settings["armor"] == repr(config_from_flags(args, ArmorConfig))
     assert set(DEMO_RECORD["rows"]) == set(DEMO_METHODS)
     assert matches_record(args.methods, n_calib=args.n_calib, n_eval=args.n_eval, seq_len=args.seq_len,
-                          armor_config=repr(armor_config(args)))
+                          armor_config=repr(config_from_flags(args, ArmorConfig)))
 
 
 def test_the_full_demo_is_not_taken_for_the_recorded_run():
     args = build_parser().parse_args(["demo", "--full"])
     demo_protocol(args)
     assert not matches_record(args.methods, n_calib=args.n_calib, n_eval=args.n_eval, seq_len=args.seq_len,
-                              armor_config=repr(armor_config(args)))
+                              armor_config=repr(config_from_flags(args, ArmorConfig)))
 
 
 def test_row_work_is_the_recorded_cpu_time_in_forward_passes_scaled_by_windows_and_tokens():

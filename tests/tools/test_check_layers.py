@@ -135,3 +135,40 @@ def test_the_engine_knows_no_method(tmp_path):
                       ("method-test", 9), ("method-test", 12)], problems
     assert not any("engine/clean.py" in p or "armor/method.py" in p for p in problems), problems
     assert any(p.startswith("upward:") and "engine/loop.py:4" in p for p in problems), problems
+
+
+def test_the_engine_carries_no_factors(tmp_path):
+    """The engine imports neither ARMOR's factors nor the code that makes them and names no ``ArmorFactors``
+    in code (docstrings may); a method's module may."""
+    root = _package(tmp_path, {
+        "__init__.py": "",
+        "core/__init__.py": "",
+        "core/factors.py": "class ArmorFactors:\n    pass\n",
+        "core/factorize.py": "def factorize(w):\n    return w\n",
+        "engine/__init__.py": "",
+        "engine/solution.py": '''\
+            """Holds ``ArmorFactors`` or a pruned weight."""
+            from torch_armor.core.factors import ArmorFactors
+            import torch_armor.core.factorize
+
+
+            def approximation(payload, kinds):
+                if isinstance(payload, kinds.ArmorFactors):
+                    return payload
+                return ArmorFactors
+        ''',
+        "engine/clean.py": '''\
+            """Example: ``>>> ArmorFactors(...)``."""
+
+
+            def approximation(solution):
+                return solution.method.approximation(solution.payload)
+        ''',
+        "armor/__init__.py": "",
+        "armor/method.py": "from torch_armor.core.factors import ArmorFactors\n"
+                           "def rebuild(t):\n    return ArmorFactors(t)\n",
+    })
+    problems = _tool().check(root / "torch_armor")
+    data = sorted(int(p.split(":")[2]) for p in problems if p.startswith("method-data:"))
+    assert data == [2, 3, 7, 9], problems
+    assert all("engine/solution.py" in p for p in problems if p.startswith("method-data:")), problems

@@ -201,7 +201,7 @@ def compute_layers(
                     if len(group) > 1:
                         solved = armor_experts([w for w, _ in inputs], [h for _, h in inputs], cfgs[0], group)
                     else:
-                        solved = [solve_layer(inputs[0][0], inputs[0][1], cfgs[0], group[0]).factors]
+                        solved = [solve_layer(inputs[0][0], inputs[0][1], cfgs[0], group[0]).payload]
                 except Exception as err:
                     if store is not None:
                         for fqn in group:

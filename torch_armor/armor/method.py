@@ -33,8 +33,10 @@ from torch import nn
 
 from torch_armor._io import atomic_write
 from torch_armor.calibration.blocks import BlockInput, block_statistics, run_block
+from torch_armor.calibration.experts import out_in_shape
 from torch_armor.config.armor import ArmorConfig
 from torch_armor.core.factorize import factorize
+from torch_armor.core.factors import ArmorFactors
 from torch_armor.core.pattern import auto_block_size, candidate_block_sizes, check_layer_shape
 from torch_armor.core.refine import with_losses
 from torch_armor.armor.allocate import allocate_block_sizes, layer_kind, loss_curves
@@ -44,7 +46,10 @@ from torch_armor.engine.experts import layer_module
 from torch_armor.engine.methods import Method, ModelPass, Result, act_sq_norm_for, register_method, xtx_of
 from torch_armor.armor.reconstruct import reconstruct_block
 from torch_armor.engine.runner import LayerSolution, solve_layer
+from torch_armor.engine.solution import StoredSolution
 from torch_armor.errors import ArmorInputError
+from torch_armor.tensor.armor_tensor import armor_linear_from_factors
+from torch_armor.tensor.experts import armor_experts_from_factors
 
 __all__ = ["ArmorMethod", "RECONSTRUCTED_DIR", "XTX_OFFLOAD_NAME", "ALLOCATION_SAMPLE_BLOCKS"]
 
@@ -124,9 +129,61 @@ def _xtx_on_disk(run: Any, stats: Dict[str, Any]) -> Iterator[None]:
 
 
 class ArmorMethod(Method):
-    """ARMOR's hooks: see the module docstring."""
+    """ARMOR's hooks: see the module docstring. A solution's payload is the layer's
+    :class:`~torch_armor.core.factors.ArmorFactors`."""
 
     stores_layers = True
+
+    def solution(self, name: str, result: ArmorFactors, seconds: Optional[float] = None) -> LayerSolution:
+        """``seconds`` ``None``: the optimizer's own record (as a resumed run replays it)."""
+        seconds = float(result.history_time_s[-1]) if seconds is None else seconds
+        return LayerSolution(name, self, result, seconds, result.mask)
+
+    def approximation(self, payload: ArmorFactors) -> torch.Tensor:
+        return payload.dense()
+
+    def apply_solution(self, solution: LayerSolution, module: nn.Linear, storage: str) -> None:
+        """An ArmorTensor weight (``storage`` of its core)."""
+        armor_linear_from_factors(module, solution.payload, storage=storage, name=solution.name)
+
+    def apply_experts(self, param_fqn: str, slots: Sequence[Any], solutions: Sequence[LayerSolution],
+                      storage: str) -> None:
+        """All experts of the fused parameter as one ARMOR experts parameter."""
+        module, attr = slots[0].module, slots[0].attr
+        by_index = {slot.index: sol.payload for slot, sol in zip(slots, solutions)}
+        count = out_in_shape(module, attr)[0]
+        if sorted(by_index) != list(range(count)):
+            raise ArmorInputError(f"{param_fqn}: ARMOR converts all {count} experts of a fused parameter "
+                                  f"together, {len(by_index)} were selected; select every expert of it or none")
+        factors = [by_index[e] for e in range(count)]
+        armor_experts_from_factors(module, attr, factors, storage=storage, name=param_fqn)
+
+    def report_fields(self, payload: ArmorFactors) -> Dict[str, Any]:
+        """The loss the optimizer measured (as a resumed run replays it), the block size, the wrapper's
+        parameters, the iterations and, refined, the output loss."""
+        return {"shape": tuple(payload.shape), "relative_proxy_loss": float(payload.relative_loss),
+                "block_size": payload.block_size, "wrapper_params": payload.num_wrapper_params(),
+                "iterations": int(payload.history_iters[-1]),
+                "relative_output_loss": float(payload.relative_output_loss) if payload.refined else None}
+
+    def to_store(self, payload: ArmorFactors) -> StoredSolution:
+        """The factors' tensors; their scalars in the header; shape, block size, pattern and loss in the manifest."""
+        if not isinstance(payload, ArmorFactors):
+            raise ArmorInputError(f"save() expects ArmorFactors, got {type(payload).__name__}")
+        scalars = payload.metadata()
+        header = {"pattern": scalars["pattern"], "nowag_loss": repr(scalars["nowag_loss"]),
+                  "best_iter": str(scalars["best_iter"]),
+                  "relative_output_loss": repr(scalars["relative_output_loss"])}
+        summary = {"shape": list(payload.core.shape), "block_size": int(payload.block_size),
+                   "pattern": str(payload.pattern), "relative_loss": float(payload.relative_loss),
+                   "device": str(payload.core.device)}
+        return StoredSolution(payload.to_tensors(), header, summary)
+
+    def from_store(self, tensors: Dict[str, torch.Tensor], header: Dict[str, str]) -> ArmorFactors:
+        return ArmorFactors.from_tensors(tensors, pattern=header.get("pattern", "2:4"),
+                                         nowag_loss=float(header.get("nowag_loss", "nan")),
+                                         best_iter=int(header.get("best_iter", "0")),
+                                         relative_output_loss=float(header.get("relative_output_loss", "nan")))
 
     def block_targets(self, config: ArmorConfig, sequential: bool) -> Optional[str]:
         """Block reconstruction fits to the dense block's outputs, or (``ReconstructConfig(target="model")``
@@ -149,8 +206,7 @@ class ArmorMethod(Method):
             if run.rank != 0:
                 store = run.fresh_store()
                 factors = {n: store.load(n) for n in names}
-        return {n: LayerSolution(n, self.name, factors=factors[n],
-                                 seconds=float(factors[n].history_time_s[-1])) for n in names}
+        return {n: self.solution(n, factors[n]) for n in names}
 
     def after_block(self, index: int, block: nn.Module, layers: Dict[str, Any], stats: Dict[str, Any],
                     solutions: Dict[str, LayerSolution], configs: Dict[str, Any], data: Any, run: Any,
@@ -168,18 +224,18 @@ class ArmorMethod(Method):
         if run.rank == 0:
             start = time.perf_counter()
             with _xtx_on_disk(run, stats):
-                result = reconstruct_block(block, {n[len(prefix):]: solutions[n].factors for n in names}, data[0],
+                result = reconstruct_block(block, {n[len(prefix):]: solutions[n].payload for n in names}, data[0],
                                            data[1], run.config.reconstruct, device=run.device,
                                            seed=run.config.seed, held_out_from=run.held_out_from)
             new, before, after = result.factors, result.before, result.after
             seconds = (time.perf_counter() - start) / len(names)
-            solutions = {n: LayerSolution(n, self.name, seconds=solutions[n].seconds + seconds,
-                                          factors=with_losses(new[n[len(prefix):]], layers[n].weight, stats[n].xtx,
-                                                              stats[n].act_sq_norm, seconds))
+            solutions = {n: self.solution(n, with_losses(new[n[len(prefix):]], layers[n].weight, stats[n].xtx,
+                                                         stats[n].act_sq_norm, seconds),
+                                          solutions[n].seconds + seconds)
                          for n in names}
             if run.store is not None:
                 for n in names:
-                    run.store.save(n, solutions[n].factors, config=configs[n], seconds=solutions[n].seconds,
+                    run.store.save(n, solutions[n].payload, config=configs[n], seconds=solutions[n].seconds,
                                    device=configs[n].device)
                 marker = _marker(run, index)
                 marker.parent.mkdir(parents=True, exist_ok=True)
@@ -192,8 +248,7 @@ class ArmorMethod(Method):
             dist.barrier()  # rank 0 saved the reconstructed factors: every rank reads them
             if run.rank != 0:
                 store = run.fresh_store()
-                solutions = {n: LayerSolution(n, self.name, factors=store.load(n), seconds=solutions[n].seconds)
-                             for n in names}
+                solutions = {n: self.solution(n, store.load(n), solutions[n].seconds) for n in names}
                 _replay_errors(run, index, report)
         return solutions
 
@@ -232,7 +287,7 @@ class ArmorMethod(Method):
                     d_out, d_in = layer.weight.shape
                     measured[n] = {}
                     for size in candidate_block_sizes(d_out, d_in, multiple):
-                        f = solve_layer(layer.weight, stats[n], dataclasses.replace(cfg, block_size=size), n).factors
+                        f = solve_layer(layer.weight, stats[n], dataclasses.replace(cfg, block_size=size), n).payload
                         measured[n][size] = f.relative_output_loss if f.refined else f.relative_loss
             else:
                 for inp in work:

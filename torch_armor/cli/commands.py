@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import shlex
@@ -19,10 +18,9 @@ from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 import torch
 
 from torch_armor._io import RUN_DIR_NAME
-from torch_armor.cli.flags import method_fields, with_flags
+from torch_armor.cli.flags import config_from_flags, with_flags
 from torch_armor.cli.names import DENSE, FULL_PROTOCOL, HARNESS_JSON, QUICK_PROTOCOL, REPORT_JSON, REPORT_PNG
 from torch_armor.config.armor import ArmorConfig
-from torch_armor.config.levers import DEFAULT_RECONSTRUCT, DEFAULT_REFINE, OPTIMIZERS, DistillConfig
 from torch_armor.engine.topology import launched_rank
 from torch_armor.engine.methods import method_named
 from torch_armor.engine.options import PruneOptions
@@ -64,45 +62,10 @@ def setup(args: argparse.Namespace) -> None:
         quiet_third_party_progress()
 
 
-def armor_config(args: argparse.Namespace) -> ArmorConfig:
-    """The ArmorConfig of ``--preset`` with the ARMOR options that were given applied on top."""
-    base = ArmorConfig.preset(args.preset or "default")
-    changes: Dict[str, Any] = {"pattern": args.pattern, "seed": args.seed}
-    for key in ("block_size", "max_overhead"):
-        if getattr(args, key) is not None:
-            changes[key] = getattr(args, key)
-    if args.optimizer is not None or args.iters is not None or args.time_budget is not None:
-        kind = OPTIMIZERS[args.optimizer] if args.optimizer is not None else type(base.optimizer)
-        optimizer = base.optimizer if isinstance(base.optimizer, kind) else kind()
-        given = {"iters": args.iters, "time_budget_s": args.time_budget}
-        changes["optimizer"] = dataclasses.replace(optimizer, **{k: v for k, v in given.items() if v is not None})
-    if args.refine is not None:
-        changes["refine"] = (base.refine or DEFAULT_REFINE) if args.refine == "output" else None
-    if args.reconstruct_steps is not None:
-        changes["reconstruct"] = (dataclasses.replace(base.reconstruct or DEFAULT_RECONSTRUCT,
-                                                      steps=args.reconstruct_steps)
-                                  if args.reconstruct_steps else None)
-    if args.distill_steps is not None:
-        changes["distill"] = (dataclasses.replace(base.distill or DistillConfig(), steps=args.distill_steps)
-                              if args.distill_steps else None)
-    return dataclasses.replace(base, **changes)
-
-
 def method_config(args: argparse.Namespace) -> Any:
-    """The config of ``--method`` from the flags given for it (:mod:`torch_armor.cli.flags`; an
-    error names the flag)."""
-    kind = method_named(args.method).config_type
-    if issubclass(kind, ArmorConfig):
-        return armor_config(args)
-    fields = method_fields(args, kind)
-    try:
-        return kind(**{name: value for name, (_, value) in fields.items()})
-    except ArmorInputError as err:
-        field = next((f for f in fields if str(err).startswith(f"{kind.__name__}.{f}")), None)
-        if field is None:
-            raise
-        flag, value = fields[field]
-        raise ArmorInputError(f"{flag} {value}: {err}") from None
+    """The config of ``--method`` from the flags given for it (:func:`~torch_armor.cli.flags.config_from_flags`;
+    an error names the flag)."""
+    return config_from_flags(args, method_named(args.method).config_type)
 
 
 def from_text(flag: str, source: str, windows: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -308,7 +271,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     demo_protocol(args)
     setup(args)
-    config = armor_config(args)
+    config = config_from_flags(args, ArmorConfig)
     settings = {"methods": args.methods, "pattern": args.pattern, "calib": args.calib, "n_calib": args.n_calib,
                 "eval": args.data, "n_eval": args.n_eval, "seq_len": args.seq_len, "layers": args.layers,
                 "seed": args.seed, "sequential": not args.one_shot, "armor_eval": args.armor_eval,

@@ -220,7 +220,7 @@ class BlockPipeline:
         return saved
 
     def _replay(self, index: int, prefix: str, names: List[str], report: PruneReport) -> None:
-        """A block finished by an earlier run: its factors are converted from the store (an
+        """A block finished by an earlier run: its solutions are written from the store (an
         in-memory model) or it was already written (a streamed one)."""
         self.method.replay_block(index, self, report)
         path = self.store.directory / UNCALLED_NAME
@@ -229,10 +229,8 @@ class BlockPipeline:
         names = [n for n in names if n not in uncalled]
         solutions = {}
         for name in names:
-            factors = self.store.load(name)
-            report.layers.append(_result(name, factors.shape, float(factors.relative_loss),
-                                         float(factors.history_time_s[-1]), factors))
-            solutions[name] = LayerSolution(name, self.method.name, factors=factors)
+            solutions[name] = sol = self.method.solution(name, self.store.load(name))
+            report.layers.append(_result(sol))
         if self.sink is None:
             self._apply(solutions, {n: layer_module(self.source.model, n) for n in names})
 
@@ -266,14 +264,13 @@ class BlockPipeline:
         solutions = self.method.solve_block(names, layers, stats, cfgs, self)
         solutions = self.method.after_block(index, block, layers, stats, solutions, cfgs, recon, self, report)
         for n in names:
-            weight = layers[n].weight.detach()
             sol = solutions[n]
-            if sol.factors is not None:  # factors: the loss the optimizer measured, as a resumed run replays it
-                rel = float(sol.factors.relative_loss)
-            else:
+            result = _result(sol)
+            if result.relative_proxy_loss is None:  # the method did not measure it: against NoWag-P's
+                weight = layers[n].weight.detach()
                 ref = ProxyReference(weight, stats[n].act_sq_norm, cfgs[n].pattern)
-                rel = ref.relative(weight, sol.approximation())
-            report.layers.append(_result(n, tuple(weight.shape), rel, sol.seconds, sol.factors))
+                result.relative_proxy_loss = ref.relative(weight, sol.approximation())
+            report.layers.append(result)
         self._apply({n: solutions[n] for n in names}, layers)
 
     def _apply(self, solutions: Dict[str, LayerSolution], layers: Dict[str, Any]) -> None:
@@ -285,10 +282,8 @@ class BlockPipeline:
         if slots:
             write_experts(slots, {n: solutions[n] for n in slots}, self.storage)
 
-def _result(name: str, shape, rel: float, seconds: float, factors=None) -> LayerResult:
-    extra: Dict[str, Any] = {}
-    if factors is not None:
-        extra = {"block_size": factors.block_size, "wrapper_params": factors.num_wrapper_params(),
-                 "iterations": int(factors.history_iters[-1]),
-                 "relative_output_loss": float(factors.relative_output_loss) if factors.refined else None}
-    return LayerResult(name=name, shape=tuple(shape), relative_proxy_loss=rel, seconds=seconds, **extra)
+def _result(solution: LayerSolution) -> LayerResult:
+    """The report's line of one layer: what its method reports of it (``relative_proxy_loss`` ``None``:
+    not measured by the method)."""
+    fields = {"relative_proxy_loss": None, **solution.method.report_fields(solution.payload)}
+    return LayerResult(name=solution.name, seconds=solution.seconds, **fields)

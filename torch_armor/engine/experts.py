@@ -2,9 +2,9 @@
 the results of a fused expert parameter back at once, and the weights a prune leaves dense.
 
 A fused expert parameter ``P`` ``(E, out, in)`` is E layers ``f"{P}.{e}"``
-(:mod:`torch_armor.calibration.experts`). A baseline's pruned weights are written into ``P[e]``;
-ARMOR's factors of all E experts become one
-:class:`~torch_armor.tensor.experts.ArmorExpertsTensor` parameter (``armor_experts_from_factors``).
+(:mod:`torch_armor.calibration.experts`); the method that solved them writes their solutions into
+``P`` (:meth:`~torch_armor.engine.methods.Method.apply_experts`: a baseline's pruned weights into
+``P[e]``, ARMOR all E experts as one ARMOR experts parameter).
 
 Example::
 
@@ -37,7 +37,6 @@ from torch_armor.calibration.experts import (ExpertSlot, flat_experts_count, out
 from torch_armor.calibration.routers import moe_blocks, router_names
 from torch_armor.calibration.selection import prunable_names  # noqa: F401  (doctest)
 from torch_armor.errors import ArmorInputError
-from torch_armor.tensor.experts import armor_experts_from_factors
 
 __all__ = ["layer_module", "write_experts", "experts_roots", "no_expert_pruned", "dense_weights", "with_dense_layers",
            "dense_lines", "group_by_param", "routed_token_lines"]
@@ -73,24 +72,11 @@ def group_by_param(names: Sequence[str]) -> Dict[str, List[str]]:
 
 
 def write_experts(slots: Mapping[str, ExpertSlot], solutions: Mapping[str, Any], storage: str = "dense") -> None:
-    """Write the solutions of expert layers (``{name: LayerSolution}``) into their fused parameters:
-    pruned weights into ``P[e]``; ARMOR factors of every expert of ``P`` as one ARMOR experts parameter."""
+    """Write the solutions of expert layers (``{name: LayerSolution}``) into their fused parameters,
+    one parameter at a time, by the method that solved them."""
     for param_fqn, names in group_by_param(list(solutions)).items():
-        first = slots[names[0]]
-        module, attr = first.module, first.attr
-        old = getattr(module, attr)
-        if all(solutions[n].factors is None for n in names):
-            with torch.no_grad():
-                for n in names:
-                    slots[n].weight.copy_(solutions[n].pruned.to(dtype=old.dtype, device=old.device))
-            continue
-        by_index = {slots[n].index: solutions[n].factors for n in names}
-        count = out_in_shape(module, attr)[0]
-        if sorted(by_index) != list(range(count)):
-            raise ArmorInputError(f"{param_fqn}: ARMOR converts all {count} experts of a fused parameter "
-                                  f"together, {len(by_index)} were selected; select every expert of it or none")
-        factors = [by_index[e] for e in range(count)]
-        armor_experts_from_factors(module, attr, factors, storage=storage, name=param_fqn)
+        solved = [solutions[n] for n in names]
+        solved[0].method.apply_experts(param_fqn, [slots[n] for n in names], solved, storage)
 
 
 def _reason(model: nn.Module, name: str, blocks_prefix: str, routers: Sequence[str],

@@ -9,9 +9,13 @@ method's: every layer solved on its own, nothing before or after. A method is re
 the code that runs it on one layer::
 
     @register_method(SparseGPTConfig, label="SparseGPT", needs_xtx=True)
-    def _sparsegpt(weight, stats, config, name) -> (mask, pruned) | ArmorFactors: ...
+    def _sparsegpt(weight, stats, config, name) -> (mask, pruned): ...
 
-and a method with hooks of its own passes its :class:`Method` subclass as ``kind``. The engine
+and a method with hooks of its own passes its :class:`Method` subclass as ``kind``. What a method
+makes of a layer is opaque to the engine: the method's hooks turn it into a :class:`LayerSolution`
+(:meth:`Method.solution`), write it into the module (:meth:`Method.apply_solution`,
+:meth:`Method.apply_experts`), say what the report shows of it (:meth:`Method.report_fields`) and
+keep it in the run store (:meth:`Method.to_store`, :meth:`Method.from_store`). The engine
 calls the hooks and never asks which method it runs, and it imports none: the methods register
 themselves when their modules are imported (:mod:`torch_armor.baselines`, :mod:`torch_armor.armor`;
 ``import torch_armor`` imports both, so the registry is the same whatever was imported first).
@@ -43,16 +47,16 @@ import torch
 from torch import nn
 
 from torch_armor.config.serialized import serializable
-from torch_armor.core.factors import ArmorFactors
-from torch_armor.engine.solution import LayerSolution
+from torch_armor.engine.solution import LayerSolution, StoredSolution
 from torch_armor.errors import ArmorInputError
 
 __all__ = ["Method", "ModelPass", "RunContext", "METHODS", "register_method", "method_for", "method_named",
            "config_for_method", "method_names", "method_label", "default_config",
            "act_sq_norm_for", "xtx_of"]
 
-#: What a method makes of one layer: ARMOR factors, or ``(keep-mask, pruned dense weight)``.
-Result = Union[ArmorFactors, Tuple[torch.Tensor, torch.Tensor]]
+#: What ``solve`` makes of one layer: a one-shot method's ``(keep-mask, pruned dense weight)``, or what
+#: the method's own hooks read (ARMOR's factors).
+Result = Any
 Solve = Callable[[torch.Tensor, Any, Any, str], Result]
 
 
@@ -143,11 +147,49 @@ class Method:
                 if name and name not in str(err):
                     raise type(err)(f"layer {name!r}: {err}") from err
                 raise
-        seconds = time.perf_counter() - start
-        if isinstance(result, ArmorFactors):
-            return LayerSolution(name, self.name, factors=result, seconds=seconds)
+        return self.solution(name, result, time.perf_counter() - start)
+
+    # -- what it made of a layer (the payload of a LayerSolution: here the pruned dense weight) --------
+    def solution(self, name: str, result: Result, seconds: Optional[float] = None) -> LayerSolution:
+        """Layer ``name``'s :class:`LayerSolution` from what ``solve`` returned (``seconds``: how long it
+        took; ``None``: what the result itself records, nothing for a one-shot method)."""
         mask, pruned = result
-        return LayerSolution(name, self.name, pruned=pruned, seconds=seconds, mask=mask)
+        return LayerSolution(name, self, pruned, 0.0 if seconds is None else seconds, mask)
+
+    def approximation(self, payload: Any) -> torch.Tensor:
+        """The dense approximation of the weight a solution's payload stands for."""
+        return payload
+
+    def apply_solution(self, solution: LayerSolution, module: nn.Linear, storage: str) -> None:
+        """Write ``solution`` into ``module`` (``storage``: a format of the method's own weights): the
+        pruned weight, with the old one's dtype, device and ``requires_grad``."""
+        old = module.weight
+        module.weight = nn.Parameter(solution.payload.to(device=old.device, dtype=old.dtype),
+                                     requires_grad=old.requires_grad)
+
+    def apply_experts(self, param_fqn: str, slots: Sequence[Any], solutions: Sequence[LayerSolution],
+                      storage: str) -> None:
+        """Write the solutions of experts of one fused parameter ``param_fqn`` into it (``slots``: their
+        :class:`~torch_armor.calibration.experts.ExpertSlot`, in the order of ``solutions``)."""
+        old = getattr(slots[0].module, slots[0].attr)
+        with torch.no_grad():
+            for slot, sol in zip(slots, solutions):
+                slot.weight.copy_(sol.payload.to(dtype=old.dtype, device=old.device))
+
+    def report_fields(self, payload: Any) -> Dict[str, Any]:
+        """The :class:`~torch_armor.engine.report.LayerResult` fields it reports of a payload itself:
+        ``shape``, ``relative_proxy_loss`` when it measured that itself (the engine measures it
+        otherwise) and fields of its own."""
+        return {"shape": tuple(payload.shape)}
+
+    def to_store(self, payload: Any) -> StoredSolution:
+        """A payload as the run store writes it (a method whose ``stores_layers`` is true)."""
+        raise ArmorInputError(f"method {self.name!r} keeps no layers in a run directory (its stores_layers is False)")
+
+    def from_store(self, tensors: Dict[str, torch.Tensor], header: Dict[str, str]) -> Any:
+        """The payload :meth:`to_store` wrote, from the layer file's tensors and header. Raises
+        ``ValueError``: they do not make one."""
+        raise ArmorInputError(f"method {self.name!r} keeps no layers in a run directory (its stores_layers is False)")
 
     def solve_block(self, names: Sequence[str], layers: Dict[str, Any], stats: Dict[str, Any], configs: Dict[str, Any],
                     run: Any) -> Dict[str, LayerSolution]:

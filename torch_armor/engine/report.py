@@ -19,7 +19,6 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 from torch import nn
 
 from torch_armor.calibration.selection import block_index
-from torch_armor.core.factors import ArmorFactors
 from torch_armor.engine.methods import method_label
 from torch_armor.errors import ArmorInputError, require_extra
 from torch_armor.tensor.armor_tensor import ArmorTensor
@@ -273,7 +272,7 @@ def wrapper_overhead(obj: Any) -> float:
     else:
         items = obj.values() if isinstance(obj, Mapping) else obj
         for f in items:
-            if not isinstance(f, ArmorFactors):
+            if not hasattr(f, "num_wrapper_params"):  # ARMOR's factors, which the engine does not import
                 raise ArmorInputError(f"expected ArmorFactors, got {type(f).__name__}")
             extra += f.num_wrapper_params()
             dense += f.shape[0] * f.shape[1]

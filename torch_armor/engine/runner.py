@@ -2,8 +2,9 @@
 
 Every front end — :func:`torch_armor.prune_model` (block by block), the ``torch.ao``-style
 sparsifiers and the command line — solves a layer with :func:`solve_layer` and writes the
-result into the module with :meth:`LayerSolution.apply`. ARMOR returns
-:class:`~torch_armor.core.factors.ArmorFactors`; the baselines return the pruned dense weight.
+result into the module with :meth:`LayerSolution.apply`. The solution's payload is ARMOR's
+:class:`~torch_armor.core.factors.ArmorFactors`, a baseline's pruned dense weight; the engine
+reads neither, the method's hooks do.
 
 Example::
 

@@ -7,8 +7,9 @@ A run directory holds::
                                   size, shape, seconds, relative loss
     manifest.rank-<r>.json        (distributed runs only) the entries written by rank r ≥ 1,
                                   merged into manifest.json by rank 0 at the end
-    layers/<fqn>.safetensors      one finished layer: a_blocks, core, b_blocks, mask, history,
-                                  history_iters, history_time_s; JSON metadata in the header
+    layers/<fqn>.safetensors      one finished layer: its method's tensors (ARMOR: a_blocks, core,
+                                  b_blocks, mask, history, history_iters, history_time_s) and the
+                                  method's text fields in the header
     hidden.safetensors            (block-by-block engine, ARMOR runs) the calibration hidden
                                   states at the last finished decoder-block boundary: one tensor
                                   per calibration batch, the index of the block they feed and the
@@ -21,6 +22,8 @@ A run directory holds::
                                   blocks) joins them and all are moved into the output checkpoint
                                   by :func:`~torch_armor.format.serialization.assemble_checkpoint`
 
+What a layer file and its manifest entry hold of the layer, the run's method says
+(:meth:`~torch_armor.engine.methods.Method.to_store`, :meth:`~torch_armor.engine.methods.Method.from_store`).
 The last two are written by :class:`~torch_armor.engine.blocks.BlockPipeline` and
 :func:`~torch_armor.engine.prune.prune_model` (which streams a model when given a checkpoint
 directory instead of a module); the store itself writes the manifests and ``layers/``.
@@ -60,11 +63,11 @@ import torch
 from safetensors import safe_open
 
 from torch_armor._io import TMP_MARK, atomic_write, file_sha256
-from torch_armor.core.factors import ArmorFactors
 from torch_armor.config.serialized import config_to_dict
 from torch_armor.engine.manifest import (FORMAT_NAME, FORMAT_VERSION, LAYERS_DIR, MANIFEST_NAME, SHARD_PREFIX,
                                          STATUS_RANK, config_diff, default_rank, identity_diff, layer_filename,
                                          read_manifest)
+from torch_armor.engine.methods import method_for
 from torch_armor.errors import ArmorInputError, ArmorIOError, RunMismatchError
 from torch_armor.format.safetensors_io import write_safetensors
 
@@ -323,7 +326,7 @@ class RunStore:
     def save(
         self,
         fqn: str,
-        factors: ArmorFactors,
+        payload: Any,
         *,
         config: Optional[Any] = None,
         seconds: Optional[float] = None,
@@ -333,28 +336,27 @@ class RunStore:
 
         Args:
             fqn: the layer name.
-            factors: its :class:`ArmorFactors` (moved to CPU for writing).
+            payload: what the config's method made of it (ARMOR: its ``ArmorFactors``, moved to
+                CPU for writing), written as the method's :meth:`~torch_armor.engine.methods.Method.to_store` says.
             config: the config it was computed with (default: the run's); kept per layer.
             seconds: how long it took (kept in the manifest).
-            device: where it was computed, as the config asked (kept in the manifest; default: the
-                factors' device).
+            device: where it was computed, as the config asked (kept in the manifest; default: where
+                the payload's tensors are).
 
         Returns:
             The layer file's path.
         """
-        if not isinstance(factors, ArmorFactors):
-            raise ArmorInputError(f"layer {fqn!r}: save() expects ArmorFactors, got {type(factors).__name__}")
         cfg = config or self.config
-        tensors = factors.to_tensors()
-        scalars = factors.metadata()
+        try:
+            stored = method_for(cfg).to_store(payload)
+        except ArmorInputError as err:
+            raise ArmorInputError(f"layer {fqn!r}: {err}") from None
+        tensors = stored.tensors
         meta = {
             "format": FORMAT_NAME,
             "version": str(FORMAT_VERSION),
             "fqn": fqn,
-            "pattern": scalars["pattern"],
-            "nowag_loss": repr(scalars["nowag_loss"]),
-            "best_iter": str(scalars["best_iter"]),
-            "relative_output_loss": repr(scalars["relative_output_loss"]),
+            **stored.header,
             "model_id": self.model_id,
             "stats_hash": self.stats_hash,
             "config": json.dumps(config_to_dict(cfg), sort_keys=True),
@@ -370,12 +372,9 @@ class RunStore:
             "file": f"{LAYERS_DIR}/{path.name}",
             "sha256": sha,
             "bytes": st.st_size,
-            "shape": list(factors.core.shape),
-            "block_size": int(factors.block_size),
-            "pattern": str(factors.pattern),
-            "relative_loss": float(factors.relative_loss),
+            **stored.summary,
             "seconds": None if seconds is None else float(seconds),
-            "device": str(factors.core.device) if device is None else str(device),
+            "device": stored.summary["device"] if device is None else str(device),
             "config": config_to_dict(cfg),
             "rank": self.rank,
             "written_at": time.time(),
@@ -406,8 +405,9 @@ class RunStore:
                                           f"finished layer(s) in {self.directory} are kept: free space or fix "
                                           "permissions, then rerun the same command to resume") from err
 
-    def load(self, fqn: str) -> ArmorFactors:
-        """Read a finished layer back (CPU tensors, bit-identical to what :meth:`save` got)."""
+    def load(self, fqn: str) -> Any:
+        """Read a finished layer back: the payload :meth:`save` got (CPU tensors, bit-identical), by
+        the run's method's :meth:`~torch_armor.engine.methods.Method.from_store`."""
         if not self.done(fqn):
             raise KeyError(
                 f"layer {fqn!r} is not finished in run {self.directory} (status "
@@ -423,10 +423,7 @@ class RunStore:
                 )
             tensors = {k: fh.get_tensor(k) for k in fh.keys()}
         try:
-            return ArmorFactors.from_tensors(tensors, pattern=meta.get("pattern", "2:4"),
-                                             nowag_loss=float(meta.get("nowag_loss", "nan")),
-                                             best_iter=int(meta.get("best_iter", "0")),
-                                             relative_output_loss=float(meta.get("relative_output_loss", "nan")))
+            return method_for(self.config).from_store(tensors, meta)
         except ValueError as err:
             raise ArmorInputError(f"{path} (layer {fqn!r}): {err}; the run directory was edited: delete the file "
                              "to recompute it") from None

@@ -1,44 +1,44 @@
-"""What a method made of one layer (:class:`LayerSolution`), and how it is written into the module."""
+"""What a method made of one layer (:class:`LayerSolution`) and how the run store keeps it
+(:class:`StoredSolution`): the engine carries both and reads neither, the method that made them does."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import torch
 from torch import nn
 
-from torch_armor.core.factors import ArmorFactors
-from torch_armor.tensor.armor_tensor import armor_linear_from_factors
-
-__all__ = ["LayerSolution"]
+__all__ = ["LayerSolution", "StoredSolution"]
 
 
 @dataclass
 class LayerSolution:
-    """What a method made of one layer: ARMOR factors, or a pruned dense weight and its mask."""
+    """What a method made of one layer: its ``payload`` (opaque to the engine: a one-shot method's
+    pruned dense weight, ARMOR's factors), the seconds it took, the keep-mask, and the
+    :class:`~torch_armor.engine.methods.Method` that made it and reads the payload."""
 
     name: str
-    method: str
-    factors: Optional[ArmorFactors] = None
-    pruned: Optional[torch.Tensor] = None
+    method: Any
+    payload: Any
     seconds: float = 0.0
     mask: Optional[torch.Tensor] = None
 
-    def __post_init__(self) -> None:
-        if self.mask is None and self.factors is not None:
-            self.mask = self.factors.mask
-
     def approximation(self) -> torch.Tensor:
         """The dense approximation of the weight (``A·core·B`` for ARMOR)."""
-        return self.factors.dense() if self.factors is not None else self.pruned
+        return self.method.approximation(self.payload)
 
     def apply(self, module: nn.Linear, storage: str = "dense") -> None:
-        """Write the result into ``module``: an ArmorTensor weight for ARMOR (``storage`` of its
-        core), the pruned weight (same dtype, device and ``requires_grad``) otherwise."""
-        if self.factors is not None:
-            armor_linear_from_factors(module, self.factors, storage=storage, name=self.name)
-            return
-        old = module.weight
-        module.weight = nn.Parameter(self.pruned.to(device=old.device, dtype=old.dtype),
-                                     requires_grad=old.requires_grad)
+        """Write the result into ``module`` (``storage``: of an ARMOR weight's core)."""
+        self.method.apply_solution(self, module, storage)
+
+
+@dataclass(frozen=True)
+class StoredSolution:
+    """A solution as the run store writes it: its tensors, the text fields of the layer file's header
+    that :meth:`~torch_armor.engine.methods.Method.from_store` reads back, and the JSON-able fields of
+    the layer's manifest entry (for a reader of the manifest; ``device``: where its tensors are)."""
+
+    tensors: Dict[str, torch.Tensor]
+    header: Dict[str, str]
+    summary: Dict[str, Any]
