@@ -277,3 +277,32 @@ def test_with_storage_is_free_when_nothing_changes_and_exact_otherwise():
     assert d.storage_format == "dense" and d.core.shape == (3, 8, 16)
     assert torch.equal(d.dense_weight(), w.dense_weight())
     assert torch.equal(d.with_storage("compact").values, w.values)
+
+
+def test_experts_handlers_live_in_the_base_class_tables_and_every_storage_inherits_them():
+    """The experts' handlers are registered with ``ArmorExpertsTensor.implements`` (torchao's per-class
+    tables); each experts storage class's own table holds them, the moves and copies ArmorTensor's own."""
+    from torch_armor.tensor import experts
+
+    aten = torch.ops.aten
+    ours = ArmorExpertsTensor._ATEN_OP_TABLE[ArmorExpertsTensor]
+    assert {aten.select.int, aten.index.Tensor, aten.copy_.default, aten._to_copy.default} <= set(ours)
+    functions = ArmorExpertsTensor._TORCH_FN_TABLE[ArmorExpertsTensor]
+    assert {torch.Tensor.view, torch.Tensor.transpose, torch.bmm, torch.Tensor.storage} <= set(functions)
+    import inspect
+
+    shared = ArmorTensor._ATEN_OP_TABLE[ArmorTensor][aten.detach.default]
+    assert inspect.unwrap(ours[aten.detach.default]) is inspect.unwrap(shared)
+    for cls in experts._CLASSES.values():
+        assert cls._ATEN_OP_TABLE[cls].items() >= ours.items(), cls.__name__
+        assert cls._TORCH_FN_TABLE[cls].items() >= functions.items(), cls.__name__
+    assert not hasattr(experts, "_ATEN") and not hasattr(experts, "_TORCH_FUNCTIONS")
+
+
+@pytest.mark.parametrize("storage", ["dense", "compact"])
+def test_experts_flatten_unflatten_round_trip(storage):
+    w = ArmorExpertsTensor.from_factors(_factors(), storage=storage)
+    names, attributes = w.__tensor_flatten__()
+    back = type(w).__tensor_unflatten__({n: getattr(w, n) for n in names}, attributes, w.shape, w.stride())
+    assert type(back) is type(w)
+    assert torch.equal(back.dense_weight(), torch.stack([f.dense() for f in _factors()]))

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
-from typing import Callable, ClassVar, Dict, Optional, Tuple, Union
+from typing import ClassVar, Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -68,8 +68,6 @@ __all__ = [
     "from_parts",
     "restore_storage",
     "register_format",
-    "implements",
-    "implements_torch_function",
     "STORAGES",
     "QUANTIZED",
 ]
@@ -78,32 +76,12 @@ aten = torch.ops.aten
 
 #: ``(storage, backend)`` -> ArmorTensor class, filled by :func:`register_format`
 _FORMATS: Dict[Tuple[str, Optional[str]], type] = {}
-_ATEN: Dict[object, Callable] = {}
-_TORCH_FUNCTIONS: Dict[object, Callable] = {}
 
 
 def register_format(cls: type) -> type:
     """Class decorator: ``cls`` is the ArmorTensor class of ``(cls.storage_format, cls.backend)``."""
     _FORMATS[(cls.storage_format, cls.backend)] = cls
     return cls
-
-
-def implements(ops) -> Callable:
-    """Decorator: handle these aten ops for every ArmorTensor class (``fn(func, types, args, kwargs)``)."""
-    def decorator(fn: Callable) -> Callable:
-        for op in ops if isinstance(ops, (list, tuple)) else [ops]:
-            _ATEN[op] = fn
-        return fn
-    return decorator
-
-
-def implements_torch_function(fns) -> Callable:
-    """Decorator: handle these torch functions for every ArmorTensor class."""
-    def decorator(fn: Callable) -> Callable:
-        for f in fns if isinstance(fns, (list, tuple)) else [fns]:
-            _TORCH_FUNCTIONS[f] = fn
-        return fn
-    return decorator
 
 
 def _format_class(choice: StorageChoice) -> type:
@@ -147,22 +125,21 @@ class ArmorTensor(TorchAOBaseTensor):
     tensor_attribute_names = ["pattern", "dtype"]
     layer_name: Optional[str] = None
 
-    # Every format is built as ``cls(a_blocks, b_blocks, *its core tensors, pattern, dtype, **optional
-    # attributes)``, in the order of its ``tensor_data_names`` (what torchao's unflatten calls).
-    def __new__(cls, *parts, **attributes):
-        a_blocks, b_blocks, dtype = parts[0], parts[1], parts[len(cls.tensor_data_names) + 1]
+    # Each storage class takes its inner tensors and attributes by name, in the order torchao's
+    # ``__tensor_unflatten__`` passes them (``tensor_data_names``, then ``pattern, dtype``, then the
+    # optional attributes), e.g. ``DenseArmorTensor(a_blocks, b_blocks, core, pattern, dtype)``; its
+    # ``__new__`` is :meth:`_wrapper` and its ``__init__`` stores its own tensors after this one's.
+    @classmethod
+    def _wrapper(cls, a_blocks: torch.Tensor, b_blocks: torch.Tensor, dtype: torch.dtype) -> "ArmorTensor":
+        """The empty ``(d_out, d_in)`` wrapper of ``dtype`` on ``a_blocks``' device that ``__new__`` returns."""
         shape = (a_blocks.shape[0] * a_blocks.shape[1], b_blocks.shape[0] * b_blocks.shape[1])
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=a_blocks.device,
                                                    requires_grad=False)
 
-    def __init__(self, *parts, **attributes):
+    def __init__(self, a_blocks: torch.Tensor, b_blocks: torch.Tensor, pattern: str,
+                 layer_name: Optional[str] = None):
         super().__init__()
-        names = self.tensor_data_names
-        for name, t in zip(names, parts):
-            setattr(self, name, t)
-        self.pattern = parts[len(names)]
-        for name in getattr(self, "optional_tensor_attribute_names", ()):
-            setattr(self, name, attributes.get(name))
+        self.a_blocks, self.b_blocks, self.pattern, self.layer_name = a_blocks, b_blocks, pattern, layer_name
 
     # ------------------------------------------------------------------ what each format provides
 
@@ -248,25 +225,18 @@ class ArmorTensor(TorchAOBaseTensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        """Run the ops registered with :func:`implements`; explain what to do for any other op."""
-        handler = _ATEN.get(func)
-        if handler is not None:
-            return handler(func, types, args, kwargs or {})
-        raise NotImplementedError(
-            f"ArmorTensor does not support {func}: it stores W = A·core·B in factored form and only runs "
-            "F.linear, device/dtype moves, detach, clone and copy_. To save a converted model use "
-            "torch_armor.save_pretrained(model, directory); to "
-            "quantize it with torchao, quantize_(model, torch_armor.tensor.quant.ArmorCoreConfig("
-            "Int8WeightOnlyConfig())); for the materialized matrix use weight.dense_weight()"
-        )
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        handler = _TORCH_FUNCTIONS.get(func)
-        if handler is not None:
-            return handler(func, types, args, kwargs or {})
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
+        """The base class's dispatch (``cls._ATEN_OP_TABLE[cls]``, filled by ``ArmorTensor.implements`` and
+        inherited by each storage class when it is defined); an op no handler takes raises here, saying
+        what to do instead (``TorchAOBaseTensor``'s own message only names the op)."""
+        if func not in cls._ATEN_OP_TABLE[cls]:
+            raise NotImplementedError(
+                f"ArmorTensor does not support {func}: it stores W = A·core·B in factored form and only runs "
+                "F.linear, device/dtype moves, detach, clone and copy_. To save a converted model use "
+                "torch_armor.save_pretrained(model, directory); to "
+                "quantize it with torchao, quantize_(model, torch_armor.tensor.quant.ArmorCoreConfig("
+                "Int8WeightOnlyConfig())); for the materialized matrix use weight.dense_weight()"
+            )
+        return super().__torch_dispatch__(func, types, args, kwargs or {})
 
     # ---------------------------------------------------------------- constructors
 
@@ -416,11 +386,10 @@ def from_parts(storage: str, a_blocks: torch.Tensor, b_blocks: torch.Tensor, pat
     """The ArmorTensor of ``storage`` (and ``backend``) from its inner tensors, as they were saved
     (``core=`` for dense, ``values=``/``indices=`` for compact...; ``quant_config=`` for quantized)."""
     cls = _FORMATS[(storage, backend)]
-    config = {k: parts.pop(k) for k in getattr(cls, "optional_tensor_attribute_names", []) if k in parts}
-    inner = [parts.pop(n) for n in cls.tensor_data_names[2:]]
-    if parts:
-        raise ArmorInputError(f"{storage} ArmorTensor has no inner tensors {sorted(parts)}")
-    return cls(a_blocks, b_blocks, *inner, pattern, dtype, **config)
+    unknown = sorted(set(parts) - set(cls.tensor_data_names) - set(getattr(cls, "optional_tensor_attribute_names", ())))
+    if unknown:
+        raise ArmorInputError(f"{storage} ArmorTensor has no inner tensors {unknown}")
+    return cls(a_blocks=a_blocks, b_blocks=b_blocks, pattern=pattern, dtype=dtype, **parts)
 
 
 def restore_storage(w: ArmorTensor, saved: str, requested: Optional[str] = None,
@@ -443,8 +412,8 @@ def restore_storage(w: ArmorTensor, saved: str, requested: Optional[str] = None,
     return w.with_storage(requested)
 
 
-@implements(aten.linear.default)
-@implements_torch_function(F.linear)
+@ArmorTensor.implements(aten.linear.default)
+@ArmorTensor.implements_torch_function(F.linear)
 def _(func, types, args, kwargs):
     x, w = args[0], args[1]
     bias = args[2] if len(args) > 2 else kwargs.get("bias")

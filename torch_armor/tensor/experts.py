@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Callable, ClassVar, Dict, List, Optional, Sequence, Union
+from typing import ClassVar, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -49,7 +49,7 @@ from torchao.utils import TorchAOBaseTensor
 from torch_armor.calibration.experts import flat_experts_count, out_in_shape, square_flat_experts
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.errors import ArmorInputError
-from torch_armor.tensor import interop  # noqa: F401  (the handlers _SHARED_ATEN delegates to)
+from torch_armor.tensor import interop  # noqa: F401  (ArmorTensor's handlers, some shared below)
 from torch_armor.tensor.armor_tensor import ArmorTensor
 from torch_armor.tensor.experts_forward import prefer_armor_experts
 from torch_armor.tensor.formats import CompactArmorTensor, DenseArmorTensor
@@ -62,11 +62,6 @@ __all__ = ["ArmorExpertsTensor", "armor_experts_from_factors", "experts_class_of
 aten = torch.ops.aten
 
 _CLASSES: Dict[type, type] = {}  # 2-D format class -> its experts class
-#: ops that ArmorTensor's handlers (torch_armor.tensor.interop) already do right for any stack of inner
-#: tensors with ``moved``/``_apply_fn_to_data``: delegated to them
-_SHARED_ATEN = (aten.detach.default, aten.clone.default, aten.alias.default, aten.contiguous.default,
-                aten._to_copy.default, aten.to.dtype_layout)
-_SHARED_TORCH_FUNCTIONS = (torch.Tensor.to, torch._has_compatible_shallow_copy_type, torch.Tensor.contiguous)
 
 
 class ArmorExpertsTensor(TorchAOBaseTensor):
@@ -178,21 +173,12 @@ class ArmorExpertsTensor(TorchAOBaseTensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if func in _ATEN:
-            return _ATEN[func](func, types, args, kwargs or {})
-        if func in _SHARED_ATEN:
-            return ArmorTensor.__torch_dispatch__(func, types, args, kwargs)
-        raise NotImplementedError(
-            f"ArmorExpertsTensor (E ARMOR experts in factored form) does not support {func}; {EXPERTS_HINT}")
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in _TORCH_FUNCTIONS:
-            return _TORCH_FUNCTIONS[func](func, types, args, kwargs or {})
-        if func in _SHARED_TORCH_FUNCTIONS:
-            return ArmorTensor.__torch_function__(func, types, args, kwargs)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
+        """The base class's dispatch (``cls._ATEN_OP_TABLE[cls]``); an op no handler takes raises here,
+        saying what to use instead (``TorchAOBaseTensor``'s own message only names the op)."""
+        if func not in cls._ATEN_OP_TABLE[cls]:
+            raise NotImplementedError(
+                f"ArmorExpertsTensor (E ARMOR experts in factored form) does not support {func}; {EXPERTS_HINT}")
+        return super().__torch_dispatch__(func, types, args, kwargs or {})
 
 
 def _experts_class_for(fmt: type) -> type:
@@ -206,11 +192,6 @@ def _experts_class_for(fmt: type) -> type:
     globals()[name] = cls
     __all__.append(name)
     return cls
-
-
-for _fmt in (DenseArmorTensor, CompactArmorTensor, CusparseltArmorTensor, CutlassArmorTensor):
-    _CLASSES[_fmt] = _experts_class_for(_fmt)
-torch.serialization.add_safe_globals(list(_CLASSES.values()))
 
 
 def experts_class_of(fmt: type) -> type:
@@ -398,8 +379,25 @@ def _bmm(func, types, args, kwargs):
     return experts_linear(x, w)
 
 
-_ATEN: Dict[object, Callable] = {aten.select.int: _select, aten.index.Tensor: _index_tensor, aten.copy_.default: _copy}
-_TORCH_FUNCTIONS: Dict[object, Callable] = {torch.Tensor.storage: _storage, torch.Tensor.requires_grad_: _requires_grad,
-                                             torch.Tensor.view: _view, torch.Tensor.transpose: _transpose,
-                                             torch.transpose: _transpose,
-                                             torch.bmm: _bmm, torch.Tensor.bmm: _bmm}
+# ArmorTensor's handlers of these ops already do right for any stack of inner tensors (``moved``,
+# ``_apply_fn_to_data``); the other ops are the experts' own
+for _op in (aten.detach.default, aten.clone.default, aten.alias.default, aten.contiguous.default,
+            aten._to_copy.default, aten.to.dtype_layout):
+    ArmorExpertsTensor.implements(_op)(ArmorTensor._ATEN_OP_TABLE[ArmorTensor][_op])
+for _fn in (torch.Tensor.to, torch._has_compatible_shallow_copy_type, torch.Tensor.contiguous):
+    ArmorExpertsTensor.implements_torch_function(_fn)(ArmorTensor._TORCH_FN_TABLE[ArmorTensor][_fn])
+ArmorExpertsTensor.implements(aten.select.int)(_select)
+ArmorExpertsTensor.implements(aten.index.Tensor)(_index_tensor)
+ArmorExpertsTensor.implements(aten.copy_.default)(_copy)
+ArmorExpertsTensor.implements_torch_function(torch.Tensor.storage)(_storage)
+ArmorExpertsTensor.implements_torch_function(torch.Tensor.requires_grad_)(_requires_grad)
+ArmorExpertsTensor.implements_torch_function(torch.Tensor.view)(_view)
+ArmorExpertsTensor.implements_torch_function([torch.Tensor.transpose, torch.transpose])(_transpose)
+ArmorExpertsTensor.implements_torch_function([torch.bmm, torch.Tensor.bmm])(_bmm)
+
+# one class per storage, created once its parent's op tables are filled (each copies them when defined)
+for _fmt in (DenseArmorTensor, CompactArmorTensor, CusparseltArmorTensor, CutlassArmorTensor):
+    _CLASSES[_fmt] = _experts_class_for(_fmt)
+torch.serialization.add_safe_globals(list(_CLASSES.values()))
+
+

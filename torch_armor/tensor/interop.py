@@ -16,8 +16,10 @@
 * ``weight.requires_grad_(True)`` raises, pointing to :func:`torch_armor.enable_finetuning`
   (the ArmorTensor is a container: its gradient would never be computed).
 
-Imported by :mod:`torch_armor.tensor` (its ``__init__``), so the handlers are in place whenever
-any ArmorTensor exists.
+The handlers go into ``ArmorTensor``'s own op tables (``ArmorTensor.implements``); a storage class
+copies its parent's tables when it is defined, so :mod:`torch_armor.tensor` (its ``__init__``, which
+runs before any of its modules) imports this module right after ``armor_tensor`` and before every
+storage class.
 
 Example::
 
@@ -39,10 +41,12 @@ import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from torch_armor.format.file_checks import copy_mismatch
-from torch_armor.tensor.armor_tensor import ArmorTensor, implements, implements_torch_function
+from torch_armor.tensor.armor_tensor import ArmorTensor
 from torch_armor.tensor.transposed import ArmorTransposed
 
 aten = torch.ops.aten
+implements = ArmorTensor.implements
+implements_torch_function = ArmorTensor.implements_torch_function
 
 
 def _moved_kwargs(self: ArmorTensor, kwargs: dict) -> Tuple[torch.device, torch.dtype]:

@@ -105,6 +105,13 @@ class QuantizedArmorTensor(ArmorTensor):
     tensor_data_names = ["a_blocks", "b_blocks", "core"]
     optional_tensor_attribute_names = ["quant_config"]
 
+    def __new__(cls, a_blocks, b_blocks, core, pattern, dtype, quant_config=None, *, layer_name=None):
+        return cls._wrapper(a_blocks, b_blocks, dtype)
+
+    def __init__(self, a_blocks, b_blocks, core, pattern, dtype, quant_config=None, *, layer_name=None):
+        super().__init__(a_blocks, b_blocks, pattern, layer_name)
+        self.core, self.quant_config = core, quant_config
+
     def core_dense(self) -> torch.Tensor:
         dequantize = getattr(self.core, "dequantize", None)
         if dequantize is None:
