@@ -4,7 +4,7 @@ the results of a fused expert parameter back at once, and the weights a prune le
 A fused expert parameter ``P`` ``(E, out, in)`` is E layers ``f"{P}.{e}"``
 (:mod:`torch_armor.calibration.experts`). A baseline's pruned weights are written into ``P[e]``;
 ARMOR's factors of all E experts become one
-:class:`~torch_armor.tensor.experts.ArmorExpertsTensor` parameter (``armor_experts_from_factors``).
+``(E, out, in)`` ArmorTensor parameter (``armor_experts_from_factors``).
 
 Example::
 

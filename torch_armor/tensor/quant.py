@@ -70,7 +70,6 @@ from torchao.utils import TorchAOBaseTensor
 
 from torch_armor.tensor.armor_tensor import QUANTIZED, ArmorTensor, from_parts, register_format
 from torch_armor.tensor.eight_bit import EightBitArmorTensor, quantize_core_8bit
-from torch_armor.tensor.experts import ArmorExpertsTensor
 from torch_armor.tensor.linear_layout import armor_linear_rows
 from torch_armor.errors import ArmorInputError
 
@@ -287,7 +286,7 @@ def quantize_armor_core(weight: ArmorTensor, inner: AOBaseConfig) -> ArmorTensor
         >>> w.storage_format, w.core.qdata.dtype, w.core.qdata[0].tolist()
         ('quantized', torch.int8, [64, 0, 0, -127])
     """
-    if isinstance(weight, ArmorExpertsTensor):
+    if isinstance(weight, ArmorTensor) and weight.num_experts is not None:
         raise ArmorInputError(
             f"{weight.layer_name or 'ARMOR experts'}: quantizing the cores of fused experts is not supported yet "
             "(ArmorCoreConfig quantizes ARMOR linears only and leaves experts' cores in floating point)")

@@ -88,8 +88,7 @@ class SemiStructuredArmorTensor(ArmorTensor):
         return dtype == self.dtype  # another GPU: copy the buffers; another dtype: re-compress
 
     def stored_parameters(self) -> int:
-        d_out, d_in = self.shape
-        return self.a_blocks.numel() + self.b_blocks.numel() + d_out * d_in // 2
+        return self.a_blocks.numel() + self.b_blocks.numel() + self.shape.numel() // 2
 
     def _linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         d_out, d_in = self.shape
