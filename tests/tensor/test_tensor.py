@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from _helpers import random_pattern_factors
@@ -372,25 +372,32 @@ def _reference_dense(f: ArmorFactors) -> torch.Tensor:
     return a @ f.core.double() @ b
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(blocks_out=st.integers(1, 3), blocks_in=st.integers(1, 3), d_b=st.sampled_from([4, 8]),
-       storage=st.sampled_from(["dense", "compact", "int8"]), seed=st.integers(0, 2**16))
-def test_named_constructor_and_flatten_unflatten_round_trip(blocks_out, blocks_in, d_b, storage, seed):
+       storage=st.sampled_from(["dense", "compact", "int8"]), experts=st.sampled_from([0, 1, 3]),
+       seed=st.integers(0, 2**16))
+def test_named_constructor_and_flatten_unflatten_round_trip(blocks_out, blocks_in, d_b, storage, experts, seed):
     """Each storage class takes its inner tensors and attributes by name; flatten -> unflatten rebuilds
-    the same class with an equal ``dense_weight()``."""
+    the same class with an equal ``dense_weight()``, for one linear's weight and for E experts (the same
+    class, its inner tensors with a leading E dimension)."""
+    from torch_armor.tensor.armor_tensor import stack_experts
     from torch_armor.tensor.eight_bit import quantize_core_8bit
 
-    f = random_pattern_factors(blocks_out * d_b, blocks_in * d_b, d_b, seed=seed)
-    w = ArmorTensor.from_factors(f, storage="compact" if storage == "int8" else storage)
+    assume(not (experts and storage == "int8"))  # 8-bit expert cores are refused (tested in test_experts)
+    fs = [random_pattern_factors(blocks_out * d_b, blocks_in * d_b, d_b, seed=seed + e) for e in range(max(experts, 1))]
+    layers = [ArmorTensor.from_factors(f, storage="compact" if storage == "int8" else storage) for f in fs]
+    w = stack_experts(layers) if experts else layers[0]
     if storage == "int8":
         w = quantize_core_8bit(w, "int8")
+    assert w.num_experts == (experts or None)
     names, attributes = w.__tensor_flatten__()
     assert names[:2] == ["a_blocks", "b_blocks"] and set(attributes) >= {"pattern", "dtype"}
     by_name = type(w)(**{n: getattr(w, n) for n in names}, **attributes, layer_name="model.layers.0.q_proj")
     assert by_name.layer_name == "model.layers.0.q_proj" and by_name.shape == w.shape
     back = type(w).__tensor_unflatten__({n: getattr(w, n) for n in names}, attributes, w.shape, w.stride())
-    assert type(back) is type(w) and type(by_name) is type(w)
+    assert type(back) is type(w) and type(by_name) is type(w) is type(layers[0] if storage != "int8" else w)
     assert torch.equal(back.dense_weight(), w.dense_weight())
     assert torch.equal(by_name.dense_weight(), w.dense_weight())
     if storage != "int8":
-        torch.testing.assert_close(back.dense_weight().double(), _reference_dense(f), rtol=1e-5, atol=1e-5)
+        reference = torch.stack([_reference_dense(f) for f in fs]) if experts else _reference_dense(fs[0])
+        torch.testing.assert_close(back.dense_weight().double(), reference, rtol=1e-5, atol=1e-5)
