@@ -23,6 +23,10 @@ device, dtype and shape — at conversion (``storage="auto"``) and again on ever
 ``.half()``, ``.bfloat16()`` — unless a storage is asked for by name. ``weight.storage_format``
 names it (``weight.storage()`` stays the ``torch.Tensor`` method).
 
+Fused experts are the same classes: inner tensors with a leading expert dimension make an
+``(E, d_out, d_in)`` weight (``w.num_experts``, ``w.expert(e)``, :func:`stack_experts`; its ops are in
+:mod:`torch_armor.tensor.experts`).
+
 ``F.linear(x, w, bias)`` computes ``y = ((x·Bᵀ) · coreᵀ) · Aᵀ + bias`` with two batched block
 products around one (sparse) matmul; ``y`` matches ``x @ W_hat.T + bias`` within floating-point
 tolerance.
@@ -95,7 +99,7 @@ class ArmorTensor(TorchAOBaseTensor):
 
     The base of one class per core storage (see the module docstring). Build it with
     :meth:`from_factors` (or :func:`armor_linear_from_factors` to swap it into an ``nn.Linear``).
-    Logical shape ``(d_out, d_in)`` and dtype are those of ``W_hat``.
+    Logical shape ``(d_out, d_in)`` and dtype are those of ``W_hat`` (``(E, d_out, d_in)`` for E fused experts).
 
     Attributes: ``a_blocks``, ``b_blocks``, the core's own tensors, ``pattern`` (``"N:M"`` or
     ``"unstructured:F"``), ``storage_format``, ``backend`` (semi-structured only) and ``layer_name``
