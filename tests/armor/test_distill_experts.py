@@ -19,7 +19,6 @@ from torch_armor.armor.distill_kl import dense_top_k, windows_of
 from torch_armor.armor.distill_train import InMemoryStudent
 from torch_armor.engine.prune import PruneOptions, prune_model
 from torch_armor.tensor.armor_tensor import ArmorTensor
-from torch_armor.tensor.experts import ArmorExpertsTensor
 
 from _tiny_moe import make_moe
 
@@ -43,7 +42,7 @@ def _prune(model, distill=None, layers="experts"):
 
 
 def _experts(model):
-    return {n: p for n, p in model.named_parameters() if isinstance(p, ArmorExpertsTensor)}
+    return {n: p for n, p in model.named_parameters() if isinstance(p, ArmorTensor) and p.num_experts is not None}
 
 
 def _dense_by_hand(a, core, b):

@@ -13,7 +13,7 @@ from _helpers import edit_checkpoint
 from _tiny_moe import armor_moe, make_moe
 from torch_armor import load_pretrained, save_pretrained
 from torch_armor.errors import ArmorInputError
-from torch_armor.tensor.experts import ArmorExpertsTensor
+from torch_armor.tensor.armor_tensor import ArmorTensor
 from torch_armor.format.flatten import flatten_armor_state, unflatten_armor_state
 
 IDS = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
@@ -36,7 +36,7 @@ def test_torch_armor_save_load_bit_identical(arch, tmp_path, one_thread):
     save_pretrained(model, tmp_path / "m")
     loaded = load_pretrained(tmp_path / "m")
     w = loaded.get_submodule("model.layers.0.mlp.experts").gate_up_proj
-    assert isinstance(w, ArmorExpertsTensor) and w.storage_format == "compact" and not w.requires_grad
+    assert isinstance(w, ArmorTensor) and w.num_experts is not None and w.storage_format == "compact" and not w.requires_grad
     assert w.layer_name == FQN
     _assert_same(model, loaded)
 

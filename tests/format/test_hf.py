@@ -196,7 +196,6 @@ def test_moe_save_pretrained_from_pretrained_bit_identical(arch, tmp_path, one_t
     """Fused experts are saved as one entry per 3-D parameter (parts stacked, the model's own key names:
     no per-expert split, no Mixtral ".block_sparse_moe." renaming) and load back bit for bit."""
     from _tiny_moe import armor_moe
-    from torch_armor.tensor.experts import ArmorExpertsTensor
 
     model, _ = armor_moe(arch)
     model.save_pretrained(tmp_path)
@@ -208,7 +207,8 @@ def test_moe_save_pretrained_from_pretrained_bit_identical(arch, tmp_path, one_t
         assert fh.get_slice(fqn + ".values").get_shape() == [4, 32, 16]  # 2:4: half of each row kept
         assert not any(".experts.0." in k or "block_sparse_moe" in k for k in fh.keys())
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
-    assert isinstance(loaded.get_submodule("model.layers.0.mlp.experts").gate_up_proj, ArmorExpertsTensor)
+    w = loaded.get_submodule("model.layers.0.mlp.experts").gate_up_proj
+    assert isinstance(w, ArmorTensor) and w.num_experts is not None
     assert loaded.config._experts_implementation == "armor"
     assert torch_armor_model_size(loaded) == torch_armor_model_size(model)
     assert_same_model(model, loaded, IDS % 64)
@@ -249,13 +249,12 @@ def test_moe_dequantize_gives_the_dense_reference(one_thread):
 
 def test_moe_from_pretrained_with_dtype_casts_every_expert(tmp_path, one_thread):
     from _tiny_moe import armor_moe
-    from torch_armor.tensor.experts import ArmorExpertsTensor
 
     model, _ = armor_moe("mixtral")
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
     w = loaded.get_submodule("model.layers.0.mlp.experts").down_proj
-    assert isinstance(w, ArmorExpertsTensor) and w.dtype == w.a_blocks.dtype == w.values.dtype == torch.bfloat16
+    assert isinstance(w, ArmorTensor) and w.num_experts is not None and w.dtype == w.a_blocks.dtype == w.values.dtype == torch.bfloat16
     want = model.get_submodule("model.layers.0.mlp.experts").down_proj.to(torch.bfloat16)
     assert torch.equal(w.values, want.values) and torch.equal(w.indices, want.indices)
     with torch.no_grad():

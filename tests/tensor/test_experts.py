@@ -1,4 +1,4 @@
-"""ArmorExpertsTensor: fused 3-D expert weights as E ARMOR layers, and the "armor" experts forward."""
+"""ARMOR experts: fused 3-D expert weights (an (E, d_out, d_in) ArmorTensor) as E ARMOR layers, and the "armor" experts forward."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from torch_armor.core.factors import ArmorFactors
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import ArmorTensor
 from torch_armor.tensor import experts_forward
-from torch_armor.tensor.experts import ArmorExpertsTensor, armor_experts_from_factors, stack_experts
+from torch_armor.tensor.armor_tensor import stack_experts
+from torch_armor.tensor.experts import armor_experts_from_factors, experts_from_factors
 from torch_armor.tensor.transposed import ArmorTransposed
 from _helpers import random_factors
 from _tiny_moe import ARCHS, EXPERT_PARAMS, armor_moe, experts_modules, make_moe
@@ -39,8 +40,8 @@ def _ids(vocab=64, seed=1):
 @pytest.mark.parametrize("storage", ["compact", "dense"])
 def test_from_factors_stacks_every_expert(storage):
     fs = _factors()
-    w = ArmorExpertsTensor.from_factors(fs, storage=storage, name="m.experts.gate_up_proj")
-    assert isinstance(w, ArmorExpertsTensor) and tuple(w.shape) == (3, 8, 16) and w.storage_format == storage
+    w = experts_from_factors(fs, storage=storage, name="m.experts.gate_up_proj")
+    assert isinstance(w, ArmorTensor) and w.num_experts is not None and tuple(w.shape) == (3, 8, 16) and w.storage_format == storage
     assert w.a_blocks.shape == (3, 2, 4, 4) and w.b_blocks.shape == (3, 4, 4, 4)
     dense = torch.stack([f.dense() for f in fs])
     assert torch.equal(w.dense_weight(), dense)
@@ -55,19 +56,19 @@ def test_from_factors_stacks_every_expert(storage):
 
 
 def test_expert_views_share_memory_with_the_stack():
-    w = ArmorExpertsTensor.from_factors(_factors(), storage="compact")
+    w = experts_from_factors(_factors(), storage="compact")
     assert w[2].values.untyped_storage().data_ptr() == w.values.untyped_storage().data_ptr()
 
 
 def test_stored_parameters_counts_each_expert():
     fs = _factors()
-    w = ArmorExpertsTensor.from_factors(fs)
+    w = experts_from_factors(fs)
     by_hand = sum(f.a_blocks.numel() + f.b_blocks.numel() + int(f.mask.sum()) for f in fs)
     assert w.stored_parameters() == by_hand
 
 
 def test_moves_and_casts_follow_the_policy():
-    w = ArmorExpertsTensor.from_factors(_factors(), storage="dense")
+    w = experts_from_factors(_factors(), storage="dense")
     h = w.to(torch.bfloat16)
     assert h.dtype == torch.bfloat16 and h.a_blocks.dtype == torch.bfloat16 and h.storage_format == "dense"
     assert torch.equal(h.dense_weight(torch.float32), torch.stack([x.dense_weight(torch.float32)
@@ -77,8 +78,8 @@ def test_moves_and_casts_follow_the_policy():
 
 
 def test_copy_and_weights_only_load_round_trip():
-    w = ArmorExpertsTensor.from_factors(_factors(seed=0))
-    other = ArmorExpertsTensor.from_factors(_factors(seed=10))
+    w = experts_from_factors(_factors(seed=0))
+    other = experts_from_factors(_factors(seed=10))
     other.copy_(w)
     assert torch.equal(other.dense_weight(), w.dense_weight())
     buf = io.BytesIO()
@@ -97,7 +98,7 @@ def test_copy_and_weights_only_load_round_trip():
     (lambda w: w.view(-1), "aten.view"),
 ])
 def test_unsupported_ops_name_the_op_and_the_fix(op, match):
-    w = ArmorExpertsTensor.from_factors(_factors())
+    w = experts_from_factors(_factors())
     with pytest.raises(NotImplementedError, match=match) as err:
         op(w)
     assert "experts_implementation='armor'" in str(err.value) and "\n" not in str(err.value)
@@ -105,7 +106,7 @@ def test_unsupported_ops_name_the_op_and_the_fix(op, match):
 
 def test_a_view_to_its_own_shape_is_itself_and_to_its_transpose_multiplies_as_f_linear():
     fs = _factors()  # 3 experts (8, 16)
-    w = ArmorExpertsTensor.from_factors(fs)
+    w = experts_from_factors(fs)
     assert w.view(-1, 8, 16) is w and w.view((3, 8, 16)) is w
     transposed = w.view(-1, 16, 8)  # how DBRX reads the experts it stores (E·in, out): w2.view(-1, I, H)[e]
     assert isinstance(transposed, ArmorTransposed) and tuple(transposed.shape) == (3, 16, 8)
@@ -123,7 +124,7 @@ def test_bmm_runs_each_experts_linear_on_its_own_rows():
     """``torch.bmm(x, w.transpose(1, 2))`` (Inkling's shared experts) and ``torch.bmm(x, w)`` by a module storing its
     experts (E, in, out) (Llama-4's, whose experts ARMOR holds transposed) are x[e]·W[e]ᵀ, W[e] = A·core·B in float64."""
     fs = _factors()  # 3 experts (8, 16)
-    w = ArmorExpertsTensor.from_factors(fs)
+    w = experts_from_factors(fs)
     x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(4))
     want = torch.stack([x[e].double() @ fs[e].dense().double().T for e in range(3)])
     for got in (torch.bmm(x, w.transpose(1, 2)), torch.bmm(x, w.transpose(-1, -2)), torch.bmm(x, w),
@@ -140,9 +141,9 @@ def test_experts_must_agree():
     fs = _factors()
     other = _factors(d_b=8)[0]
     with pytest.raises(ArmorInputError, match=r"m\.w: expert 1 .*block size"):
-        ArmorExpertsTensor.from_factors([fs[0], other], name="m.w")
+        experts_from_factors([fs[0], other], name="m.w")
     with pytest.raises(ArmorInputError, match="none"):
-        ArmorExpertsTensor.from_factors([], name="m.w")
+        experts_from_factors([], name="m.w")
     with pytest.raises(ArmorInputError, match="not an ArmorTensor"):
         stack_experts([ArmorTensor.from_factors(fs[0]), torch.zeros(8, 16)], name="m.w")
 
@@ -157,7 +158,7 @@ def test_armor_experts_from_factors_checks_the_parameter():
     with pytest.raises(ArmorInputError, match="3-D"):
         armor_experts_from_factors(m, "nope", _factors(), name="m.nope")
     armor_experts_from_factors(m, "w", _factors(), name="m.w")
-    assert isinstance(m.w, ArmorExpertsTensor) and isinstance(m.w, nn.Parameter) and not m.w.requires_grad
+    assert isinstance(m.w, ArmorTensor) and m.w.num_experts is not None and isinstance(m.w, nn.Parameter) and not m.w.requires_grad
 
 
 # ----------------------------------------------------------------------------- in a model
@@ -169,7 +170,7 @@ def test_model_logits_equal_the_slow_reference(arch, one_thread):
     for module in experts_modules(model).values():
         for pname in EXPERT_PARAMS:
             w = module._parameters[pname]
-            assert isinstance(w, ArmorExpertsTensor)
+            assert isinstance(w, ArmorTensor) and w.num_experts is not None
             for e in range(w.shape[0]):  # every expert core is 2:4
                 kept = (w[e].core_dense() != 0).reshape(w.shape[1], -1, 4).sum(-1)
                 assert bool((kept <= 2).all())
@@ -240,7 +241,7 @@ def test_experts_moved_to_cuda_bf16_get_2to4_cores_and_run_the_sparse_gemm(monke
     from _fake_cuda import fake_cuda, traced_ops
     from torch_armor.tensor.semi_structured import CusparseltArmorTensor
 
-    w = ArmorExpertsTensor.from_factors(_factors(e_count=3, d_out=64, d_in=128, d_b=16), storage="compact",
+    w = experts_from_factors(_factors(e_count=3, d_out=64, d_in=128, d_b=16), storage="compact",
                                         name="m.experts.down_proj")
     with fake_cuda(monkeypatch):
         cuda = w.to("cuda", torch.bfloat16)
@@ -267,13 +268,47 @@ def test_int8_core_quantization_is_refused_for_experts_and_leaves_them_floating(
         quantize_armor_core(w, Int8WeightOnlyConfig(set_inductor_config=False))
     quantize_(model, ArmorCoreConfig(Int8WeightOnlyConfig(set_inductor_config=False), apply_to_dense=True))
     w = model.get_submodule("model.layers.0.mlp.experts").gate_up_proj
-    assert isinstance(w, ArmorExpertsTensor) and w.storage_format == "compact"
+    assert isinstance(w, ArmorTensor) and w.num_experts is not None and w.storage_format == "compact"
 
 
 def test_with_storage_is_free_when_nothing_changes_and_exact_otherwise():
-    w = ArmorExpertsTensor.from_factors(_factors(), storage="compact")
+    w = experts_from_factors(_factors(), storage="compact")
     assert w.with_storage("compact") is w and w.with_storage("auto") is w
     d = w.with_storage("dense")
     assert d.storage_format == "dense" and d.core.shape == (3, 8, 16)
     assert torch.equal(d.dense_weight(), w.dense_weight())
     assert torch.equal(d.with_storage("compact").values, w.values)
+
+
+def test_experts_are_the_storage_classes_with_a_leading_expert_dimension():
+    """No class is made at run time: the experts of each storage are instances of that storage's class, its
+    inner tensors stacked; their ops (select, view, bmm, ...) are in ArmorTensor's own tables, which every
+    storage class inherits; and a 2-D weight still refuses them."""
+    import torch_armor.tensor.experts as experts_module
+    from torch_armor.tensor.formats import CompactArmorTensor, DenseArmorTensor
+
+    aten = torch.ops.aten
+    for storage, cls in (("dense", DenseArmorTensor), ("compact", CompactArmorTensor)):
+        w = experts_from_factors(_factors(), storage=storage)
+        assert type(w) is cls and w.num_experts == 3 and type(w[1]) is cls and w[1].num_experts is None
+        assert w.a_blocks.shape == (3, 2, 4, 4)
+        assert {aten.select.int, aten.index.Tensor} <= set(cls._ATEN_OP_TABLE[cls])
+        assert {torch.Tensor.view, torch.Tensor.transpose, torch.bmm} <= set(cls._TORCH_FN_TABLE[cls])
+    ours = ArmorTensor._ATEN_OP_TABLE[ArmorTensor]
+    assert {aten.select.int, aten.index.Tensor} <= set(ours)
+    assert not [n for n, v in vars(experts_module).items() if isinstance(v, type) and issubclass(v, ArmorTensor)
+                and v.__module__ == experts_module.__name__]
+    one = ArmorTensor.from_factors(_factors()[0])
+    with pytest.raises(NotImplementedError, match="dense_weight"):
+        one[0]
+
+
+@pytest.mark.parametrize("storage", ["dense", "compact"])
+def test_experts_flatten_unflatten_round_trip(storage):
+    w = experts_from_factors(_factors(), storage=storage)
+    names, attributes = w.__tensor_flatten__()
+    back = type(w).__tensor_unflatten__({n: getattr(w, n) for n in names}, attributes, w.shape, w.stride())
+    by_name = type(w)(**{n: getattr(w, n) for n in names}, **attributes)
+    assert type(back) is type(w) and back.shape == by_name.shape == (3, 8, 16)
+    assert torch.equal(back.dense_weight(), torch.stack([f.dense() for f in _factors()]))
+    assert torch.equal(by_name.dense_weight(), back.dense_weight())

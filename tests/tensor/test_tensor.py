@@ -6,6 +6,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from _helpers import random_pattern_factors
 import torch.nn.functional as F
@@ -328,3 +330,74 @@ def test_one_class_per_storage_and_no_storage_branch_in_forward():
     names = {type(ArmorTensor.from_factors(random_pattern_factors(32, 64, 16), storage=s)).__name__
              for s in ("compact", "dense")}
     assert names == {"CompactArmorTensor", "DenseArmorTensor"}
+
+
+# ----------------------------------------------------------------- torchao's per-class op tables, named constructors
+
+def _storage_classes():
+    import torch_armor.tensor  # noqa: F401  (every storage registered)
+    from torch_armor.tensor import armor_tensor
+
+    return list(armor_tensor._FORMATS.values())
+
+
+def test_handlers_live_in_the_base_class_tables_and_every_storage_inherits_them():
+    """The handlers are registered with ``ArmorTensor.implements`` (torchao's per-class tables) and every
+    storage class's own table holds each of them (a storage class defined before a handler would miss it)."""
+    aten = torch.ops.aten
+    ours = ArmorTensor._ATEN_OP_TABLE[ArmorTensor]
+    for op in (aten.linear.default, aten._to_copy.default, aten.to.dtype_layout, aten.detach.default,
+               aten.clone.default, aten.alias.default, aten.contiguous.default, aten.copy_.default, aten.t.default):
+        assert op in ours, op
+    functions = ArmorTensor._TORCH_FN_TABLE[ArmorTensor]
+    for fn in (F.linear, torch.Tensor.to, torch.Tensor.storage, torch.Tensor.requires_grad_, torch.Tensor.t):
+        assert fn in functions, fn
+    for cls in _storage_classes():
+        assert cls._ATEN_OP_TABLE[cls].items() >= ours.items(), cls.__name__
+        assert cls._TORCH_FN_TABLE[cls].items() >= functions.items(), cls.__name__
+    import torch_armor.tensor.armor_tensor as module
+    assert not hasattr(module, "implements") and not hasattr(module, "_ATEN")
+
+
+def test_unsupported_op_still_says_what_to_use():
+    w = ArmorTensor.from_factors(random_pattern_factors(8, 16, 4), storage="compact")
+    with pytest.raises(NotImplementedError, match="dense_weight"):
+        w.abs()
+
+
+def _reference_dense(f: ArmorFactors) -> torch.Tensor:
+    """``blockdiag(A) · core · blockdiag(B)`` in float64 with torch.block_diag (independent of the package)."""
+    a = torch.block_diag(*f.a_blocks.double())
+    b = torch.block_diag(*f.b_blocks.double())
+    return a @ f.core.double() @ b
+
+
+@settings(max_examples=25, deadline=None)
+@given(blocks_out=st.integers(1, 3), blocks_in=st.integers(1, 3), d_b=st.sampled_from([4, 8]),
+       storage=st.sampled_from(["dense", "compact", "int8"]), experts=st.sampled_from([0, 1, 3]),
+       seed=st.integers(0, 2**16))
+def test_named_constructor_and_flatten_unflatten_round_trip(blocks_out, blocks_in, d_b, storage, experts, seed):
+    """Each storage class takes its inner tensors and attributes by name; flatten -> unflatten rebuilds
+    the same class with an equal ``dense_weight()``, for one linear's weight and for E experts (the same
+    class, its inner tensors with a leading E dimension)."""
+    from torch_armor.tensor.armor_tensor import stack_experts
+    from torch_armor.tensor.eight_bit import quantize_core_8bit
+
+    assume(not (experts and storage == "int8"))  # 8-bit expert cores are refused (tested in test_experts)
+    fs = [random_pattern_factors(blocks_out * d_b, blocks_in * d_b, d_b, seed=seed + e) for e in range(max(experts, 1))]
+    layers = [ArmorTensor.from_factors(f, storage="compact" if storage == "int8" else storage) for f in fs]
+    w = stack_experts(layers) if experts else layers[0]
+    if storage == "int8":
+        w = quantize_core_8bit(w, "int8")
+    assert w.num_experts == (experts or None)
+    names, attributes = w.__tensor_flatten__()
+    assert names[:2] == ["a_blocks", "b_blocks"] and set(attributes) >= {"pattern", "dtype"}
+    by_name = type(w)(**{n: getattr(w, n) for n in names}, **attributes, layer_name="model.layers.0.q_proj")
+    assert by_name.layer_name == "model.layers.0.q_proj" and by_name.shape == w.shape
+    back = type(w).__tensor_unflatten__({n: getattr(w, n) for n in names}, attributes, w.shape, w.stride())
+    assert type(back) is type(w) and type(by_name) is type(w) is type(layers[0] if storage != "int8" else w)
+    assert torch.equal(back.dense_weight(), w.dense_weight())
+    assert torch.equal(by_name.dense_weight(), w.dense_weight())
+    if storage != "int8":
+        reference = torch.stack([_reference_dense(f) for f in fs]) if experts else _reference_dense(fs[0])
+        torch.testing.assert_close(back.dense_weight().double(), reference, rtol=1e-5, atol=1e-5)

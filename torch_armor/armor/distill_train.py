@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from torch_armor.armor.reconstruct_data import set_scheduled_lr
 from torch_armor.errors import ArmorInputError
 from torch_armor.progress import tqdm
 from torch_armor.tensor.armor_tensor import ArmorTensor, armor_linear_from_factors
-from torch_armor.tensor.experts import ArmorExpertsTensor, armor_experts_from_factors
+from torch_armor.tensor.experts import armor_experts_from_factors
 
 __all__ = ["DistillResult", "fast_bf16", "training_autocast", "ArmorWeight", "armor_layers", "core_of", "layer_weight",
            "float_leaves", "Student",
@@ -82,7 +82,7 @@ def training_autocast(device: torch.device, config: DistillConfig, log: Callable
 @dataclass(frozen=True)
 class ArmorWeight:
     """An ARMOR weight distillation trains: a linear's ``weight`` (:class:`ArmorTensor`) or a fused
-    experts parameter (:class:`~torch_armor.tensor.experts.ArmorExpertsTensor`, every expert's parts
+    experts parameter (an ``(E, d_out, d_in)`` :class:`ArmorTensor`, every expert's parts
     stacked along a leading dimension), ``module.<attr>``; ``param`` is its parameter path in the
     model that :func:`armor_layers` was called on (the key ``functional_call`` replaces)."""
 
@@ -91,7 +91,7 @@ class ArmorWeight:
     param: str
 
     @property
-    def tensor(self) -> Union[ArmorTensor, ArmorExpertsTensor]:
+    def tensor(self) -> ArmorTensor:
         return self.module._parameters[self.attr]
 
     def dense(self, a: torch.Tensor, core: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -105,7 +105,7 @@ class ArmorWeight:
         """Replace the weight by the ARMOR weight of ``a``, ``core ⊙ mask``, ``b`` (its dtype and pattern kept)."""
         w = self.tensor
         a, core, b = (t.to(device=w.device, dtype=w.dtype) for t in (a, core * mask, b))
-        if isinstance(w, ArmorExpertsTensor):
+        if w.num_experts is not None:
             armor_experts_from_factors(self.module, self.attr,
                                        [ArmorFactors(a[e], core[e], b[e], mask[e], w.pattern) for e in range(len(a))],
                                        storage=storage, name=name)
@@ -120,15 +120,15 @@ def armor_layers(model: nn.Module) -> Dict[str, ArmorWeight]:
     out = {}
     for name, m in model.named_modules():
         for attr, p in m._parameters.items():
-            if isinstance(p, ArmorExpertsTensor) or (attr == "weight" and isinstance(p, ArmorTensor)):
+            if isinstance(p, ArmorTensor) and (p.num_experts is not None or attr == "weight"):
                 path = f"{name}.{attr}" if name else attr
                 out[name if attr == "weight" else path] = ArmorWeight(m, attr, path)
     return out
 
 
-def core_of(weight: Union[ArmorTensor, ArmorExpertsTensor]) -> torch.Tensor:
+def core_of(weight: ArmorTensor) -> torch.Tensor:
     """The dense ``core ⊙ M`` of an ARMOR weight (``(E, out, in)`` for fused experts)."""
-    if isinstance(weight, ArmorExpertsTensor):
+    if weight.num_experts is not None:
         return torch.stack([w.core_dense() for w in weight.experts()])
     return weight.core_dense()
 
@@ -145,7 +145,7 @@ def layer_weight(a: torch.Tensor, core: torch.Tensor, b: torch.Tensor, mask: tor
     return _one_weight(a, core * mask, b)
 
 
-def float_leaves(weight: Union[ArmorTensor, ArmorExpertsTensor], train_core: bool,
+def float_leaves(weight: ArmorTensor, train_core: bool,
                  keep_core: bool = True) -> List[Optional[torch.Tensor]]:
     """``[a, core, b]`` of an ARMOR weight as float32 copies, ``a`` and ``b`` (and the core with
     ``train_core``) requiring gradients; the core ``None`` when neither trained nor ``keep_core``."""
@@ -236,7 +236,7 @@ class InMemoryStudent:
         return result_tensors({name: site.tensor for name, site in self.layers.items()}, train_core)
 
 
-def result_tensors(weights: Dict[str, Union[ArmorTensor, ArmorExpertsTensor]], train_core: bool) -> Dict[str, torch.Tensor]:
+def result_tensors(weights: Dict[str, ArmorTensor], train_core: bool) -> Dict[str, torch.Tensor]:
     """What a finished distillation keeps of each ARMOR weight (by layer name): its wrappers, and its
     core when trained."""
     tensors = {}

@@ -4,7 +4,7 @@ the results of a fused expert parameter back at once, and the weights a prune le
 A fused expert parameter ``P`` ``(E, out, in)`` is E layers ``f"{P}.{e}"``
 (:mod:`torch_armor.calibration.experts`); the method that solved them writes their solutions into
 ``P`` (:meth:`~torch_armor.engine.methods.Method.apply_experts`: a baseline's pruned weights into
-``P[e]``, ARMOR all E experts as one ARMOR experts parameter).
+``P[e]``, ARMOR all E experts as one ``(E, out, in)`` ArmorTensor parameter).
 
 Example::
 

@@ -16,7 +16,6 @@ from torch import nn
 from torch_armor.calibration.experts import out_in_shape
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import STORAGES, ArmorTensor, restore_storage
-from torch_armor.tensor.experts import ArmorExpertsTensor
 from torch_armor.format.layout import (FORMAT_NAME, FORMAT_VERSION, build_layer, layer_keys, layer_parts, part_key,
                                        tensor_spec, validate_metadata)
 
@@ -65,7 +64,7 @@ def flatten_state(
     layers: Dict[str, Dict[str, Any]] = {}
     for key, value in state.items():
         key = f"{prefix}{key}"
-        if isinstance(value, (ArmorTensor, ArmorExpertsTensor)):
+        if isinstance(value, ArmorTensor):
             inner, layers[key] = layer_parts(key, value)
             for name, t in inner.items():
                 raw[part_key(key, name)] = t

@@ -44,7 +44,6 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from torch_armor.calibration.experts import out_in_shape
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import QUANTIZED, ArmorTensor, from_parts, restore_storage
-from torch_armor.tensor.experts import ArmorExpertsTensor, experts_from_parts
 from torch_armor.tensor.experts_forward import prefer_armor_experts
 from torch_armor.format.file_checks import (check_checkpoint_files, check_layer_entries, refuse_incomplete,
                                             refuse_meta_device_map)
@@ -213,8 +212,7 @@ class ArmorHfQuantizer(HfQuantizer):
             storage = layer["storage"] if layer["storage"] != QUANTIZED else "dense"
             if storage == "dense" and "core" not in inner:
                 inner = {"core": torch.empty(layer["shape"], dtype=old.dtype, device="meta")}
-            build = experts_from_parts if layer.get("experts") is not None else from_parts
-            w = build(storage, a.to(old.dtype), b.to(old.dtype), layer["pattern"], old.dtype, **inner)
+            w = from_parts(storage, a.to(old.dtype), b.to(old.dtype), layer["pattern"], old.dtype, **inner)
             module._parameters[pname] = nn.Parameter(w, requires_grad=False)
             if layer.get("experts") is not None:
                 prefer_armor_experts(module, fqn, quiet_default=True)
@@ -272,7 +270,7 @@ class ArmorHfQuantizer(HfQuantizer):
         """``model.dequantize()``: every ArmorTensor weight becomes its dense ``A·core·B``."""
         for module in model.modules():
             for pname, w in list(module._parameters.items()):
-                if isinstance(w, (ArmorTensor, ArmorExpertsTensor)):
+                if isinstance(w, ArmorTensor):
                     module._parameters[pname] = nn.Parameter(w.dense_weight(w.dtype), requires_grad=True)
         return model
 

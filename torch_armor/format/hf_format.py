@@ -31,7 +31,6 @@ from torch_armor._io import atomic_write
 from torch_armor.errors import ArmorInputError
 from torch_armor.progress import third_party_bars_off
 from torch_armor.tensor.armor_tensor import STORAGES, ArmorTensor
-from torch_armor.tensor.experts import ArmorExpertsTensor
 from torch_armor.format.file_checks import INCOMPLETE_KEY, check_load_target, refuse_missing_keys
 from torch_armor.format.flatten import flatten_armor_state
 from torch_armor.format.layout import FORMAT_VERSION, dtype_name
@@ -142,7 +141,7 @@ def attach_quantizer(model: nn.Module) -> nn.Module:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict") or not hasattr(model, "save_pretrained"):
         return model
-    if not any(isinstance(p, (ArmorTensor, ArmorExpertsTensor)) for p in model.parameters()):
+    if not any(isinstance(p, ArmorTensor) for p in model.parameters()):
         return model
     config_class, quantizer_class = _registered()
     _, meta = flatten_armor_state(model)
@@ -178,7 +177,7 @@ def load_hf_quantized(path: Path, device: Optional[Union[str, torch.device]], st
         for module in model.modules():
             for pname, w in list(module._parameters.items()):
                 # floating cores only: a quantized (torchao, int8, fp8) core is not re-stored
-                if isinstance(w, (ArmorTensor, ArmorExpertsTensor)) and w.storage_format in STORAGES \
+                if isinstance(w, ArmorTensor) and w.storage_format in STORAGES \
                         and w.storage_format != storage:
                     module._parameters[pname] = nn.Parameter(w.with_storage(storage), requires_grad=False)
     return model

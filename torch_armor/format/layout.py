@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Dict, Tuple, Union
+from typing import Any, Dict, Tuple
 
 import torch
 
@@ -34,7 +34,6 @@ from torch_armor.core.pattern import parse_pattern
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import QUANTIZED, STORAGES, ArmorTensor, from_parts
 from torch_armor.tensor.eight_bit import EIGHT_BIT, EightBitArmorTensor
-from torch_armor.tensor.experts import ArmorExpertsTensor, experts_from_parts
 from torch_armor.format.file_checks import check_layer_values
 from torch_armor.tensor.packing import index_bits, pack_nm, unpack_nm
 from torch_armor.tensor.quant import quant_config_from_dict, quant_config_to_dict, quantized_core_template
@@ -199,17 +198,16 @@ def build_layer(fqn: str, layer: Dict[str, Any], tensors: Dict[str, torch.Tensor
     if layer["storage"] == QUANTIZED:
         return _unflatten_quantized(fqn, layer, tensors)
     inner = {name: tensors[part_key(fqn, name)] for name in _inner_names(layer["storage"])}
-    build = experts_from_parts if layer.get("experts") is not None else from_parts
-    w = build(layer["storage"], inner.pop("a_blocks"), inner.pop("b_blocks"), str(parse_pattern(layer["pattern"])),
+    w = from_parts(layer["storage"], inner.pop("a_blocks"), inner.pop("b_blocks"), str(parse_pattern(layer["pattern"])),
               DTYPES[layer["dtype"]], **inner)
     w.layer_name = fqn
     return w
 
 
-def layer_parts(key: str, value: Union[ArmorTensor, ArmorExpertsTensor]) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+def layer_parts(key: str, value: ArmorTensor) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
     """The stored parts (``{inner name: tensor}``, keys for :func:`part_key`) and the description
     of one converted weight: the core compact for N:M patterns, dense otherwise, quantized as is.
-    Fused experts (:class:`ArmorExpertsTensor`, shape ``(E, d_out, d_in)``) are one entry with
+    Fused experts (an ``(E, d_out, d_in)`` ArmorTensor) are one entry with
     ``"experts": E``, every part stacked along a leading ``E`` dimension."""
     if value.storage_format == QUANTIZED:
         return _flatten_quantized(key, value)
@@ -230,8 +228,8 @@ def layer_parts(key: str, value: Union[ArmorTensor, ArmorExpertsTensor]) -> Tupl
         "dtype": dtype_name(value.dtype),
         "tensors": {name: tensor_spec(t) for name, t in inner.items()},
     }
-    if isinstance(value, ArmorExpertsTensor):
-        entry["experts"] = int(value.shape[0])
+    if value.num_experts is not None:
+        entry["experts"] = value.num_experts
     return inner, entry
 
 

@@ -23,6 +23,10 @@ device, dtype and shape — at conversion (``storage="auto"``) and again on ever
 ``.half()``, ``.bfloat16()`` — unless a storage is asked for by name. ``weight.storage_format``
 names it (``weight.storage()`` stays the ``torch.Tensor`` method).
 
+Fused experts are the same classes: inner tensors with a leading expert dimension make an
+``(E, d_out, d_in)`` weight (``w.num_experts``, ``w.expert(e)``, :func:`stack_experts`; its ops are in
+:mod:`torch_armor.tensor.experts`).
+
 ``F.linear(x, w, bias)`` computes ``y = ((x·Bᵀ) · coreᵀ) · Aᵀ + bias`` with two batched block
 products around one (sparse) matmul; ``y`` matches ``x @ W_hat.T + bias`` within floating-point
 tolerance.
@@ -47,7 +51,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
-from typing import Callable, ClassVar, Dict, Optional, Tuple, Union
+from typing import ClassVar, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -60,16 +64,16 @@ from torch_armor.core.factors import ArmorFactors
 from torch_armor.tensor import policy
 from torch_armor.tensor.packing import check_nm_mask
 from torch_armor.tensor.policy import QUANTIZED, STORAGES, KernelRefused, StorageChoice
+from torch_armor.tensor.transposed import EXPERTS_HINT
 from torch_armor.errors import ArmorInputError
 
 __all__ = [
     "ArmorTensor",
     "armor_linear_from_factors",
     "from_parts",
+    "stack_experts",
     "restore_storage",
     "register_format",
-    "implements",
-    "implements_torch_function",
     "STORAGES",
     "QUANTIZED",
 ]
@@ -78,32 +82,12 @@ aten = torch.ops.aten
 
 #: ``(storage, backend)`` -> ArmorTensor class, filled by :func:`register_format`
 _FORMATS: Dict[Tuple[str, Optional[str]], type] = {}
-_ATEN: Dict[object, Callable] = {}
-_TORCH_FUNCTIONS: Dict[object, Callable] = {}
 
 
 def register_format(cls: type) -> type:
     """Class decorator: ``cls`` is the ArmorTensor class of ``(cls.storage_format, cls.backend)``."""
     _FORMATS[(cls.storage_format, cls.backend)] = cls
     return cls
-
-
-def implements(ops) -> Callable:
-    """Decorator: handle these aten ops for every ArmorTensor class (``fn(func, types, args, kwargs)``)."""
-    def decorator(fn: Callable) -> Callable:
-        for op in ops if isinstance(ops, (list, tuple)) else [ops]:
-            _ATEN[op] = fn
-        return fn
-    return decorator
-
-
-def implements_torch_function(fns) -> Callable:
-    """Decorator: handle these torch functions for every ArmorTensor class."""
-    def decorator(fn: Callable) -> Callable:
-        for f in fns if isinstance(fns, (list, tuple)) else [fns]:
-            _TORCH_FUNCTIONS[f] = fn
-        return fn
-    return decorator
 
 
 def _format_class(choice: StorageChoice) -> type:
@@ -115,7 +99,7 @@ class ArmorTensor(TorchAOBaseTensor):
 
     The base of one class per core storage (see the module docstring). Build it with
     :meth:`from_factors` (or :func:`armor_linear_from_factors` to swap it into an ``nn.Linear``).
-    Logical shape ``(d_out, d_in)`` and dtype are those of ``W_hat``.
+    Logical shape ``(d_out, d_in)`` and dtype are those of ``W_hat`` (``(E, d_out, d_in)`` for E fused experts).
 
     Attributes: ``a_blocks``, ``b_blocks``, the core's own tensors, ``pattern`` (``"N:M"`` or
     ``"unstructured:F"``), ``storage_format``, ``backend`` (semi-structured only) and ``layer_name``
@@ -147,22 +131,24 @@ class ArmorTensor(TorchAOBaseTensor):
     tensor_attribute_names = ["pattern", "dtype"]
     layer_name: Optional[str] = None
 
-    # Every format is built as ``cls(a_blocks, b_blocks, *its core tensors, pattern, dtype, **optional
-    # attributes)``, in the order of its ``tensor_data_names`` (what torchao's unflatten calls).
-    def __new__(cls, *parts, **attributes):
-        a_blocks, b_blocks, dtype = parts[0], parts[1], parts[len(cls.tensor_data_names) + 1]
-        shape = (a_blocks.shape[0] * a_blocks.shape[1], b_blocks.shape[0] * b_blocks.shape[1])
+    # Each storage class takes its inner tensors and attributes by name, in the order torchao's
+    # ``__tensor_unflatten__`` passes them (``tensor_data_names``, then ``pattern, dtype``, then the
+    # optional attributes), e.g. ``DenseArmorTensor(a_blocks, b_blocks, core, pattern, dtype)``; its
+    # ``__new__`` is :meth:`_wrapper` and its ``__init__`` stores its own tensors after this one's.
+    # The inner tensors of fused experts carry a leading ``E`` dimension (``a_blocks (E, d_out/d_b, d_b,
+    # d_b)``, ``core (E, d_out, d_in)``...): the same class then stands for an ``(E, d_out, d_in)`` parameter.
+    @classmethod
+    def _wrapper(cls, a_blocks: torch.Tensor, b_blocks: torch.Tensor, dtype: torch.dtype) -> "ArmorTensor":
+        """The empty ``(d_out, d_in)`` (or ``(E, d_out, d_in)``) wrapper of ``dtype`` on ``a_blocks``' device
+        that ``__new__`` returns."""
+        shape = (*a_blocks.shape[:-3], a_blocks.shape[-3] * a_blocks.shape[-2], b_blocks.shape[-3] * b_blocks.shape[-2])
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=a_blocks.device,
                                                    requires_grad=False)
 
-    def __init__(self, *parts, **attributes):
+    def __init__(self, a_blocks: torch.Tensor, b_blocks: torch.Tensor, pattern: str,
+                 layer_name: Optional[str] = None):
         super().__init__()
-        names = self.tensor_data_names
-        for name, t in zip(names, parts):
-            setattr(self, name, t)
-        self.pattern = parts[len(names)]
-        for name in getattr(self, "optional_tensor_attribute_names", ()):
-            setattr(self, name, attributes.get(name))
+        self.a_blocks, self.b_blocks, self.pattern, self.layer_name = a_blocks, b_blocks, pattern, layer_name
 
     # ------------------------------------------------------------------ what each format provides
 
@@ -197,11 +183,34 @@ class ArmorTensor(TorchAOBaseTensor):
 
     def stored_parameters(self) -> int:
         """Elements that are parameters: ``A``, ``B`` and the kept core values (not positions, not zeros)."""
+        if self.num_experts is not None:
+            return sum(w.stored_parameters() for w in self.experts())
         n, m = self.nm
         kept = self.shape[0] * self.shape[1] * n // m if m else int((self.core_dense() != 0).sum())
         return self.a_blocks.numel() + self.b_blocks.numel() + kept
 
     # ------------------------------------------------------------------ properties
+
+    @property
+    def num_experts(self) -> Optional[int]:
+        """``E`` of fused experts ``(E, d_out, d_in)``; ``None`` for one linear's ``(d_out, d_in)`` weight."""
+        return self.shape[0] if self.dim() == 3 else None
+
+    def expert(self, e: int) -> "ArmorTensor":
+        """Expert ``e`` of fused experts: a 2-D weight of the same class whose inner tensors are views of these."""
+        e = int(e)
+        if self.num_experts is None:
+            raise IndexError(f"{self.layer_name or 'this ArmorTensor'} is one linear's weight, not fused experts")
+        if not -self.num_experts <= e < self.num_experts:
+            raise IndexError(f"{self.layer_name or 'ARMOR experts'}: expert {e} out of range for "
+                             f"{self.num_experts} experts")
+        names, attributes = self.__tensor_flatten__()
+        name = f"{self.layer_name}.{e % self.num_experts}" if self.layer_name else None
+        return type(self)(**{n: getattr(self, n).select(0, e) for n in names}, **attributes, layer_name=name)
+
+    def experts(self) -> List["ArmorTensor"]:
+        """Every expert's 2-D weight, in order (see :meth:`expert`)."""
+        return [self.expert(e) for e in range(self.num_experts or 0)]
 
     @property
     def block_size(self) -> int:
@@ -224,6 +233,8 @@ class ArmorTensor(TorchAOBaseTensor):
             >>> ArmorTensor.from_factors(f).dense_weight()[0]
             tensor([2., 0., 0., 0.])
         """
+        if self.num_experts is not None:
+            return torch.stack([w.dense_weight(dtype) for w in self.experts()])
         dtype = dtype or self.dtype
         a, core, b = (t.to(dtype) for t in (self.a_blocks, self.core_dense(), self.b_blocks))
         return block_diag_right(block_diag_left(a, core), b)
@@ -239,34 +250,20 @@ class ArmorTensor(TorchAOBaseTensor):
         return hashlib.blake2b("|".join(parts).encode(), digest_size=16).hexdigest()
 
     def __repr__(self) -> str:
-        d_out, d_in = self.shape
         backend = f", backend={self.backend}" if self.backend else ""
         return (
-            f"{type(self).__name__}(shape=({d_out}, {d_in}), block_size={self.block_size}, "
+            f"{type(self).__name__}(shape={tuple(self.shape)}, block_size={self.block_size}, "
             f"pattern={self.pattern}, storage={self.storage_format}{backend}, dtype={self.dtype}, device={self.device})"
         )
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        """Run the ops registered with :func:`implements`; explain what to do for any other op."""
-        handler = _ATEN.get(func)
-        if handler is not None:
-            return handler(func, types, args, kwargs or {})
-        raise NotImplementedError(
-            f"ArmorTensor does not support {func}: it stores W = A·core·B in factored form and only runs "
-            "F.linear, device/dtype moves, detach, clone and copy_. To save a converted model use "
-            "torch_armor.save_pretrained(model, directory); to "
-            "quantize it with torchao, quantize_(model, torch_armor.tensor.quant.ArmorCoreConfig("
-            "Int8WeightOnlyConfig())); for the materialized matrix use weight.dense_weight()"
-        )
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        handler = _TORCH_FUNCTIONS.get(func)
-        if handler is not None:
-            return handler(func, types, args, kwargs or {})
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
+        """The base class's dispatch (``cls._ATEN_OP_TABLE[cls]``, filled by ``ArmorTensor.implements`` and
+        inherited by each storage class when it is defined); an op no handler takes raises here, saying
+        what to do instead (``TorchAOBaseTensor``'s own message only names the op)."""
+        if func not in cls._ATEN_OP_TABLE[cls]:
+            raise unsupported(func, args)
+        return super().__torch_dispatch__(func, types, args, kwargs or {})
 
     # ---------------------------------------------------------------- constructors
 
@@ -362,6 +359,11 @@ class ArmorTensor(TorchAOBaseTensor):
             >>> ArmorTensor.from_factors(f, storage="compact").with_storage("dense").storage_format
             'dense'
         """
+        if self.num_experts is not None:
+            first = self.expert(0)
+            if first.with_storage(storage, backend) is first:  # the same class: no copy of the stack
+                return self
+            return stack_experts([w.with_storage(storage, backend) for w in self.experts()], self.layer_name)
         choice = policy.choose_storage(policy.device_info(self.device), self.dtype, tuple(self.shape),
                                        self.pattern, storage, backend=backend)
         if _format_class(choice) is type(self):
@@ -377,6 +379,8 @@ class ArmorTensor(TorchAOBaseTensor):
                 f"ArmorTensor holds floating-point factors and cannot be cast to {dtype}; "
                 "quantize the core with torch_armor's quantization helpers instead"
             )
+        if self.num_experts is not None:
+            return stack_experts([w.moved(device, dtype, non_blocking) for w in self.experts()], self.layer_name)
         device = torch.device(device)
         choice = policy.choose_storage(policy.device_info(device), dtype, tuple(self.shape), self.pattern,
                                        current=self.storage_format)
@@ -398,6 +402,52 @@ def _move(t: torch.Tensor, device: torch.device, dtype: torch.dtype, non_blockin
     return torch.ops.aten._to_copy.default(t, device=device, dtype=dtype, non_blocking=non_blocking)
 
 
+def unsupported(func, args) -> NotImplementedError:
+    """The error for an op no handler takes: what an ArmorTensor runs, and what to use instead."""
+    if any(isinstance(a, ArmorTensor) and a.num_experts is not None for a in args):
+        return NotImplementedError(f"ARMOR experts (E factored layers, an (E, d_out, d_in) ArmorTensor) do not "
+                                   f"support {func}; {EXPERTS_HINT}")
+    return NotImplementedError(
+        f"ArmorTensor does not support {func}: it stores W = A·core·B in factored form and only runs "
+        "F.linear, device/dtype moves, detach, clone and copy_. To save a converted model use "
+        "torch_armor.save_pretrained(model, directory); to "
+        "quantize it with torchao, quantize_(model, torch_armor.tensor.quant.ArmorCoreConfig("
+        "Int8WeightOnlyConfig())); for the materialized matrix use weight.dense_weight()"
+    )
+
+
+def stack_experts(experts: Sequence[ArmorTensor], name: Optional[str] = None) -> ArmorTensor:
+    """One ``(E, d_out, d_in)`` weight of the experts' class from E 2-D ArmorTensors of the same class, shape,
+    block size, pattern, dtype and device: every inner tensor stacked along a new leading dimension.
+
+    Raises:
+        ArmorInputError: no experts, a non-ArmorTensor, experts that differ, or 8-bit / quantized cores.
+    """
+    where = name or "experts"
+    if not experts:
+        raise ArmorInputError(f"{where}: stacking experts needs one ArmorTensor per expert, got none")
+    first = experts[0]
+    for e, w in enumerate(experts):
+        if not isinstance(w, ArmorTensor) or w.num_experts is not None:
+            shape = tuple(getattr(w, "shape", ()))
+            raise ArmorInputError(f"{where}: expert {e} is a {type(w).__name__} {shape}, not an ArmorTensor of one expert (2-D)")
+        same = (type(w), tuple(w.shape), w.block_size, w.pattern, w.dtype, w.device)
+        want = (type(first), tuple(first.shape), first.block_size, first.pattern, first.dtype, first.device)
+        if same != want:
+            raise ArmorInputError(
+                f"{where}: expert {e} is a {same[0].__name__} {same[1]} with block size {same[2]}, pattern {same[3]}, "
+                f"{same[4]} on {same[5]}, expert 0 a {want[0].__name__} {want[1]} with block size {want[2]}, pattern "
+                f"{want[3]}, {want[4]} on {want[5]}; the experts of one parameter must share them (give every "
+                f"'{where}.<e>' the same block size and pattern)")
+    if first.storage_format not in STORAGES:
+        raise ArmorInputError(
+            f"{where}: experts with {type(first).__name__} cores cannot be stacked: quantized (8-bit, torchao) expert "
+            "cores are not supported yet; keep the experts' cores floating (quantize_ skips them) or dequantize first")
+    names, attributes = first.__tensor_flatten__()
+    return type(first)(**{n: torch.stack([getattr(w, n) for w in experts]) for n in names}, **attributes,
+                       layer_name=name)
+
+
 def _build(choice: StorageChoice, a: torch.Tensor, b: torch.Tensor, core: torch.Tensor, pattern: str,
            dtype: torch.dtype, name: Optional[str], mask: Optional[torch.Tensor] = None) -> ArmorTensor:
     """The weight in ``choice``'s format (dense, with the kernel's reason, where the kernel refuses the core)."""
@@ -415,12 +465,14 @@ def from_parts(storage: str, a_blocks: torch.Tensor, b_blocks: torch.Tensor, pat
                backend: Optional[str] = None, **parts) -> ArmorTensor:
     """The ArmorTensor of ``storage`` (and ``backend``) from its inner tensors, as they were saved
     (``core=`` for dense, ``values=``/``indices=`` for compact...; ``quant_config=`` for quantized)."""
-    cls = _FORMATS[(storage, backend)]
-    config = {k: parts.pop(k) for k in getattr(cls, "optional_tensor_attribute_names", []) if k in parts}
-    inner = [parts.pop(n) for n in cls.tensor_data_names[2:]]
-    if parts:
-        raise ArmorInputError(f"{storage} ArmorTensor has no inner tensors {sorted(parts)}")
-    return cls(a_blocks, b_blocks, *inner, pattern, dtype, **config)
+    cls = _FORMATS.get((storage, backend))
+    if cls is None:
+        raise ArmorInputError(f"no ArmorTensor storage {storage!r} (backend {backend!r}); expected one of "
+                              f"{sorted(set(s for s, _ in _FORMATS))}")
+    unknown = sorted(set(parts) - set(cls.tensor_data_names) - set(getattr(cls, "optional_tensor_attribute_names", ())))
+    if unknown:
+        raise ArmorInputError(f"{storage} ArmorTensor has no inner tensors {unknown}")
+    return cls(a_blocks=a_blocks, b_blocks=b_blocks, pattern=pattern, dtype=dtype, **parts)
 
 
 def restore_storage(w: ArmorTensor, saved: str, requested: Optional[str] = None,
@@ -443,13 +495,15 @@ def restore_storage(w: ArmorTensor, saved: str, requested: Optional[str] = None,
     return w.with_storage(requested)
 
 
-@implements(aten.linear.default)
-@implements_torch_function(F.linear)
+@ArmorTensor.implements(aten.linear.default)
+@ArmorTensor.implements_torch_function(F.linear)
 def _(func, types, args, kwargs):
     x, w = args[0], args[1]
     bias = args[2] if len(args) > 2 else kwargs.get("bias")
     if not isinstance(w, ArmorTensor):
         raise NotImplementedError("ArmorTensor linear: only the weight may be an ArmorTensor")
+    if w.num_experts is not None:
+        raise unsupported(func, args)
     d_out, d_in = w.shape
     if x.shape[-1] != d_in:
         raise ArmorInputError(

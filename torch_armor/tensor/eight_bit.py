@@ -101,9 +101,8 @@ class EightBitArmorTensor(ArmorTensor):
         def move(t, cast):
             return _to(t, torch.device(device), dtype if cast else None, non_blocking)
 
-        names = self.tensor_data_names
-        parts = [move(getattr(self, n), n in ("a_blocks", "b_blocks")) for n in names]
-        return type(self)(*parts, self.pattern, dtype)
+        parts = {n: move(getattr(self, n), n in ("a_blocks", "b_blocks")) for n in self.tensor_data_names}
+        return type(self)(**parts, pattern=self.pattern, dtype=dtype)
 
     def moved(self, device, dtype: torch.dtype, non_blocking: bool = False) -> ArmorTensor:
         if not dtype.is_floating_point:
@@ -123,6 +122,13 @@ class EightBitArmorTensor(ArmorTensor):
 
 class _Compact8(EightBitArmorTensor):
     tensor_data_names = ["a_blocks", "b_blocks", "values", "indices", "core_scale"]
+
+    def __new__(cls, a_blocks, b_blocks, values, indices, core_scale, pattern, dtype, *, layer_name=None):
+        return cls._wrapper(a_blocks, b_blocks, dtype)
+
+    def __init__(self, a_blocks, b_blocks, values, indices, core_scale, pattern, dtype, *, layer_name=None):
+        super().__init__(a_blocks, b_blocks, pattern, layer_name)
+        self.values, self.indices, self.core_scale = values, indices, core_scale
 
     @classmethod
     def from_q_core(cls, a, b, q_core, core_scale, pattern, dtype):
@@ -146,6 +152,13 @@ class _Compact8(EightBitArmorTensor):
 class _Cusparselt8(EightBitArmorTensor):
     backend = "cusparselt"
     tensor_data_names = ["a_blocks", "b_blocks", "packed", "core_scale"]
+
+    def __new__(cls, a_blocks, b_blocks, packed, core_scale, pattern, dtype, *, layer_name=None):
+        return cls._wrapper(a_blocks, b_blocks, dtype)
+
+    def __init__(self, a_blocks, b_blocks, packed, core_scale, pattern, dtype, *, layer_name=None):
+        super().__init__(a_blocks, b_blocks, pattern, layer_name)
+        self.packed, self.core_scale = packed, core_scale
 
     @classmethod
     def from_q_core(cls, a, b, q_core, core_scale, pattern, dtype):

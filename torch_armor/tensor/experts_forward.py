@@ -4,7 +4,7 @@ transformers 5 decorates fused experts modules (``Qwen3MoeExperts``, ``MixtralEx
 ``use_experts_implementation``: their forward is looked up by ``config._experts_implementation``
 (``"eager"``, ``"batched_mm"``, ``"grouped_mm"`` — the default —, …) in ``ExpertsInterface``.
 ``"grouped_mm"`` and ``"batched_mm"`` need the dense 3-D weight (they transpose it or gather one
-copy per token), which an :class:`~torch_armor.tensor.experts.ArmorExpertsTensor` never
+copy per token), which ARMOR experts (an ``(E, out, in)`` ArmorTensor) never
 materializes. Importing this module registers :func:`armor_experts_forward` as ``"armor"``: tokens
 are sorted by expert once, and each expert that received tokens runs its own ARMOR factors
 (``F.linear(x_e, w[e])``: ARMOR's linear, compact on CPU, 2:4 on CUDA) on exactly those tokens.

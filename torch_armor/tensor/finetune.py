@@ -38,7 +38,6 @@ import torch
 from torch import nn
 
 from torch_armor.tensor.armor_tensor import QUANTIZED, ArmorTensor
-from torch_armor.tensor.experts import ArmorExpertsTensor
 from torch_armor.errors import ArmorInputError
 
 __all__ = ["enable_finetuning", "trainable_parts", "model_size", "checkpoint_size", "ModelSize", "PART_NAMES"]
@@ -167,7 +166,7 @@ def model_size(model: nn.Module) -> ModelSize:
         if id(p) in seen:
             continue
         seen.add(id(p))
-        if isinstance(p, (ArmorTensor, ArmorExpertsTensor)):
+        if isinstance(p, ArmorTensor):
             dense += p.numel()
             dense_bytes += p.numel() * p.element_size()
             params += p.stored_parameters()

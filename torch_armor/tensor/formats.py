@@ -43,6 +43,13 @@ class DenseArmorTensor(ArmorTensor):
     storage_format = "dense"
     tensor_data_names = ["a_blocks", "b_blocks", "core"]
 
+    def __new__(cls, a_blocks, b_blocks, core, pattern, dtype, *, layer_name=None):
+        return cls._wrapper(a_blocks, b_blocks, dtype)
+
+    def __init__(self, a_blocks, b_blocks, core, pattern, dtype, *, layer_name=None):
+        super().__init__(a_blocks, b_blocks, pattern, layer_name)
+        self.core = core
+
     @classmethod
     def from_core(cls, a, b, core, pattern, dtype, mask=None):
         return cls(a, b, core, pattern, dtype)
@@ -68,6 +75,13 @@ class CompactArmorTensor(ArmorTensor):
 
     storage_format = "compact"
     tensor_data_names = ["a_blocks", "b_blocks", "values", "indices"]
+
+    def __new__(cls, a_blocks, b_blocks, values, indices, pattern, dtype, *, layer_name=None):
+        return cls._wrapper(a_blocks, b_blocks, dtype)
+
+    def __init__(self, a_blocks, b_blocks, values, indices, pattern, dtype, *, layer_name=None):
+        super().__init__(a_blocks, b_blocks, pattern, layer_name)
+        self.values, self.indices = values, indices
 
     @classmethod
     def from_core(cls, a, b, core, pattern, dtype, mask: Optional[torch.Tensor] = None):

@@ -16,8 +16,10 @@
 * ``weight.requires_grad_(True)`` raises, pointing to :func:`torch_armor.enable_finetuning`
   (the ArmorTensor is a container: its gradient would never be computed).
 
-Imported by :mod:`torch_armor.tensor` (its ``__init__``), so the handlers are in place whenever
-any ArmorTensor exists.
+The handlers go into ``ArmorTensor``'s own op tables (``ArmorTensor.implements``); a storage class
+copies its parent's tables when it is defined, so :mod:`torch_armor.tensor` (its ``__init__``, which
+runs before any of its modules) imports this module right after ``armor_tensor`` and before every
+storage class.
 
 Example::
 
@@ -39,10 +41,12 @@ import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
 from torch_armor.format.file_checks import copy_mismatch
-from torch_armor.tensor.armor_tensor import ArmorTensor, implements, implements_torch_function
+from torch_armor.tensor.armor_tensor import ArmorTensor
 from torch_armor.tensor.transposed import ArmorTransposed
 
 aten = torch.ops.aten
+implements = ArmorTensor.implements
+implements_torch_function = ArmorTensor.implements_torch_function
 
 
 def _moved_kwargs(self: ArmorTensor, kwargs: dict) -> Tuple[torch.device, torch.dtype]:
@@ -97,6 +101,9 @@ def _(func, types, args, kwargs):
 
 @implements_torch_function([torch.Tensor.T.__get__, torch.Tensor.t])
 def _(func, types, args, kwargs):
+    if args[0].num_experts is not None:  # aten.t of a 3-D tensor: the error below
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
     return ArmorTransposed(args[0])
 
 
@@ -112,6 +119,11 @@ def _(func, types, args, kwargs):
 
 @implements_torch_function(torch.Tensor.storage)
 def _(func, types, args, kwargs):
+    if args[0].num_experts is not None:
+        raise TypeError(
+            "ARMOR experts (an (E, d_out, d_in) ArmorTensor) have no single storage: they hold E ARMOR experts as "
+            "separate stacked tensors. Save the model with torch_armor.save_pretrained(model, directory) (the "
+            "Hugging Face format: AutoModelForCausalLM.from_pretrained reads it after import torch_armor)")
     raise TypeError(
         "an ArmorTensor has no single storage: it holds W = A·core·B as separate tensors "
         f"({args[0].storage_format} core). Save a converted model with torch_armor.save_pretrained(model, directory) "
@@ -123,6 +135,10 @@ def _(func, types, args, kwargs):
 def _(func, types, args, kwargs):
     w = args[0]
     flag = args[1] if len(args) > 1 else kwargs.get("requires_grad", True)
+    if flag and w.num_experts is not None:
+        raise RuntimeError("ARMOR experts cannot be fine-tuned yet: an (E, d_out, d_in) ArmorTensor is a frozen "
+                           "container of E factored experts; keep requires_grad=False (or dequantize the model to "
+                           "train it)")
     if flag and not getattr(w, "_parts_trainable", False):
         raise RuntimeError(
             "an ArmorTensor weight cannot require grad itself: its values live in A, B and the kept core "
@@ -155,6 +171,13 @@ def _as_destination(dst: ArmorTensor, src: ArmorTensor) -> ArmorTensor:
 @implements(aten.copy_.default)
 def _(func, types, args, kwargs):
     dst, src = args[0], args[1]
+    experts = any(isinstance(t, ArmorTensor) and t.num_experts is not None for t in (dst, src))
+    if experts and not (isinstance(dst, ArmorTensor) and isinstance(src, ArmorTensor)):
+        raise RuntimeError(
+            "a dense 3-D experts tensor and ARMOR experts (E factored layers) cannot be copied into each other: "
+            "load an ARMOR checkpoint with from_pretrained(directory) after import torch_armor (or "
+            "torch_armor.load_pretrained), or load_state_dict(state, assign=True); for dense experts use "
+            "weight.dense_weight()")
     if not (isinstance(dst, ArmorTensor) and isinstance(src, ArmorTensor)):
         dense_into_armor = isinstance(dst, ArmorTensor)
         raise RuntimeError(

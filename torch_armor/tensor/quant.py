@@ -70,7 +70,6 @@ from torchao.utils import TorchAOBaseTensor
 
 from torch_armor.tensor.armor_tensor import QUANTIZED, ArmorTensor, from_parts, register_format
 from torch_armor.tensor.eight_bit import EightBitArmorTensor, quantize_core_8bit
-from torch_armor.tensor.experts import ArmorExpertsTensor
 from torch_armor.tensor.linear_layout import armor_linear_rows
 from torch_armor.errors import ArmorInputError
 
@@ -104,6 +103,13 @@ class QuantizedArmorTensor(ArmorTensor):
     storage_format = QUANTIZED
     tensor_data_names = ["a_blocks", "b_blocks", "core"]
     optional_tensor_attribute_names = ["quant_config"]
+
+    def __new__(cls, a_blocks, b_blocks, core, pattern, dtype, quant_config=None, *, layer_name=None):
+        return cls._wrapper(a_blocks, b_blocks, dtype)
+
+    def __init__(self, a_blocks, b_blocks, core, pattern, dtype, quant_config=None, *, layer_name=None):
+        super().__init__(a_blocks, b_blocks, pattern, layer_name)
+        self.core, self.quant_config = core, quant_config
 
     def core_dense(self) -> torch.Tensor:
         dequantize = getattr(self.core, "dequantize", None)
@@ -280,7 +286,7 @@ def quantize_armor_core(weight: ArmorTensor, inner: AOBaseConfig) -> ArmorTensor
         >>> w.storage_format, w.core.qdata.dtype, w.core.qdata[0].tolist()
         ('quantized', torch.int8, [64, 0, 0, -127])
     """
-    if isinstance(weight, ArmorExpertsTensor):
+    if isinstance(weight, ArmorTensor) and weight.num_experts is not None:
         raise ArmorInputError(
             f"{weight.layer_name or 'ARMOR experts'}: quantizing the cores of fused experts is not supported yet "
             "(ArmorCoreConfig quantizes ARMOR linears only and leaves experts' cores in floating point)")

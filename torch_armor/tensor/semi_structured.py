@@ -71,13 +71,13 @@ class SemiStructuredArmorTensor(ArmorTensor):
             parts = cls._compress(core.contiguous())
         except (RuntimeError, NotImplementedError, ValueError) as exc:
             raise KernelRefused(_refused(cls.backend, core, f"its compression failed: {_first_line(exc)}")) from None
-        w = cls(a, b, *parts, pattern, dtype)
+        w = cls(a_blocks=a, b_blocks=b, **parts, pattern=pattern, dtype=dtype)
         w._trial(core)
         return w
 
     @staticmethod
-    def _compress(core: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        """The kernel's inner tensors of a contiguous dense 2:4 core (after ``a_blocks``, ``b_blocks``)."""
+    def _compress(core: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """The kernel's inner tensors of a contiguous dense 2:4 core, by name (all but ``a_blocks``, ``b_blocks``)."""
         raise NotImplementedError
 
     def _core_mm_rows(self, rows: torch.Tensor) -> torch.Tensor:
@@ -88,8 +88,7 @@ class SemiStructuredArmorTensor(ArmorTensor):
         return dtype == self.dtype  # another GPU: copy the buffers; another dtype: re-compress
 
     def stored_parameters(self) -> int:
-        d_out, d_in = self.shape
-        return self.a_blocks.numel() + self.b_blocks.numel() + d_out * d_in // 2
+        return self.a_blocks.numel() + self.b_blocks.numel() + self.shape.numel() // 2
 
     def _linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         d_out, d_in = self.shape
@@ -124,9 +123,16 @@ class CusparseltArmorTensor(SemiStructuredArmorTensor):
     backend = "cusparselt"
     tensor_data_names = ["a_blocks", "b_blocks", "packed"]
 
+    def __new__(cls, a_blocks, b_blocks, packed, pattern, dtype, *, layer_name=None):
+        return cls._wrapper(a_blocks, b_blocks, dtype)
+
+    def __init__(self, a_blocks, b_blocks, packed, pattern, dtype, *, layer_name=None):
+        super().__init__(a_blocks, b_blocks, pattern, layer_name)
+        self.packed = packed
+
     @staticmethod
-    def _compress(core: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        return (torch._cslt_compress(core).view(core.shape[0], -1),)
+    def _compress(core: torch.Tensor) -> Dict[str, torch.Tensor]:
+        return {"packed": torch._cslt_compress(core).view(core.shape[0], -1)}
 
     def _core_mm_rows(self, rows: torch.Tensor) -> torch.Tensor:
         # rows.t() is the column-major (d_in, T) operand torch's own 2:4 linear passes; transpose_result
@@ -153,11 +159,19 @@ class CutlassArmorTensor(SemiStructuredArmorTensor):
     backend = "cutlass"
     tensor_data_names = ["a_blocks", "b_blocks", "packed", "meta"]
 
+    def __new__(cls, a_blocks, b_blocks, packed, meta, pattern, dtype, *, layer_name=None):
+        return cls._wrapper(a_blocks, b_blocks, dtype)
+
+    def __init__(self, a_blocks, b_blocks, packed, meta, pattern, dtype, *, layer_name=None):
+        super().__init__(a_blocks, b_blocks, pattern, layer_name)
+        self.packed, self.meta = packed, meta
+
     @staticmethod
-    def _compress(core: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    def _compress(core: torch.Tensor) -> Dict[str, torch.Tensor]:
         from torch.sparse._semi_structured_conversions import sparse_semi_structured_from_dense_cutlass  # local: CUTLASS packing only
 
-        return tuple(sparse_semi_structured_from_dense_cutlass(core))
+        packed, meta = sparse_semi_structured_from_dense_cutlass(core)
+        return {"packed": packed, "meta": meta}
 
     def _core_mm_rows(self, rows: torch.Tensor) -> torch.Tensor:
         # the column-major operand torch's own CUTLASS linear passes; the (d_out, T) result read transposed

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 __all__ = ["ArmorTransposed", "experts_linear", "EXPERTS_HINT"]
 
-#: what to do instead of an op ARMOR experts (an ArmorExpertsTensor, or its transpose) do not run
+#: what to do instead of an op ARMOR experts (an (E, out, in) ArmorTensor, or its transpose) do not run
 EXPERTS_HINT = (
     "run the experts with experts_implementation='armor' (model.set_experts_implementation('armor'), or "
     "from_pretrained(..., experts_implementation='armor'); 'eager' works too), index one expert with "
@@ -52,7 +52,7 @@ def experts_linear(x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
 
 class ArmorTransposed:
     """``weight``'s transpose (its last two dims swapped) as the right operand of a matmul; ``weight`` is a
-    2-D ArmorTensor or a 3-D ArmorExpertsTensor (then index one expert first)."""
+    2-D ArmorTensor or 3-D ARMOR experts (then index one expert first)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight
