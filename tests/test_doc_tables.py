@@ -96,3 +96,17 @@ def test_the_presets_module_states_its_own_numbers():
 
 def test_the_prose_check_sees_a_wrong_number():
     assert stated_numbers("bcd 20 sweeps, 512 reconstruction steps, 48 distillation steps", "max")[-1][1:] == (48, 96)
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/user-guide.md"])
+def test_the_quick_demo_is_described_as_it_runs(page):
+    """The user guide once said the quick demo runs ARMOR with 10 sweeps and 32 reconstruction steps
+    after they became 8 and 24."""
+    from torch_armor.cli.names import QUICK_PROTOCOL
+
+    text = " ".join((ROOT / page).read_text(encoding="utf-8").split())
+    said = re.search(r"(\d+) \+ (\d+) windows[^)]*?ARMOR with (\d+) sweeps, (\d+) reconstruction and (\d+) "
+                     r"distillation steps", text)
+    assert said, f"{page}: no 'N + N windows … ARMOR with N sweeps, N reconstruction and N distillation steps'"
+    assert tuple(int(g) for g in said.groups()) == tuple(QUICK_PROTOCOL[k] for k in (
+        "n_calib", "n_eval", "iters", "reconstruct_steps", "distill_steps")), (page, said.group(0))
