@@ -74,6 +74,7 @@ __all__ = [
     "stack_experts",
     "restore_storage",
     "register_format",
+    "format_class",
     "STORAGES",
     "QUANTIZED",
 ]
@@ -90,8 +91,13 @@ def register_format(cls: type) -> type:
     return cls
 
 
+def format_class(storage: str, backend: Optional[str] = None) -> type:
+    """The ArmorTensor class registered for ``storage`` (and ``backend``): the one registry of formats."""
+    return _FORMATS[(storage, backend)]
+
+
 def _format_class(choice: StorageChoice) -> type:
-    return _FORMATS[(choice.storage, choice.backend)]
+    return format_class(choice.storage, choice.backend)
 
 
 class ArmorTensor(TorchAOBaseTensor):

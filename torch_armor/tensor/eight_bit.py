@@ -42,7 +42,7 @@ from torch_armor.core.pattern import parse_pattern
 from torch_armor.errors import ArmorInputError
 from torch_armor.kernels.quant8 import QDTYPES, quantize_rows, quantizing_b_pass, scaled_a_pass, scaled_core_mm_rows
 from torch_armor.tensor import policy
-from torch_armor.tensor.armor_tensor import ArmorTensor, register_format
+from torch_armor.tensor.armor_tensor import ArmorTensor, format_class, register_format
 from torch_armor.tensor.linear_layout import armor_linear_rows
 from torch_armor.tensor.packing import pack_nm, unpack_nm
 
@@ -109,7 +109,7 @@ class EightBitArmorTensor(ArmorTensor):
             raise ArmorInputError(f"an ARMOR weight's wrappers cannot be cast to {dtype}")
         device = torch.device(device)
         choice = policy.choose_eight_bit(policy.device_info(device), self.qdtype, tuple(self.shape))
-        cls = _CLASSES[self.qdtype, choice.backend]
+        cls = format_class(self.qdtype, choice.backend)
         if cls is type(self):
             out = self._parts_to(device, dtype, non_blocking)
         else:
@@ -216,8 +216,6 @@ class Fp8CusparseltArmorTensor(_Cusparselt8):
     storage_format = "fp8"
 
 
-_CLASSES = {("int8", None): Int8ArmorTensor, ("fp8", None): Fp8ArmorTensor,
-            ("int8", "cusparselt"): Int8CusparseltArmorTensor, ("fp8", "cusparselt"): Fp8CusparseltArmorTensor}
 
 
 def quantize_core_8bit(weight: ArmorTensor, qdtype: str) -> EightBitArmorTensor:
@@ -239,10 +237,11 @@ def quantize_core_8bit(weight: ArmorTensor, qdtype: str) -> EightBitArmorTensor:
                               "floating-point model once")
     core = weight.core_dense().float()
     q_core, core_scale = quantize_rows(core, qdtype)
-    compact = _CLASSES[qdtype, None].from_q_core(weight.a_blocks, weight.b_blocks, q_core, core_scale,
-                                                 str(pattern), weight.dtype)
+    compact = format_class(qdtype).from_q_core(weight.a_blocks, weight.b_blocks, q_core, core_scale,
+                                               str(pattern), weight.dtype)
     compact.layer_name = weight.layer_name
     return compact.moved(weight.device, weight.dtype)
 
 
-torch.serialization.add_safe_globals(list(_CLASSES.values()))
+torch.serialization.add_safe_globals([Int8ArmorTensor, Fp8ArmorTensor, Int8CusparseltArmorTensor,
+                                      Fp8CusparseltArmorTensor])
