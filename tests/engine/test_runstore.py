@@ -243,15 +243,15 @@ def test_a_method_of_its_own_keeps_its_payload_in_the_run_store(tmp_path):
     from torch_armor.errors import ArmorInputError
 
     @dataclasses.dataclass(frozen=True)
-    class ScaledConfig(MethodConfig):
+    class StoredScaleConfig(MethodConfig):
         pattern: str = "2:4"
 
     @dataclasses.dataclass
-    class Scaled:  # a method's own result: a weight and a scale
+    class StoredScale:  # a method's own result: a weight and a scale
         weight: torch.Tensor
         scale: float
 
-    class ScaledMethod(Method):
+    class StoredScaleMethod(Method):
         stores_layers = True
 
         def to_store(self, payload):
@@ -259,19 +259,19 @@ def test_a_method_of_its_own_keeps_its_payload_in_the_run_store(tmp_path):
                                   {"shape": list(payload.weight.shape), "device": str(payload.weight.device)})
 
         def from_store(self, tensors, header):
-            return Scaled(tensors["weight"], float(header["scale"]))
+            return StoredScale(tensors["weight"], float(header["scale"]))
 
-    register_method(ScaledConfig, name="scaled", needs_statistics=False, kind=ScaledMethod)(
-        lambda weight, stats, config, name="": Scaled(weight, 0.5))
+    register_method(StoredScaleConfig, name="stored_scale", needs_statistics=False, kind=StoredScaleMethod)(
+        lambda weight, stats, config, name="": StoredScale(weight, 0.5))
     try:
         weight = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
-        store = RunStore(tmp_path, ScaledConfig(), "m", "h")
-        store.save("fc", Scaled(weight, 0.1), seconds=2.0)
-        back = RunStore(tmp_path, ScaledConfig(), "m", "h").load("fc")
-        assert isinstance(back, Scaled) and torch.equal(back.weight, weight) and back.scale == 0.1
+        store = RunStore(tmp_path, StoredScaleConfig(), "m", "h")
+        store.save("fc", StoredScale(weight, 0.1), seconds=2.0)
+        back = RunStore(tmp_path, StoredScaleConfig(), "m", "h").load("fc")
+        assert isinstance(back, StoredScale) and torch.equal(back.weight, weight) and back.scale == 0.1
         entry = json.loads((tmp_path / MANIFEST_NAME).read_text())["layers"]["fc"]
         assert entry["shape"] == [8, 16] and entry["device"] == "cpu" and entry["seconds"] == 2.0
         with pytest.raises(ArmorInputError, match="'fc'.*ArmorFactors"):
-            RunStore(tmp_path / "armor", CFG, "m", "h").save("fc", Scaled(weight, 0.1))
+            RunStore(tmp_path / "armor", CFG, "m", "h").save("fc", StoredScale(weight, 0.1))
     finally:
-        METHODS.pop(ScaledConfig, None)
+        METHODS.pop(StoredScaleConfig, None)

@@ -34,13 +34,13 @@ def test_no_row_reads_silently_dense_and_gpt_oss_dbrx_jetmoe_are_pruned():
 
 def test_the_check_sees_an_expert_left_dense_without_a_reason(monkeypatch):
     """The table's own check, not the project's lists: an experts weight left dense with no reason."""
-    import torch_armor.engine.prune as prune
+    import torch_armor.engine.plan as plan
     from torch_armor.calibration.selection import prunable_names
 
-    real = prune.dense_weights
-    monkeypatch.setattr(prune, "select_layers", lambda model, layers: [
+    real = plan.dense_weights
+    monkeypatch.setattr(plan, "select_layers", lambda model, layers: [
         n for n in prunable_names(model) if ".experts." not in n])
-    monkeypatch.setattr(prune, "dense_weights", lambda model, names, prefix, why=None: {
+    monkeypatch.setattr(plan, "dense_weights", lambda model, names, prefix, why=None: {
         k: (c, "not selected" if ".experts." in k else w) for k, (c, w) in real(model, names, prefix, why).items()})
     assert moe_table.status("qwen3_moe") == "silently dense"
 

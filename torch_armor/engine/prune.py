@@ -2,10 +2,12 @@
 ids and a method config to a pruned model and a :class:`~torch_armor.engine.report.PruneReport`.
 
 The config's type is the method (:mod:`torch_armor.engine.methods`); how the run is carried out
-(where to save, resume, which device, …) is one :class:`PruneOptions`. Every check and set-up of a
-run happens here, once: the output directory, the run directory, whether a checkpoint streams,
-``torchrun``'s ``WORLD_SIZE`` and process group. The command line (``torch-armor prune``) only
-builds these objects and calls this.
+(where to save, resume, which device, …) is one :class:`PruneOptions`. Plan, then execute: every check
+and decision is made once, before any layer is pruned, as a :class:`~torch_armor.engine.plan.PrunePlan`
+(:func:`~torch_armor.engine.plan.plan_prune`: the layers and their settings, the weights left dense,
+the output and run directories, the device); :func:`execute` runs it (``torchrun``'s process group,
+the run directory's lock and store, the block pass, the save). The command line (``torch-armor
+prune``) only builds these objects and calls :func:`prune_model`.
 
 Example (a tiny random model; pruned in place)::
 
@@ -29,69 +31,40 @@ import shutil
 import warnings
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Sequence, Union
 
 import contextlib
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from torch_armor._io import stop_here_for_tests
-from torch_armor.calibration.blocks import decoder_blocks
-from torch_armor.calibration.experts import out_in_shape
-from torch_armor.calibration.selection import LayerSelection, select_layers, shared_across_blocks
-from torch_armor.calibration.validate import check_token_ids, vocab_size_of
-from torch_armor.engine.batches import calibration_batches, hash_batches
+from torch_armor.calibration.selection import LayerSelection
+from torch_armor.engine.batches import hash_batches
 from torch_armor.engine.blocks import BLOCKS_DIR, BlockPipeline
-from torch_armor.engine.topology import init_distributed, launched_world_size
-from torch_armor.engine.fit import dense_reasons, fit_layers, shared_warning, uncalled_warning, warn_unfit
-from torch_armor.engine.experts import (dense_lines, dense_weights, group_by_param, layer_module, no_expert_pruned,
-                                        routed_token_lines, with_dense_layers)
+from torch_armor.engine.topology import init_distributed
+from torch_armor.engine.fit import uncalled_warning
+from torch_armor.engine.experts import dense_lines, routed_token_lines, with_dense_layers
 from torch_armor.engine.identity import identity_string
 from torch_armor.engine.interrupt import interrupted_message
 from torch_armor.engine.lock import OutputBusy, output_lock, run_lock
-from torch_armor.engine.methods import METHODS, RunContext, default_config, method_for
-from torch_armor.engine.options import RUN_DIR_NAME, PathLike, PruneOptions, check_out, out_contents
-from torch_armor.engine.paths import (check_prune_paths, mark_run_target, mark_written, model_source_dirs,
-                                      resumes_into)
+from torch_armor.engine.methods import RunContext
+from torch_armor.engine.options import RUN_DIR_NAME, PathLike, PruneOptions, out_contents
+from torch_armor.engine.plan import PrunePlan, plan_prune
+from torch_armor.engine.paths import mark_run_target, mark_written, resumes_into
 from torch_armor.engine.report import PruneReport
 from torch_armor.engine.runstore import RunStore
-from torch_armor.engine.sources import InMemory, ShardWriter, Streamed
+from torch_armor.engine.sources import ShardWriter
 from torch_armor.errors import ArmorError, ArmorInputError, write_failed
 from torch_armor.format.hf_format import attach_quantizer
 from torch_armor.format.serialization import save_pretrained
 
-__all__ = ["prune_model", "PruneOptions", "RUN_DIR_NAME"]
+__all__ = ["prune_model", "execute", "PruneOptions", "RUN_DIR_NAME"]
 
 logger = logging.getLogger("torch_armor")
 
 #: Where a run keeps its pruned model (in its run directory) when another process wrote ``out`` first.
 KEPT_NAME = "pruned"
-
-
-def _run_path(options: PruneOptions) -> Tuple[Optional[Path], bool]:
-    """The run directory and whether it is temporary (removed after a successful save)."""
-    if options.run_dir is not None:
-        return Path(options.run_dir), False
-    if options.out is not None:
-        return Path(options.out) / RUN_DIR_NAME, True
-    return None, False
-
-
-def _check_layers(model: nn.Module, names: Sequence[str], streamed: bool) -> None:
-    """Every layer checked before any is pruned: a failed call leaves the model untouched."""
-    for name in names:
-        weight = layer_module(model, name).weight
-        if not streamed and weight.device.type == "meta":
-            raise ArmorInputError(
-                f"layer {name!r}: the weight is on the meta device (offloaded, e.g. by accelerate's device_map or "
-                "cpu_offload); pruning needs the weights in memory: reload the model without offloading, or pass "
-                "its checkpoint directory to stream it block by block"
-            )
-        if hasattr(type(weight), "__tensor_flatten__"):
-            raise ArmorInputError(f"layer {name!r} is already pruned (its weight is of type {type(weight).__name__}); "
-                                  "prune the original dense model")
 
 
 def _save_output(write: Callable[[Path], None], out: Path, overwrite: bool, resuming: bool, allowed: Sequence[str],
@@ -156,69 +129,16 @@ def prune_model(
             (:class:`~torch_armor.errors.RunMismatchError`), a method that stores no finished
             layers (a baseline) under ``torchrun``.
     """
-    config = default_config() if config is None else config
-    method = method_for(config)
-    if not isinstance(options, PruneOptions):
-        raise ArmorInputError(f"options must be a PruneOptions, got {type(options).__name__}")
-    world = launched_world_size()
-    if world > 1 and not method.stores_layers:
-        sharded = [m.name for m in METHODS.values() if m.stores_layers]
-        raise ArmorInputError(f"only a method that stores finished layers ({', '.join(sharded)}) runs on several ranks "
-                              f"(WORLD_SIZE={world}): {method.label} keeps no per-layer run store to share out; run it "
-                              "without torchrun")
-    batches = calibration_batches(calibration, options.batch_size)
-    streamed = not isinstance(model_or_path, nn.Module)
-    out = Path(options.out) if options.out is not None else None
-    if streamed and out is None:
-        raise ArmorInputError("prune_model on a checkpoint directory streams it block by block and needs "
-                              "PruneOptions(out=DIR) to write the pruned model")
-    run_path, temp_run = _run_path(options)
-    check_prune_paths(model_source_dirs(model_or_path), out=out, run_dir=options.run_dir,
-                      hidden_dir=options.hidden_dir)  # inputs are never outputs, checked before any work
-    resuming, allowed = False, ()
-    if out is not None:
-        inside = run_path is not None and run_path.parent.resolve() == out.resolve()
-        resuming = run_path is not None and resumes_into(run_path, out)
-        allowed = (run_path.name,) if inside else ()
-        check_out(out, options.overwrite or resuming, allowed=allowed)
-    source = Streamed(model_or_path, dtype=options.dtype) if streamed else InMemory(model_or_path)
-    model = source.model
-    blocks_prefix, blocks = decoder_blocks(model)
-    names = select_layers(model, layers)
-    if layers is None:  # every linear of the decoder blocks; one outside them (Gemma-4's per-layer projection) stays dense
-        names = [n for n in names if n.startswith(blocks_prefix + ".")]
-    check_token_ids(batches, vocab_size_of(model))
-    shared = shared_across_blocks(model, names, blocks_prefix)  # one weight, several layers: left dense
-    if shared:
-        if all(n in shared for n in names):
-            raise ArmorInputError(f"every selected layer's weight is shared by several decoder layers (layer {names[0]!r}: "
-                                  f"{shared[names[0]]}), and prune_model leaves such weights dense; select other layers")
-        warnings.warn(shared_warning({n: why for n, why in shared.items() if n in names}), UserWarning, stacklevel=2)
-        names = [n for n in names if n not in shared]
-    _check_layers(model, names, streamed)
-    selected = names
-    names, config, unfit = fit_layers(model, names, config, options.strict)
-    if not names:
-        first = next(iter(unfit))
-        raise ArmorInputError(f"the settings fit none of the {len(selected)} selected layers (layer {first!r}: "
-                              f"{unfit[first]}); choose a block size or pattern that fits them")
-    warn_unfit(unfit)
-    experts = group_by_param(names)
-    for param, chosen in experts.items():
-        module_name, _, attr = param.rpartition(".")
-        total = out_in_shape(model.get_submodule(module_name), attr)[0]
-        if method.stores_layers and len(chosen) != total:
-            raise ArmorInputError(f"{param}: {method.label} converts all {total} experts of a fused parameter together, "
-                                  f"the layer selection holds {len(chosen)}; select every expert of it or none")
-    dense = dense_weights(model, names, blocks_prefix,
-                          {**dense_reasons(unfit, names), **{f"{n}.weight": why for n, why in shared.items()}})
-    experts_left_dense = no_expert_pruned(model, names, dense, blocks_prefix)
-    if experts_left_dense:
-        warnings.warn(experts_left_dense, UserWarning, stacklevel=2)
-    model_pass = method.model_pass(config, batches, streamed=streamed)
-    dev = torch.device(options.device) if options.device is not None else torch.device("cpu")
-    if not streamed and options.device is None:
-        dev = next((p.device for p in model.parameters() if p.device.type != "meta"), dev)
+    return execute(plan_prune(model_or_path, calibration, config, layers=layers, options=options))
+
+
+def execute(plan: PrunePlan) -> PruneReport:
+    """Run a :class:`~torch_armor.engine.plan.PrunePlan`: the block pass over its layers, then (with
+    ``out``) the save; the report of :func:`prune_model`."""
+    options, method, source, model, config = plan.options, plan.method, plan.source, plan.model, plan.config
+    names, batches, dev, run_path, out = list(plan.names), plan.batches, plan.device, plan.run_dir, plan.out
+    blocks_prefix, blocks, streamed, experts = plan.blocks_prefix, plan.blocks, plan.streamed, plan.experts
+    dense, model_pass = dict(plan.dense_weights), plan.model_pass
     topo = init_distributed(device=dev)
     try:
         if topo.world_size > 1 and run_path is None:
@@ -243,7 +163,7 @@ def prune_model(
                     if finished and topo.rank == 0:
                         (options.log or logger.info)(f"resuming {run_path}: {finished} of {len(names)} layers already finished")
                 writer = ShardWriter(run_path / BLOCKS_DIR) if streamed else None
-                storage = options.storage or ("auto" if dev.type == "cuda" else "dense")
+                storage = plan.storage
                 block_batches, n_sampled = batches, 0
                 if model_pass is not None:
                     block_batches, n_sampled = model_pass.before_blocks(model, batches, RunContext(
@@ -264,13 +184,13 @@ def prune_model(
                 if report.uncalled_layers:
                     dense = with_dense_layers(dense, report.uncalled_layers, blocks_prefix)
                     if topo.rank == 0:
-                        warnings.warn(uncalled_warning(report.uncalled_layers), UserWarning, stacklevel=2)
+                        warnings.warn(uncalled_warning(report.uncalled_layers), UserWarning, stacklevel=3)
                 if model_pass is not None:
                     model_pass.after_model(model, report)
                 report.settings.update(sequential=options.sequential)
                 report.dense_weights = dense
-                report.unfit_layers = unfit
-                if (experts or experts_left_dense) and topo.rank == 0:
+                report.unfit_layers = dict(plan.unfit)
+                if (experts or plan.experts_left_dense) and topo.rank == 0:
                     for line in dense_lines(dense) + routed_token_lines(report.expert_tokens):
                         logger.info(line)
                 if not streamed:
@@ -279,14 +199,14 @@ def prune_model(
                     write = (partial(writer.finish, source, blocks_prefix) if streamed
                              else partial(save_pretrained, model))
                     try:
-                        _save_output(write, out, options.overwrite, resuming, allowed, run_path,
+                        _save_output(write, out, options.overwrite, plan.resuming, plan.out_allowed, run_path,
                                      options.log or logger.info)
                     except OSError as err:
                         if isinstance(err, ArmorError):
                             raise
                         raise write_failed(err, f"free space or fix permissions, then prune again: the finished "
                                                 f"layers are kept in {run_path}") from err
-                    if temp_run:
+                    if plan.temporary_run_dir:
                         shutil.rmtree(run_path, ignore_errors=True)
                 return report
             except KeyboardInterrupt as err:
