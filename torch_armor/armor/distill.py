@@ -264,13 +264,13 @@ def distillation_pass(config: ArmorConfig, batches: Sequence[Any], *, streamed: 
         samples = (f"; its {distill.sampled_windows} sampled windows are not drawn, so the block pass calibrates on "
                    "the calibration windows alone" if distill.sampled_in_block_pass else "")
         warnings.warn(f"end-to-end distillation skipped: {why_not}; ArmorConfig(distill=None) prunes without it"
-                      + samples + hint + f" ({NO_DISTILL_COST})", stacklevel=4)
+                      + samples + hint + f" ({NO_DISTILL_COST})", stacklevel=5)
         return DistillationPass(None, config.seed, skipped=why_not)
     sampling_skipped = sampling_skip_reason(distill, streamed=streamed)
     if sampling_skipped:
         block_pass = " and the block pass calibrates on the calibration windows alone" \
             if distill.sampled_in_block_pass else ""
         warnings.warn(f"end-to-end distillation runs on the calibration windows alone: {sampling_skipped}"
-                      f"{block_pass}", stacklevel=4)
+                      f"{block_pass}", stacklevel=5)
         distill = replace(distill, sampled_windows=0, sampled_in_block_pass=False)
     return DistillationPass(distill, config.seed, sampling_skipped=sampling_skipped)

@@ -127,4 +127,4 @@ def shared_warning(shared: Dict[str, str]) -> str:
 def warn_unfit(unfit: Dict[str, str]) -> None:
     """The one warning about :func:`fit_layers`' changes, if there are any."""
     if unfit:
-        warnings.warn(unfit_warning(unfit), UserWarning, stacklevel=3)
+        warnings.warn(unfit_warning(unfit), UserWarning, stacklevel=4)
