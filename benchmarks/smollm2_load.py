@@ -1,7 +1,7 @@
 """How long loading the embedded SmolLM2 takes: its first load (converting the GGUF file and keeping the
 float32 copy) against a later one (reading the kept copy), each in a fresh process.
 
-    python benchmarks/smollm2_load.py            # 3 rounds; prints each load's seconds and the medians
+    python benchmarks/smollm2_load.py            # 3 rounds; each load's seconds, the medians, the kept copy's size
 
 Each round empties a temporary cache directory (``TORCH_ARMOR_CACHE``), then loads twice. The seconds are
 those of ``load_smollm2()`` alone (imports excluded), wall clock; say what else ran on the machine.
@@ -41,8 +41,10 @@ def main() -> None:
             later.append(_load_seconds(cache))
             print(f"round {r + 1}: first load {first[-1]:.1f} s (converts and keeps), later load {later[-1]:.1f} s",
                   flush=True)
+        kept = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file())
     print(f"median of {args.rounds}: first load {statistics.median(first):.1f} s, later load "
-          f"{statistics.median(later):.1f} s ({statistics.median(first) / statistics.median(later):.0f}x)")
+          f"{statistics.median(later):.1f} s ({statistics.median(first) / statistics.median(later):.0f}x); the kept "
+          f"copy: {kept / 1e6:.0f} MB")
 
 
 if __name__ == "__main__":
