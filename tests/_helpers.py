@@ -118,3 +118,25 @@ def assert_same_saved_model(a, b) -> None:
     assert sorted(ta) == sorted(tb)
     different = [k for k in ta if not torch.equal(ta[k], tb[k])]
     assert not different, different[:5]
+
+
+#: calibration ids and a config for :func:`fit_llama`, whose layers the config's block size does not all fit:
+#: q/o (32, 32): 16 fits; k/v (4, 32): only 4 divides, at 112% overhead; gate/up (40, 32), down (32, 40): 8, at 45%
+FIT_CALIB = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
+
+
+def fit_config():
+    from torch_armor.config.armor import ArmorConfig, BcdConfig
+
+    return ArmorConfig(block_size=16, max_overhead=0.5, optimizer=BcdConfig(iters=2), refine=None, reconstruct=None,
+                       distill=None)
+
+
+def fit_llama():
+    """A 2-layer random Llama whose linears :func:`fit_config`'s block size 16 does not all fit."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                                        num_attention_heads=8, num_key_value_heads=1, head_dim=4,
+                                        max_position_embeddings=32)).eval()

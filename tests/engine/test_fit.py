@@ -6,27 +6,17 @@ import warnings
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from torch_armor.config.armor import ArmorConfig, BcdConfig
 from torch_armor.engine.prune import PruneOptions, prune_model
 from torch_armor.errors import ArmorInputError
 
-CALIB = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
-# q/o (32, 32): 16 fits; k/v (4, 32): only 4 divides, at 112% overhead; gate/up (40, 32), down (32, 40): 8, at 45%
-CONFIG = ArmorConfig(block_size=16, max_overhead=0.5, optimizer=BcdConfig(iters=2), refine=None, reconstruct=None,
-                     distill=None)
+from _helpers import FIT_CALIB, fit_config, fit_llama
 
-
-def _llama():
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
-                                        num_attention_heads=8, num_key_value_heads=1, head_dim=4,
-                                        max_position_embeddings=32)).eval()
+CALIB, CONFIG = FIT_CALIB, fit_config()
 
 
 def test_unfit_layers_get_a_smaller_block_size_or_stay_dense_with_one_warning():
-    model = _llama()
+    model = fit_llama()
     kv = {n: p.detach().clone() for n, p in model.named_parameters() if ".k_proj." in n or ".v_proj." in n}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -46,7 +36,7 @@ def test_unfit_layers_get_a_smaller_block_size_or_stay_dense_with_one_warning():
 
 
 def test_strict_refuses_before_anything_is_pruned():
-    model = _llama()
+    model = fit_llama()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with pytest.raises(ArmorInputError, match=r"layer 'model.layers.0.self_attn.k_proj': block_size=16 does not divide"):
         prune_model(model, CALIB, CONFIG, options=PruneOptions(progress=False, strict=True))
@@ -55,18 +45,18 @@ def test_strict_refuses_before_anything_is_pruned():
 
 def test_a_selection_that_nothing_fits_is_refused():
     with pytest.raises(ArmorInputError, match="fit none of the 2 selected layers"):
-        prune_model(_llama(), CALIB, CONFIG, layers="k_proj", options=PruneOptions(progress=False))
+        prune_model(fit_llama(), CALIB, CONFIG, layers="k_proj", options=PruneOptions(progress=False))
 
 
 def test_a_linear_outside_the_decoder_blocks_stays_dense_unless_named():
     """Gemma-4's per_layer_model_projection, Qwen4-exp's hyper-connection mixer: linears of the model
     outside its decoder blocks; the default selection leaves them dense, naming them, not the run."""
-    model = _llama()
+    model = fit_llama()
     model.model.mixer = torch.nn.Linear(32, 32, bias=False)
     report = prune_model(model, CALIB, CONFIG, layers=None, options=PruneOptions(progress=False))
     assert not any(r.name == "model.mixer" for r in report.layers) and len(report.layers) == 10
     assert report.dense_weights["model.mixer.weight"] == (1, "outside the decoder blocks")
-    named = _llama()
+    named = fit_llama()
     named.model.mixer = torch.nn.Linear(32, 32, bias=False)
     with pytest.raises(ArmorInputError, match="'model.mixer' is not inside a decoder block"):
         prune_model(named, CALIB, CONFIG, layers=["model.mixer"], options=PruneOptions(progress=False))

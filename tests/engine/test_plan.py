@@ -5,26 +5,16 @@ import warnings
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from torch_armor.config.armor import ArmorConfig, BcdConfig
 from torch_armor.config.methods import WandaConfig
 from torch_armor.engine.plan import plan_prune
 from torch_armor.engine.options import RUN_DIR_NAME
 from torch_armor.engine.prune import PruneOptions, execute, prune_model
 from torch_armor.errors import ArmorInputError
 
-CALIB = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
-# k/v (4, 32) fit no block size within the budget: dense; gate/up/down get block size 8
-CONFIG = ArmorConfig(block_size=16, max_overhead=0.5, optimizer=BcdConfig(iters=2), refine=None, reconstruct=None,
-                     distill=None)
+from _helpers import FIT_CALIB, fit_config, fit_llama
 
-
-def _llama():
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
-                                        num_attention_heads=8, num_key_value_heads=1, head_dim=4,
-                                        max_position_embeddings=32)).eval()
+CALIB, CONFIG = FIT_CALIB, fit_config()
 
 
 def _state(model):
@@ -32,7 +22,7 @@ def _state(model):
 
 
 def test_a_plan_changes_nothing_and_the_prune_does_what_it_says(tmp_path):
-    model = _llama()
+    model = fit_llama()
     before = _state(model)
     out = tmp_path / "out"
     with warnings.catch_warnings(record=True) as planned:
@@ -60,7 +50,7 @@ def test_a_plan_changes_nothing_and_the_prune_does_what_it_says(tmp_path):
 
 def test_prune_model_is_the_plan_executed():
     """The same decisions and the same weights as executing the plan by hand."""
-    first, second = _llama(), _llama()
+    first, second = fit_llama(), fit_llama()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         report = prune_model(first, CALIB, CONFIG, options=PruneOptions(progress=False))
@@ -75,9 +65,9 @@ def test_prune_model_is_the_plan_executed():
 
 
 def test_a_plan_without_out_keeps_no_run_directory_and_refuses_what_the_prune_refuses():
-    plan = plan_prune(_llama(), CALIB, WandaConfig(), options=PruneOptions(progress=False))
+    plan = plan_prune(fit_llama(), CALIB, WandaConfig(), options=PruneOptions(progress=False))
     assert plan.method.name == "wanda" and plan.run_dir is None and plan.out is None and not plan.unfit
     with pytest.raises(ArmorInputError, match="options must be a PruneOptions"):
-        plan_prune(_llama(), CALIB, CONFIG, options="not options")
+        plan_prune(fit_llama(), CALIB, CONFIG, options="not options")
     with pytest.raises(ArmorInputError, match="streams it block by block and needs"):
         plan_prune("some/checkpoint", CALIB, CONFIG, options=PruneOptions(progress=False))
