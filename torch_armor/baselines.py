@@ -44,6 +44,6 @@ def _sparsegpt(weight: torch.Tensor, stats: Any, config: SparseGPTConfig, name: 
                                      damp=config.damp)
 
 
-@register_method(NoWagConfig, label="NoWag-P")
+@register_method(NoWagConfig, label="NoWag-P", minimises_proxy=True)
 def _nowag(weight: torch.Tensor, stats: Any, config: NoWagConfig, name: str = "") -> Result:
     return nowag_prune(weight, act_sq_norm_for(stats, weight), config.pattern)

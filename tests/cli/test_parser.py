@@ -72,9 +72,9 @@ def test_prune_then_eval_smollm2_two_layers(tmp_path, capsys, smollm2_tokenizer,
         # refined in output space (the default): the output loss is what never exceeds NoWag-P's
         assert entry["relative_output_loss"] is not None and 0 < entry["relative_output_loss"] <= 1.0 + 1e-6
         assert 0 < entry["relative_proxy_loss"] < float("inf") and entry["seconds"] >= 0
-        assert entry["block_size"] in (4, 12, 16)  # --block-size auto within 5%
+        assert entry["details"]["block_size"] in (4, 12, 16)  # --block-size auto within 5%
     assert report["method"] == "armor" and report["command"].startswith("torch-armor prune smollm2")
-    assert 0 < report["wrapper_overhead"] <= 0.05
+    assert 0 < report["overhead"] <= 0.05
     assert (out / REPORT_PNG).read_bytes()[:4] == b"\x89PNG"
 
     code = main(["eval", str(out), "--data", str(wiki), "--n-eval", "2", "--seq-len", "64", "--no-progress"])
@@ -122,7 +122,7 @@ def test_prune_local_hf_directory_with_baseline(tmp_path, capsys, tiny_hf_dir, t
     assert code == 0
     capsys.readouterr()
     report = json.loads((out / REPORT_JSON).read_text())
-    assert report["method"] == "sparsegpt" and len(report["layers"]) == 14 and report["wrapper_overhead"] == 0
+    assert report["method"] == "sparsegpt" and len(report["layers"]) == 14 and report["overhead"] == 0
     from torch_armor.format.serialization import load_pretrained
 
     model = load_pretrained(out)

@@ -23,7 +23,7 @@ def test_unfit_layers_get_a_smaller_block_size_or_stay_dense_with_one_warning():
         report = prune_model(model, CALIB, CONFIG, options=PruneOptions(progress=False))
     about = [str(w.message) for w in caught if "settings do not fit" in str(w.message)]
     assert len(about) == 1 and "k_proj" in about[0] and "down_proj" in about[0] and "strict=True" in about[0], about
-    blocks = {r.name.split(".", 3)[3]: r.block_size for r in report.layers}
+    blocks = {r.name.split(".", 3)[3]: r.details["block_size"] for r in report.layers}
     assert blocks == {"self_attn.q_proj": 16, "self_attn.o_proj": 16, "mlp.gate_proj": 8, "mlp.up_proj": 8,
                       "mlp.down_proj": 8}
     for i in range(2):

@@ -181,7 +181,7 @@ class _ScaledMethod(Method):
         module.weight = torch.nn.Parameter(self.approximation(solution.payload), requires_grad=False)
 
     def report_fields(self, payload):
-        return {"shape": tuple(payload.unit.shape), "iterations": 7}
+        return {"shape": tuple(payload.unit.shape), "details": {"iterations": 7}}
 
 
 def test_a_method_of_its_own_payload_runs_through_prune_model():
@@ -199,7 +199,7 @@ def test_a_method_of_its_own_payload_runs_through_prune_model():
         _, want = baselines.magnitude_prune(dense, "2:4")
         assert torch.equal(model.model.layers[0].mlp.up_proj.weight.detach(), want / 2)
         layer = next(r for r in report.layers if r.name == "model.layers.0.mlp.up_proj")
-        assert layer.iterations == 7 and layer.shape == tuple(dense.shape)
+        assert layer.details == {"iterations": 7} and layer.shape == tuple(dense.shape)
         assert layer.relative_proxy_loss > 1  # not reported by the method: the engine measured it (÷ NoWag-P's)
     finally:
         METHODS.pop(ScaledConfig, None)

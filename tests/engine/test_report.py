@@ -12,7 +12,7 @@ from torch_armor import ArmorConfig, PruneOptions
 from torch_armor.config.armor import BcdConfig
 from torch_armor.calibration.observer import decoder_linear_names
 from torch_armor.core.factors import ArmorFactors
-from torch_armor.engine.report import wrapper_overhead
+from torch_armor.armor.method import wrapper_overhead
 from torch_armor import prune_model
 
 
@@ -29,8 +29,9 @@ def test_prune_report_json_and_plot(tiny_llama, tmp_path):
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["model"] == "tiny" and data["method"] == "armor" and data["num_layers"] == 3
     assert [entry["name"] for entry in data["layers"]] == names[:3]
-    assert set(data["layers"][0]) >= {"name", "shape", "relative_proxy_loss", "seconds", "block_size"}
-    assert data["wrapper_overhead"] == pytest.approx(report.overhead)
+    assert set(data["layers"][0]) >= {"name", "shape", "relative_proxy_loss", "seconds", "extra_params", "details"}
+    assert data["layers"][0]["details"]["block_size"] == 16
+    assert data["overhead"] == pytest.approx(report.overhead)
     report.save_plot(tmp_path / "r.png")
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -73,6 +74,23 @@ def test_the_summary_names_the_loss_minimised_last_and_the_gap_it_closes():
     assert "50.0% above NoWag-P" in worse.loss_summary() and "closes" not in worse.loss_summary()
     baseline = _report("sparsegpt", [1.3])
     assert "not SparseGPT's" in baseline.loss_summary() and "closes" not in baseline.loss_summary()
+    # NoWag-P minimises the proxy too: its report once said it was "NoWag-P's objective, not NoWag-P's"
+    assert _report("nowag", [1.0]).loss_summary().startswith("proxy loss 1.0000 × NoWag-P's (the loss NoWag-P minimised)")
+
+
+def test_the_summary_asks_the_method_what_it_minimised_not_its_name():
+    """A method registered as minimising the proxy reads as such, whatever its name."""
+    from torch_armor.engine.methods import METHODS, register_method
+
+    class ProxyOnlyConfig:  # not a dataclass: nothing registers it as a serializable config
+        pattern = "2:4"
+
+    register_method(ProxyOnlyConfig, label="Proxy-only", minimises_proxy=True)(lambda w, s, c, n="": None)
+    try:
+        assert _report("proxyonly", [0.5]).loss_summary().startswith(
+            "proxy loss 0.5000 × NoWag-P's (the loss Proxy-only minimised): closes 50.0%")
+    finally:
+        del METHODS[ProxyOnlyConfig]
 
 
 def test_the_plot_axis_is_the_final_loss(tmp_path, monkeypatch):

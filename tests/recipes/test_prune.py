@@ -19,7 +19,8 @@ from torch_armor.calibration.observer import collect_statistics, decoder_linear_
 from torch_armor.core.pattern import auto_block_size
 from torch_armor.core.proxy import relative_proxy_loss
 from torch_armor.engine.methods import method_names
-from torch_armor.engine.report import PruneReport, wrapper_overhead
+from torch_armor.armor.method import wrapper_overhead
+from torch_armor.engine.report import PruneReport
 from torch_armor.errors import RunMismatchError
 from torch_armor.tensor.armor_tensor import ArmorTensor
 
@@ -102,14 +103,14 @@ def test_prune_model_every_method_gives_pattern_and_report(tiny_llama, method):
             want_out = _out_loss(w - _approx(module.weight).double(), xtx) / _out_loss(w - nowag, xtx)
             assert layer.relative_output_loss == pytest.approx(want_out, rel=1e-4)
             assert layer.relative_output_loss <= 1.0 + 1e-6
-            assert layer.block_size == 16 and layer.wrapper_params == 16 * sum(layer.shape)
+            assert layer.details["block_size"] == 16 and layer.extra_params == 16 * sum(layer.shape)
         else:
             w = module.weight.detach()
             assert type(module.weight) is nn.Parameter
             # at most 2 nonzeros in every group of 4, exactly half the weights zero
             assert int((w.reshape(w.shape[0], -1, 4) != 0).sum(-1).max()) <= 2
             assert float((w == 0).float().mean()) == pytest.approx(0.5, abs=1e-3)
-            assert layer.wrapper_params == 0 and layer.block_size is None
+            assert layer.extra_params == 0 and layer.details == {}
             if method == "nowag":
                 assert layer.relative_proxy_loss == pytest.approx(1.0)
             if method == "magnitude":
@@ -133,7 +134,7 @@ def test_prune_model_block_size_auto_and_errors(tiny_llama_factory):
     report = prune_model(model, CALIB, ArmorConfig(block_size="auto", max_overhead=0.3, optimizer=BcdConfig(iters=1)), options=PruneOptions(progress=False))
     assert len(report.layers) == 14
     for layer in report.layers:
-        assert layer.block_size == auto_block_size(*layer.shape, 0.3, 4)
+        assert layer.details["block_size"] == auto_block_size(*layer.shape, 0.3, 4)
     model = tiny_llama_factory()
     before = _snapshot(model)
     with pytest.raises(ValueError, match="does not divide"):
@@ -194,8 +195,8 @@ def test_block_size_budget_spends_one_model_wide_overhead(tiny_llama_factory):
     from torch_armor.armor.allocate import layer_kind
 
     report = prune_model(tiny_llama_factory(), CALIB, ArmorConfig(block_size="budget", max_overhead=0.25, optimizer=BcdConfig(iters=2)), options=PruneOptions(progress=False))
-    sizes = {layer.name: layer.block_size for layer in report.layers}
-    extra = sum(layer.block_size * sum(layer.shape) for layer in report.layers)
+    sizes = {layer.name: layer.details["block_size"] for layer in report.layers}
+    extra = sum(layer.details["block_size"] * sum(layer.shape) for layer in report.layers)
     total = sum(layer.shape[0] * layer.shape[1] for layer in report.layers)
     assert extra <= 0.25 * total
     assert dict(report.settings["config"]["block_sizes"]) == sizes  # the allocation is in the report's settings

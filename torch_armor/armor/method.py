@@ -23,7 +23,7 @@ import logging
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -48,10 +48,10 @@ from torch_armor.armor.reconstruct import reconstruct_block
 from torch_armor.engine.runner import LayerSolution, solve_layer
 from torch_armor.engine.solution import StoredSolution
 from torch_armor.errors import ArmorInputError
-from torch_armor.tensor.armor_tensor import armor_linear_from_factors
+from torch_armor.tensor.armor_tensor import ArmorTensor, armor_linear_from_factors
 from torch_armor.tensor.experts import armor_experts_from_factors
 
-__all__ = ["ArmorMethod", "RECONSTRUCTED_DIR", "XTX_OFFLOAD_NAME", "ALLOCATION_SAMPLE_BLOCKS"]
+__all__ = ["ArmorMethod", "wrapper_overhead", "RECONSTRUCTED_DIR", "XTX_OFFLOAD_NAME", "ALLOCATION_SAMPLE_BLOCKS"]
 
 logger = logging.getLogger("torch_armor")
 
@@ -159,12 +159,12 @@ class ArmorMethod(Method):
         armor_experts_from_factors(module, attr, factors, storage=storage, name=param_fqn)
 
     def report_fields(self, payload: ArmorFactors) -> Dict[str, Any]:
-        """The loss the optimizer measured (as a resumed run replays it), the block size, the wrapper's
-        parameters, the iterations and, refined, the output loss."""
+        """The loss the optimizer measured (as a resumed run replays it), the wrapper's parameters,
+        refined, the output loss, and in ``details`` the block size and the iterations."""
         return {"shape": tuple(payload.shape), "relative_proxy_loss": float(payload.relative_loss),
-                "block_size": payload.block_size, "wrapper_params": payload.num_wrapper_params(),
-                "iterations": int(payload.history_iters[-1]),
-                "relative_output_loss": float(payload.relative_output_loss) if payload.refined else None}
+                "extra_params": payload.num_wrapper_params(),
+                "relative_output_loss": float(payload.relative_output_loss) if payload.refined else None,
+                "details": {"block_size": payload.block_size, "iterations": int(payload.history_iters[-1])}}
 
     def to_store(self, payload: ArmorFactors) -> StoredSolution:
         """The factors' tensors; their scalars in the header; shape, block size, pattern and loss in the manifest."""
@@ -320,10 +320,45 @@ class ArmorMethod(Method):
         return distillation_pass(config, batches, streamed=streamed)
 
 
-@register_method(ArmorConfig, label="ARMOR", needs_xtx=_needs_xtx, describe=_describe, kind=ArmorMethod, default=True)
+@register_method(ArmorConfig, label="ARMOR", needs_xtx=_needs_xtx, describe=_describe, kind=ArmorMethod, default=True,
+                 minimises_proxy=True)
 def _armor(weight: torch.Tensor, stats: Any, config: ArmorConfig, name: str = "") -> Result:
     xtx = xtx_of(stats)  # a bare Σx² tensor: the diagonal proxy only, no refinement
     if config.refines and xtx is None and not isinstance(stats, torch.Tensor):
         raise ArmorInputError(f"layer {name!r}: output-space refinement needs XᵀX statistics (calibrate with "
                               "track_xtx=True), or set ArmorConfig(refine=None)")
     return factorize(weight, act_sq_norm_for(stats, weight), config, xtx=xtx, name=name or None)
+
+
+def wrapper_overhead(obj: Any) -> float:
+    """ARMOR's extra parameters ``Σ d_b·(d_in + d_out)`` ÷ the dense parameters ``Σ d_in·d_out``
+    of the same (converted) linears.
+
+    Accepts a model (its :class:`~torch_armor.tensor.armor_tensor.ArmorTensor` weights) or
+    :class:`~torch_armor.core.factors.ArmorFactors` (a mapping or an iterable). Returns 0.0 when
+    nothing is ARMOR-converted. A prune's report has it as ``PruneReport.overhead``.
+
+    Example::
+
+        >>> import torch
+        >>> from torch_armor.core.factors import ArmorFactors
+        >>> f = ArmorFactors(torch.eye(16).repeat(36, 1, 1), torch.zeros(576, 1536),
+        ...                  torch.eye(16).repeat(96, 1, 1), torch.zeros(576, 1536, dtype=torch.bool))
+        >>> round(wrapper_overhead([f]), 4)       # 16 · 2112 / (576 · 1536)
+        0.0382
+    """
+    extra = dense = 0
+    if isinstance(obj, nn.Module):
+        for module in obj.modules():
+            w = getattr(module, "weight", None)
+            if isinstance(module, nn.Linear) and isinstance(w, ArmorTensor):
+                extra += w.a_blocks.numel() + w.b_blocks.numel()
+                dense += w.shape[0] * w.shape[1]
+    else:
+        items = obj.values() if isinstance(obj, Mapping) else obj
+        for f in items:
+            if not isinstance(f, ArmorFactors):
+                raise ArmorInputError(f"expected ArmorFactors, got {type(f).__name__}")
+            extra += f.num_wrapper_params()
+            dense += f.shape[0] * f.shape[1]
+    return extra / dense if dense else 0.0

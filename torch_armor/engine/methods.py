@@ -118,6 +118,9 @@ class Method:
         needs_xtx: ``needs_xtx(config)``: whether it observes ``XᵀX`` (not just ``Σx²``).
         describe: ``describe(config)``: its settings in a few words, for tables.
         default: its config's defaults are what ``prune_model`` runs without a config (:func:`default_config`).
+        minimises_proxy: whether the diagonal proxy ``Σ (W − Ŵ)² h_j``, the per-layer loss every report
+            measures (relative to NoWag-P's), is what it minimises (ARMOR's and NoWag-P's objective,
+            not SparseGPT's or Wanda's): the report then calls it the loss the method minimised.
     """
 
     config_type: type
@@ -128,6 +131,7 @@ class Method:
     needs_xtx: Callable[[Any], bool] = _never
     describe: Callable[[Any], str] = lambda config: ""
     default: bool = False
+    minimises_proxy: bool = False
 
     #: Finished layers go through the run store (a rerun resumes them), ``torchrun`` ranks share them
     #: out, and the experts of one fused parameter are solved together (all of them or none).
@@ -251,13 +255,13 @@ def _as_rule(value: Union[bool, Callable[[Any], bool]]) -> Callable[[Any], bool]
 def register_method(config_type: type, *, label: Optional[str] = None, name: Optional[str] = None,
                     needs_statistics: bool = True, needs_xtx: Union[bool, Callable[[Any], bool]] = False,
                     describe: Optional[Callable[[Any], str]] = None, kind: type = Method,
-                    default: bool = False) -> Callable[[Solve], Solve]:
+                    default: bool = False, minimises_proxy: bool = False) -> Callable[[Solve], Solve]:
     """Decorator: register ``solve(weight, stats, config, name)`` as the method of ``config_type``.
 
     ``name`` (the command line's and the reports' name) defaults to the type's name without
     ``Config``, lower case (``SparseGPTConfig`` -> ``"sparsegpt"``); ``label`` (tables) to ``name``.
     ``kind``: the :class:`Method` subclass whose hooks it runs. ``default``: its config's defaults
-    are what ``prune_model`` runs without a config. A dataclass ``config_type`` is also registered
+    are what ``prune_model`` runs without a config. ``minimises_proxy``: :attr:`Method.minimises_proxy`. A dataclass ``config_type`` is also registered
     as serializable (:func:`~torch_armor.config.serialized.serializable`): reports and run
     directories hold it.
     """
@@ -271,7 +275,7 @@ def register_method(config_type: type, *, label: Optional[str] = None, name: Opt
         if dataclasses.is_dataclass(config_type):
             serializable(config_type)
         METHODS[config_type] = kind(config_type, name, label, solve, needs_statistics, _as_rule(needs_xtx),
-                                    describe or (lambda config: ""), default)
+                                    describe or (lambda config: ""), default, minimises_proxy)
         return solve
 
     return decorate

@@ -2,7 +2,7 @@
 
 Example::
 
-    >>> r = PruneReport("armor", "2:4", [LayerResult("fc", (16, 32), 0.5, 1.0, 16, 768, 3)])
+    >>> r = PruneReport("armor", "2:4", [LayerResult("fc", (16, 32), 0.5, 1.0, extra_params=768)])
     >>> round(r.overhead, 3), r.mean_relative_proxy_loss
     (1.5, 0.5)
 """
@@ -14,31 +14,30 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
-
-from torch import nn
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from torch_armor.calibration.selection import block_index
-from torch_armor.engine.methods import method_label
-from torch_armor.errors import ArmorInputError, require_extra
-from torch_armor.tensor.armor_tensor import ArmorTensor
+from torch_armor.engine.methods import METHODS, method_label
+from torch_armor.errors import require_extra
 
-__all__ = ["LayerResult", "PruneReport", "wrapper_overhead"]
+__all__ = ["LayerResult", "PruneReport"]
 
 
 @dataclass
 class LayerResult:
-    """One pruned linear: relative proxy loss (÷ NoWag-P's; < 1 is better), wall time and, for
-    ARMOR refined in output space, ``relative_output_loss`` (``tr(E H Eᵀ)`` ÷ NoWag-P's)."""
+    """One pruned linear, as its method reports it (:meth:`~torch_armor.engine.methods.Method.report_fields`):
+    the relative proxy loss (÷ NoWag-P's; < 1 is better), wall time, ``extra_params`` (what the method
+    stores beside the N:M core: ARMOR's wrappers), ``relative_output_loss`` (``tr(E H Eᵀ)`` ÷ NoWag-P's)
+    where the method measured it, and ``details``: anything else it says of the layer (ARMOR: its
+    ``block_size`` and ``iterations``)."""
 
     name: str
     shape: Tuple[int, int]
     relative_proxy_loss: float
     seconds: float
-    block_size: Optional[int] = None
-    wrapper_params: int = 0
-    iterations: Optional[int] = None
+    extra_params: int = 0
     relative_output_loss: Optional[float] = None
+    details: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -87,8 +86,8 @@ class PruneReport:
     uncalled_layers: Dict[str, str] = field(default_factory=dict)
 
     @property
-    def wrapper_params(self) -> int:
-        return sum(layer.wrapper_params for layer in self.layers)
+    def extra_params(self) -> int:
+        return sum(layer.extra_params for layer in self.layers)
 
     @property
     def dense_params(self) -> int:
@@ -96,8 +95,8 @@ class PruneReport:
 
     @property
     def overhead(self) -> float:
-        """Wrapper parameters ÷ dense parameters of the pruned linears (0 for baselines)."""
-        return self.wrapper_params / self.dense_params if self.dense_params else 0.0
+        """Extra parameters ÷ dense parameters of the pruned linears (0 for the baselines)."""
+        return self.extra_params / self.dense_params if self.dense_params else 0.0
 
     @property
     def mean_relative_proxy_loss(self) -> float:
@@ -131,9 +130,10 @@ class PruneReport:
                   else f"{100 * -gap:.1f}% above NoWag-P")
         if what == "output":
             return f"layer output loss {value:.4f} × NoWag-P's: {closes}"
-        if self.method == "armor":
-            return f"proxy loss {value:.4f} × NoWag-P's (the loss ARMOR minimised): {closes}"
-        return (f"proxy loss {value:.4f} × NoWag-P's (NoWag-P's objective, not {method_label(self.method)}'s: "
+        label = method_label(self.method)
+        if any(m.name == self.method and m.minimises_proxy for m in METHODS.values()):
+            return f"proxy loss {value:.4f} × NoWag-P's (the loss {label} minimised): {closes}"
+        return (f"proxy loss {value:.4f} × NoWag-P's (NoWag-P's objective, not {label}'s: "
                 "compare methods by perplexity)")
 
     def distill_summary(self) -> Optional[str]:
@@ -172,9 +172,9 @@ class PruneReport:
             settings=self.settings,
             num_layers=len(self.layers),
             seconds=self.seconds,
-            wrapper_params=self.wrapper_params,
+            extra_params=self.extra_params,
             dense_params=self.dense_params,
-            wrapper_overhead=self.overhead,
+            overhead=self.overhead,
             mean_relative_proxy_loss=self.mean_relative_proxy_loss,
             mean_relative_output_loss=self.mean_relative_output_loss,
             block_errors={str(k): list(v) for k, v in sorted(self.block_errors.items())},
@@ -242,38 +242,3 @@ class PruneReport:
         fig.tight_layout()
         fig.savefig(path, dpi=110)
 
-
-def wrapper_overhead(obj: Any) -> float:
-    """ARMOR's extra parameters ``Σ d_b·(d_in + d_out)`` ÷ the dense parameters ``Σ d_in·d_out``
-    of the same (converted) linears.
-
-    Accepts a model (its :class:`~torch_armor.tensor.armor_tensor.ArmorTensor` weights), a
-    :class:`PruneReport`, or :class:`~torch_armor.core.factors.ArmorFactors` (a mapping or an
-    iterable). Returns 0.0 when nothing is ARMOR-converted.
-
-    Example::
-
-        >>> import torch
-        >>> from torch_armor.core.factors import ArmorFactors
-        >>> f = ArmorFactors(torch.eye(16).repeat(36, 1, 1), torch.zeros(576, 1536),
-        ...                  torch.eye(16).repeat(96, 1, 1), torch.zeros(576, 1536, dtype=torch.bool))
-        >>> round(wrapper_overhead([f]), 4)       # 16 · 2112 / (576 · 1536)
-        0.0382
-    """
-    if isinstance(obj, PruneReport):
-        return obj.overhead
-    extra = dense = 0
-    if isinstance(obj, nn.Module):
-        for module in obj.modules():
-            w = getattr(module, "weight", None)
-            if isinstance(module, nn.Linear) and isinstance(w, ArmorTensor):
-                extra += w.a_blocks.numel() + w.b_blocks.numel()
-                dense += w.shape[0] * w.shape[1]
-    else:
-        items = obj.values() if isinstance(obj, Mapping) else obj
-        for f in items:
-            if not hasattr(f, "num_wrapper_params"):  # ARMOR's factors, which the engine does not import
-                raise ArmorInputError(f"expected ArmorFactors, got {type(f).__name__}")
-            extra += f.num_wrapper_params()
-            dense += f.shape[0] * f.shape[1]
-    return extra / dense if dense else 0.0
