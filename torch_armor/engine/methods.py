@@ -183,7 +183,8 @@ class Method:
     def report_fields(self, payload: Any) -> Dict[str, Any]:
         """The :class:`~torch_armor.engine.report.LayerResult` fields it reports of a payload itself:
         ``shape``, ``relative_proxy_loss`` when it measured that itself (the engine measures it
-        otherwise) and fields of its own."""
+        otherwise), ``extra_params`` and ``relative_output_loss`` where they apply, and ``details``:
+        anything else of its own."""
         return {"shape": tuple(payload.shape)}
 
     def to_store(self, payload: Any) -> StoredSolution:
