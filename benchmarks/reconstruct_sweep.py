@@ -231,8 +231,8 @@ def main(argv=None) -> int:
                "heldout_ppl": perplexity(net, heldout, batch_size=8, progress=False),
                "wiki_ppl": perplexity(net, wiki, batch_size=8, progress=False) if wiki is not None else None,
                "prune_s": wall, "prune_cpu_s": cpu, "overhead": report.overhead,
-               "reconstruction": report.reconstruction_summary(),
-               "block_curves": {str(k): v for k, v in report.block_curves.items()}}
+               "reconstruction": next((line for line in report.stage_lines() if line.startswith("block recon")), None),
+               "block_curves": {str(k): v for k, v in report.stages.get("reconstruction", {}).get("curves", {}).items()}}
         rows.append(row)
         print(f"{name}: held-out calibration ppl {row['heldout_ppl']:.3f}"
               + (f", wiki ppl {row['wiki_ppl']:.3f}" if wiki is not None else "")

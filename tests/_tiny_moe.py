@@ -157,14 +157,14 @@ def assert_saves_and_loads_bit_identically(model: nn.Module, directory, ids: tor
 
 
 def reconstruction_errors(model: nn.Module, calib: torch.Tensor) -> Dict[int, Tuple[float, float]]:
-    """``report.block_errors`` (``{block: (held-out error before, after)}``) of an ARMOR prune of ``model``
+    """``report.stages["reconstruction"]["errors"]`` (``{block: (error before, after)}``) of an ARMOR prune of ``model``
     with a short block reconstruction (block size 8), checked to cover every block and never to get worse."""
     from torch_armor.config.armor import ReconstructConfig
     from torch_armor.engine.prune import PruneOptions, prune_model
 
     config = ArmorConfig(block_size=8, optimizer=BcdConfig(iters=2), refine=None, distill=None,
                          reconstruct=ReconstructConfig(steps=4, held_out=2))
-    errors = prune_model(model, calib, config, options=PruneOptions(progress=False)).block_errors
+    errors = prune_model(model, calib, config, options=PruneOptions(progress=False)).stages["reconstruction"]["errors"]
     assert sorted(errors) == list(range(len(errors))) and len(errors) >= 2, errors
     assert all(after <= before for before, after in errors.values()), errors
     return errors

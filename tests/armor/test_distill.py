@@ -106,7 +106,7 @@ def test_distillation_keeps_the_best_held_out_iterate_measured_independently():
     dense = make_tiny_llama()
     model, report = _prune(ArmorConfig(block_size=8, optimizer=BcdConfig(iters=2), refine=RefineConfig(rounds=1),
                                        reconstruct=None, distill=DISTILL), model=copy.deepcopy(dense))
-    d = report.distill
+    d = report.stages["distillation"]
     held = windows_of([CALIB])[-DISTILL.held_out:]
     assert d["after"] <= d["before"]
     assert d["after"] == min(kl for _, kl in d["curve"])
@@ -126,10 +126,10 @@ def test_bf16_steps_train_in_bfloat16_but_choose_the_kept_iterate_in_float32():
         runs[bf16] = _prune(cfg, model=copy.deepcopy(dense))
     held = windows_of([CALIB])[-DISTILL.held_out:]
     (_, fp32), (model, bf16) = runs[False], runs[True]
-    assert bf16.distill["before"] == fp32.distill["before"]  # the same block pass, measured in float32
-    assert bf16.distill["curve"][1:] != fp32.distill["curve"][1:]  # the steps themselves differ
-    assert bf16.distill["after"] <= bf16.distill["before"]
-    assert bf16.distill["after"] == pytest.approx(_held_out_kl_by_hand(dense, model, held), rel=1e-4)
+    assert bf16.stages["distillation"]["before"] == fp32.stages["distillation"]["before"]  # the same block pass, measured in float32
+    assert bf16.stages["distillation"]["curve"][1:] != fp32.stages["distillation"]["curve"][1:]  # the steps themselves differ
+    assert bf16.stages["distillation"]["after"] <= bf16.stages["distillation"]["before"]
+    assert bf16.stages["distillation"]["after"] == pytest.approx(_held_out_kl_by_hand(dense, model, held), rel=1e-4)
 
 
 def test_training_autocast_is_bfloat16_only_when_asked_for_and_fast():
@@ -152,7 +152,7 @@ def test_the_held_out_kl_before_is_the_undistilled_model():
     _, report = _prune(ArmorConfig(block_size=8, optimizer=BcdConfig(iters=2), refine=RefineConfig(rounds=1),
                                    reconstruct=None, distill=DISTILL))
     held = windows_of([CALIB])[-DISTILL.held_out:]
-    assert report.distill["before"] == pytest.approx(_held_out_kl_by_hand(dense, undistilled, held), rel=1e-4)
+    assert report.stages["distillation"]["before"] == pytest.approx(_held_out_kl_by_hand(dense, undistilled, held), rel=1e-4)
 
 
 @pytest.mark.parametrize("train_core", [False, True])
@@ -173,7 +173,7 @@ def test_masks_unchanged_and_cores_2_4(train_core):
         if not train_core:
             assert torch.equal(core, ref_core)
         moved |= not torch.equal(w.a_blocks, r.a_blocks)
-    assert moved == (report.distill["best_step"] > 0)
+    assert moved == (report.stages["distillation"]["best_step"] > 0)
 
 
 @pytest.mark.parametrize("warmup,decay", [(0.0, "constant"), (0.25, "cosine"), (0.0, "linear")])
@@ -213,7 +213,7 @@ def test_resume_applies_a_finished_distillation_without_redoing_it(tmp_path):
     second, again = _prune(cfg, run_dir=tmp_path / "run", log=lines.append)
     assert any("already finished" in line for line in lines)
     assert not any("cached" in line for line in lines)  # no teacher, no training
-    assert again.distill == report.distill
+    assert again.stages["distillation"] == report.stages["distillation"]
     for name, module in _armor_layers(first).items():
         w = _armor_layers(second)[name].weight
         assert torch.equal(w.dense_weight(), module.weight.dense_weight())
@@ -231,9 +231,9 @@ def test_a_skipped_distillation_warns_once_naming_the_way_out_and_the_cost(recon
     assert ('target="model"' in messages[0]) == (reconstruct is not None and reconstruct.target == "block")
     assert "41.13 Wikipedia perplexity, with it 34.87" in messages[0]  # what it costs, from the ablation
     # the report (and prune_report.json) says what the run skipped, and why
-    assert set(report.distill) == {"skipped", "expected_cost"} and "leave none to train on" in report.distill["skipped"]
-    assert report.distill_summary() is None
-    assert json.loads(json.dumps(report.to_dict()))["distill"]["skipped"] == report.distill["skipped"]
+    assert set(report.stages["distillation"]) == {"skipped", "expected_cost"} and "leave none to train on" in report.stages["distillation"]["skipped"]
+    assert not any(line.startswith("distillation") for line in report.stage_lines())
+    assert json.loads(json.dumps(report.to_dict()))["stages"]["distillation"]["skipped"] == report.stages["distillation"]["skipped"]
 
 
 def test_a_skipped_distillation_says_the_block_pass_goes_without_its_sampled_windows():
@@ -248,7 +248,7 @@ def test_too_many_held_out_windows_skip_distillation_naming_the_field():
     cfg = dataclasses.replace(BASE, distill=DistillConfig(held_out=12))
     with pytest.warns(UserWarning, match="12 calibration windows leave none to train on.*DistillConfig.held_out"):
         _, report = _prune(cfg)
-    assert report.distill["skipped"].startswith("12 calibration windows leave none") and "after" not in report.distill
+    assert report.stages["distillation"]["skipped"].startswith("12 calibration windows leave none") and "after" not in report.stages["distillation"]
 
 
 @pytest.mark.parametrize("field,value", [("steps", 0), ("steps", 1.5), ("lr", 0.0), ("lr", float("nan")),

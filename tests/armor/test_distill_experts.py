@@ -88,7 +88,7 @@ def test_an_experts_only_prune_distills_and_changes_the_experts_wrappers():
     _prune(undistilled)
     report, _ = _prune(distilled, DISTILL)
     assert not any(isinstance(m._parameters.get("weight"), ArmorTensor) for m in distilled.modules())
-    d = report.distill
+    d = report.stages["distillation"]
     assert d["after"] < d["before"] and d["best_step"] > 0, d
     before, after = _experts(undistilled), _experts(distilled)
     assert sorted(after) == EXPERTS
@@ -119,8 +119,8 @@ def test_a_streamed_experts_only_prune_distills_the_experts_like_the_in_memory_o
     report, _ = _prune(memory, DISTILL)
     streamed = prune_model(tmp_path / "ckpt", CALIB, _config(DISTILL), layers="experts",
                            options=PruneOptions(progress=False, out=tmp_path / "out"))
-    assert streamed.distill["best_step"] == report.distill["best_step"] > 0
-    assert streamed.distill["after"] == pytest.approx(report.distill["after"], rel=1e-4)
+    assert streamed.stages["distillation"]["best_step"] == report.stages["distillation"]["best_step"] > 0
+    assert streamed.stages["distillation"]["after"] == pytest.approx(report.stages["distillation"]["after"], rel=1e-4)
     loaded = load_pretrained(tmp_path / "out")
     for n in EXPERTS:
         got, want = loaded.get_parameter(n), memory.get_parameter(n)

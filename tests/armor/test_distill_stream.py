@@ -163,7 +163,7 @@ def _state_dict(directory):
 def test_an_interrupted_streamed_distillation_resumes_to_the_uninterrupted_result(pruned, tmp_path, monkeypatch):
     root = pruned[0]
     reference = _distilled_prune(root, tmp_path / "reference")
-    assert reference.distill["best_step"] > 0
+    assert reference.stages["distillation"]["best_step"] > 0
     real_step, calls = torch.optim.Adam.step, []
 
     def third_step_interrupted(self, *args, **kwargs):
@@ -181,7 +181,7 @@ def test_an_interrupted_streamed_distillation_resumes_to_the_uninterrupted_resul
     resumed = _distilled_prune(root, tmp_path / "out", run_dir=tmp_path / "run", log=lines.append)
     assert any("resuming after step 2 of 4" in line for line in lines)
     assert not (tmp_path / "run" / STATE_NAME).exists()
-    assert resumed.distill["curve"] == reference.distill["curve"]
+    assert resumed.stages["distillation"]["curve"] == reference.stages["distillation"]["curve"]
     assert_same_saved_model(tmp_path / "reference", tmp_path / "out")  # the files, bit for bit
 
 
@@ -191,8 +191,8 @@ def test_a_streamed_prune_distills_like_the_in_memory_one(pruned, tmp_path):
     model = make_tiny_llama(tie=True)
     in_memory = prune_model(model, CALIB, _config(DISTILL), options=PruneOptions(out=tmp_path / "memory",
                                                                                 progress=False))
-    assert "skipped" not in streamed.distill and streamed.distill["best_step"] == in_memory.distill["best_step"]
-    assert streamed.distill["after"] == pytest.approx(in_memory.distill["after"], rel=1e-4)
+    assert "skipped" not in streamed.stages["distillation"] and streamed.stages["distillation"]["best_step"] == in_memory.stages["distillation"]["best_step"]
+    assert streamed.stages["distillation"]["after"] == pytest.approx(in_memory.stages["distillation"]["after"], rel=1e-4)
     want, got = _state_dict(tmp_path / "memory"), _state_dict(tmp_path / "streamed")
     for key in want:
         assert torch.allclose(got[key].float(), want[key].float(), rtol=1e-4, atol=1e-6), key
@@ -205,8 +205,8 @@ def test_a_streamed_prune_says_it_distills_without_its_sampled_windows(pruned, t
                                          "are not drawn.*streamed.*and the block pass calibrates on the calibration "
                                          "windows alone"):
         report = prune_model(root / "ckpt", CALIB, cfg, options=PruneOptions(out=tmp_path / "out", progress=False))
-    assert report.distill["sampled_windows_skipped"].startswith("its 4 sampled windows are not drawn")
-    assert json.loads(json.dumps(report.to_dict()))["distill"]["best_step"] >= 0
+    assert report.stages["distillation"]["sampled_windows_skipped"].startswith("its 4 sampled windows are not drawn")
+    assert json.loads(json.dumps(report.to_dict()))["stages"]["distillation"]["best_step"] >= 0
 
 
 def test_what_is_still_skipped_says_why():
@@ -226,7 +226,7 @@ config = ArmorConfig(block_size=8, optimizer=BcdConfig(iters=2), refine=RefineCo
                      distill=DistillConfig(**json.loads(distill)))
 report = prune_model(ckpt, torch.load(calib), config, options=PruneOptions(out=out, progress=False))
 if report.rank == 0:
-    sys.stdout.write("distill " + json.dumps(report.distill) + "\\n")
+    sys.stdout.write("distill " + json.dumps(report.stages["distillation"]) + "\\n")
 """
 
 

@@ -92,13 +92,13 @@ def test_prune_model_reconstructs_each_block_and_resumes_exactly(tmp_path):
     cfg = ArmorConfig(block_size=8, optimizer=BcdConfig(iters=2), refine=RefineConfig(rounds=1), reconstruct=ReconstructConfig(steps=6))
     full = make_tiny_llama()
     report = prune_model(full, CALIB[:8], cfg, options=PruneOptions(run_dir=tmp_path / "run", progress=False, batch_size=2))
-    assert sorted(report.block_errors) == [0, 1]
-    assert all(after <= before for before, after in report.block_errors.values())
+    assert sorted(report.stages["reconstruction"]["errors"]) == [0, 1]
+    assert all(after <= before for before, after in report.stages["reconstruction"]["errors"].values())
     # the hidden states are gone: every block is recomputed from the store, none reconstructed twice
     (tmp_path / "run" / "hidden.safetensors").unlink()
     again = make_tiny_llama()
     report2 = prune_model(again, CALIB[:8], cfg, options=PruneOptions(run_dir=tmp_path / "run", progress=False, batch_size=2))
-    assert report2.block_errors == report.block_errors
+    assert report2.stages["reconstruction"]["errors"] == report.stages["reconstruction"]["errors"]
     for (n, p), (_, q) in zip(full.named_parameters(), again.named_parameters()):
         a = p.dense_weight() if hasattr(p, "dense_weight") else p
         b = q.dense_weight() if hasattr(q, "dense_weight") else q

@@ -106,7 +106,7 @@ class _HookedPass(ModelPass):
 
     def after_model(self, model, report):
         self.calls.append(("after_model", len(report.layers)))
-        report.distill = {"hooked": True}
+        report.stages["distillation"] = {"hooked": True}
 
 
 class _Hooked(Method):
@@ -141,7 +141,7 @@ def test_the_engine_calls_every_hook_of_a_registered_method_and_names_none():
         model, reference = make_tiny_llama(), make_tiny_llama()
         calib = torch.randint(0, 128, (3, 8), generator=torch.Generator().manual_seed(0))
         report = prune_model(model, calib, HookedConfig(), options=PruneOptions(progress=False, batch_size=1))
-        assert report.distill == {"hooked": True}
+        assert report.stages["distillation"] == {"hooked": True}
         per_block = sorted(f"model.layers.{{}}.{n}" for n in ("mlp.down_proj", "mlp.gate_proj", "mlp.up_proj",
                                                              "self_attn.k_proj", "self_attn.o_proj",
                                                              "self_attn.q_proj", "self_attn.v_proj"))

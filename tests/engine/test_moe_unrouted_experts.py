@@ -117,7 +117,7 @@ def test_distillation_trains_the_experts_wrappers(arch):
         config = ArmorConfig(block_size=8, optimizer=BcdConfig(iters=1), refine=None, reconstruct=None, distill=steps)
         report = prune_model(model, CALIB, config, layers=_layers(arch), options=PruneOptions(progress=False))
         pruned[steps is not None] = model
-    assert report.distill["after"] < report.distill["before"], report.distill
+    assert report.stages["distillation"]["after"] < report.stages["distillation"]["before"], report.stages["distillation"]
     for i in range(2):
         for attr in attrs:
             name = f"{module.format(i=i)}.{attr}"

@@ -121,8 +121,18 @@ def test_the_plot_leaves_the_callers_matplotlib_as_it_was(tmp_path):
         matplotlib.use(before)
 
 
-def test_distill_summary():
+def test_the_methods_stage_lines():
+    """ARMOR says its stages; a baseline has none to say; the report itself names no stage."""
     report = _report("armor", [1.0], [0.5])
-    assert report.distill_summary() is None
-    report.distill = {"before": 0.5, "after": 0.25, "best_step": 12}
-    assert report.distill_summary() == "distillation: held-out KL to the dense model 0.5000 -> 0.2500 (kept step 12)"
+    assert report.stage_lines() == []
+    report.stages["distillation"] = {"before": 0.5, "after": 0.25, "best_step": 12}
+    assert report.stage_lines() == ["distillation: held-out KL to the dense model 0.5000 -> 0.2500 (kept step 12)"]
+    report.stages["reconstruction"] = {"errors": {0: (0.4, 0.1), 1: (0.6, 0.4)},
+                                       "curves": {0: [(0, 0.4), (4, 0.1)], 1: [(0, 0.6), (4, 0.4)]}}
+    assert report.stage_lines()[0] == ("block reconstruction: held-out relative output error summed over 2 blocks "
+                                       "1.0000 -> 0.5000 (50.0% lower); by step: 0: 1.0000, 4: 0.5000")
+    assert json.loads(json.dumps(report.to_dict()))["stages"]["reconstruction"]["errors"] == {"0": [0.4, 0.1],
+                                                                                              "1": [0.6, 0.4]}
+    baseline = _report("sparsegpt", [1.3])
+    baseline.stages["distillation"] = {"before": 0.5, "after": 0.25}
+    assert baseline.stage_lines() == []

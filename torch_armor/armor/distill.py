@@ -243,11 +243,11 @@ class DistillationPass(ModelPass):
 
     def after_model(self, model: nn.Module, report: Any) -> None:
         if self.distillation is not None:
-            report.distill = self.distillation.run(model)
+            report.stages["distillation"] = self.distillation.run(model)
             if self.sampling_skipped:
-                report.distill["sampled_windows_skipped"] = self.sampling_skipped
+                report.stages["distillation"]["sampled_windows_skipped"] = self.sampling_skipped
         elif self.skipped:  # prune_report.json says what the run did not do, and why
-            report.distill = {"skipped": self.skipped, "expected_cost": NO_DISTILL_COST}
+            report.stages["distillation"] = {"skipped": self.skipped, "expected_cost": NO_DISTILL_COST}
 
 
 def distillation_pass(config: ArmorConfig, batches: Sequence[Any], *, streamed: bool) -> Optional[DistillationPass]:

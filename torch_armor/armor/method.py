@@ -94,9 +94,14 @@ def _replay_errors(run: Any, index: int, report: Any) -> bool:
     if marker is None or not marker.exists():
         return False
     saved = json.loads(marker.read_text())
-    report.block_errors[index] = tuple(saved["errors"])
-    report.block_curves[index] = [tuple(point) for point in saved.get("curve", ())]
+    _record_reconstruction(report, index, tuple(saved["errors"]), saved.get("curve", ()))
     return True
+
+
+def _record_reconstruction(report: Any, index: int, errors: Tuple[float, float], curve: Sequence[Any]) -> None:
+    stage = report.stages.setdefault("reconstruction", {"errors": {}, "curves": {}})
+    stage["errors"][index] = tuple(errors)
+    stage["curves"][index] = [tuple(point) for point in curve]
 
 
 @contextmanager
@@ -165,6 +170,27 @@ class ArmorMethod(Method):
                 "extra_params": payload.num_wrapper_params(),
                 "relative_output_loss": float(payload.relative_output_loss) if payload.refined else None,
                 "details": {"block_size": payload.block_size, "iterations": int(payload.history_iters[-1])}}
+
+    def stage_lines(self, stages: Mapping[str, Any]) -> List[str]:
+        """Block reconstruction: the held-out error summed over the blocks before and after, and at
+        each check (when every block has as many checks); distillation: the held-out KL before and after."""
+        lines = []
+        errors = stages.get("reconstruction", {}).get("errors", {})
+        if errors:
+            before = sum(b for b, _ in errors.values())
+            after = sum(a for _, a in errors.values())
+            line = (f"block reconstruction: held-out relative output error summed over {len(errors)} blocks "
+                    f"{before:.4f} -> {after:.4f} ({100 * (1 - after / before) if before else 0.0:.1f}% lower)")
+            curves = [c for c in stages["reconstruction"].get("curves", {}).values() if c]
+            if curves and all(len(c) == len(curves[0]) for c in curves):
+                line += "; by step: " + ", ".join(f"{curves[0][i][0]}: {sum(c[i][1] for c in curves):.4f}"
+                                                  for i in range(len(curves[0])))
+            lines.append(line)
+        distilled = stages.get("distillation", {})
+        if "before" in distilled and "after" in distilled:
+            lines.append(f"distillation: held-out KL to the dense model {distilled['before']:.4f} -> "
+                         f"{distilled['after']:.4f} (kept step {distilled.get('best_step', '?')})")
+        return lines
 
     def to_store(self, payload: ArmorFactors) -> StoredSolution:
         """The factors' tensors; their scalars in the header; shape, block size, pattern and loss in the manifest."""
@@ -240,8 +266,7 @@ class ArmorMethod(Method):
                 marker = _marker(run, index)
                 marker.parent.mkdir(parents=True, exist_ok=True)
                 atomic_write(marker, json.dumps({"errors": [before, after], "curve": result.curve}).encode())
-            report.block_errors[index] = (before, after)
-            report.block_curves[index] = [tuple(point) for point in result.curve]
+            _record_reconstruction(report, index, (before, after), result.curve)
             logger.info("block %d reconstructed (%d steps): held-out relative output error %s", index, result.steps,
                         " -> ".join(f"{e:.5f}" for _, e in result.curve))
         if run.world_size > 1:

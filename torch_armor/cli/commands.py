@@ -142,9 +142,8 @@ def _prune(args: argparse.Namespace, out: Path, run_dir: Path, config: Any) -> i
           f"{report.loss_summary()}"
           + (f"; wrapper overhead {100 * report.overhead:.2f}%" if report.overhead else "")
           + f"; pruning {report.seconds:.1f} s, total {total:.1f} s")
-    for line in (report.reconstruction_summary(), report.distill_summary()):
-        if line:
-            print(line)
+    for line in report.stage_lines():
+        print(line)
     size = checkpoint_size(out)
     print(f"size: {size.parameters:,} stored parameters, {size.parameter_bytes / 2**20:.1f} MiB of weights "
           f"(dense model: {size.dense_parameters:,} parameters, {size.dense_parameter_bytes / 2**20:.1f} MiB)")

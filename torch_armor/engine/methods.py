@@ -41,7 +41,7 @@ import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -186,6 +186,10 @@ class Method:
         otherwise), ``extra_params`` and ``relative_output_loss`` where they apply, and ``details``:
         anything else of its own."""
         return {"shape": tuple(payload.shape)}
+
+    def stage_lines(self, stages: Mapping[str, Any]) -> List[str]:
+        """One line on each stage it recorded in ``PruneReport.stages`` (none by default)."""
+        return []
 
     def to_store(self, payload: Any) -> StoredSolution:
         """A payload as the run store writes it (a method whose ``stores_layers`` is true)."""

@@ -50,8 +50,13 @@ class PruneReport:
         layers: one :class:`LayerResult` per pruned linear, in pruning order.
         seconds: total wall time of the pruning (per-layer times plus bookkeeping).
         settings: ``{"config": the method config as ``config_to_dict`` writes it, "sequential": bool}``.
-        block_errors: with block reconstruction, ``{block index: (before, after)}``: the relative
-            output error ``‖Y − Y_dense‖² / ‖Y_dense‖²`` of the block on held-out calibration data.
+        stages: what the method did besides solving each layer, by stage, as the method reports it
+            (:meth:`stage_lines` says it in one line each). ARMOR's: ``"reconstruction"``:
+            ``{"errors": {block: (before, after)}, "curves": {block: [(step, error), …]}}``, the held-out
+            relative output error ``‖Y − Y_dense‖² / ‖Y_dense‖²`` of each block before and after block
+            reconstruction and at each check; ``"distillation"``: its held-out KL ``before`` and ``after``,
+            ``best_step``, the ``curve`` and its seconds, or ``{"skipped": why, "expected_cost": …}`` when
+            the config asked for it and this run could not (too few windows, ``torchrun``).
         dense_weights: ``{name pattern: (count, why)}``: every weight the prune left dense (routers,
             embeddings, unselected layers, …; block index as ``*``), one entry per kind.
         unfit_layers: ``{layer: what was done}`` for every selected layer the settings did not fit
@@ -61,11 +66,6 @@ class PruneReport:
             ``ModuleList`` expert no calibration token reached.
         expert_tokens: mixture-of-experts models: ``{f"{experts module}.{e}": routed calibration
             tokens}`` of each pruned expert (summed over the windows).
-        distill: with end-to-end distillation, its held-out KL before and after, the kept step,
-            the curve ``[[step, KL], …]`` and its seconds; ``{"skipped": why, "expected_cost": …}`` when the
-            config asked for it and this run could not (streamed, ``torchrun``, too few windows); ``{}``: off.
-        block_curves: with block reconstruction, ``{block index: [(step, held-out error), …]}``:
-            the error at step 0 and at every check (:func:`~torch_armor.armor.reconstruct.reconstruct_block`).
         rank, world_size: where this process stood in a ``torchrun`` job (not saved: every rank
             returns a report, rank 0 writes the model).
     """
@@ -75,9 +75,7 @@ class PruneReport:
     layers: List[LayerResult] = field(default_factory=list)
     seconds: float = 0.0
     settings: Dict[str, Any] = field(default_factory=dict)
-    block_errors: Dict[int, Tuple[float, float]] = field(default_factory=dict)
-    distill: Dict[str, Any] = field(default_factory=dict)
-    block_curves: Dict[int, List[Tuple[int, float]]] = field(default_factory=dict)
+    stages: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     rank: int = 0
     world_size: int = 1
     dense_weights: Dict[str, Tuple[int, str]] = field(default_factory=dict)
@@ -136,27 +134,11 @@ class PruneReport:
         return (f"proxy loss {value:.4f} × NoWag-P's (NoWag-P's objective, not {label}'s: "
                 "compare methods by perplexity)")
 
-    def distill_summary(self) -> Optional[str]:
-        """One line on end-to-end distillation (``None`` without it): held-out KL before and after."""
-        if not self.distill or "before" not in self.distill or "after" not in self.distill:
-            return None
-        return (f"distillation: held-out KL to the dense model {self.distill['before']:.4f} -> "
-                f"{self.distill['after']:.4f} (kept step {self.distill.get('best_step', '?')})")
-
-    def reconstruction_summary(self) -> Optional[str]:
-        """One line on block reconstruction (``None`` without it): the held-out error summed over
-        the blocks before and after, and at each check (blocks with as many checks)."""
-        if not self.block_errors:
-            return None
-        before = sum(b for b, _ in self.block_errors.values())
-        after = sum(a for _, a in self.block_errors.values())
-        line = (f"block reconstruction: held-out relative output error summed over {len(self.block_errors)} blocks "
-                f"{before:.4f} -> {after:.4f} ({100 * (1 - after / before) if before else 0.0:.1f}% lower)")
-        curves = [c for c in self.block_curves.values() if c]
-        if curves and all(len(c) == len(curves[0]) for c in curves):
-            line += "; by step: " + ", ".join(f"{curves[0][i][0]}: {sum(c[i][1] for c in curves):.4f}"
-                                              for i in range(len(curves[0])))
-        return line
+    def stage_lines(self) -> List[str]:
+        """One line per stage of :attr:`stages`, as its method says it
+        (:meth:`~torch_armor.engine.methods.Method.stage_lines`)."""
+        method = next((m for m in METHODS.values() if m.name == self.method), None)
+        return [] if method is None else method.stage_lines(self.stages)
 
     def _final(self, layer: LayerResult) -> float:
         if self.final_loss()[0] == "output" and layer.relative_output_loss is not None:
@@ -177,13 +159,11 @@ class PruneReport:
             overhead=self.overhead,
             mean_relative_proxy_loss=self.mean_relative_proxy_loss,
             mean_relative_output_loss=self.mean_relative_output_loss,
-            block_errors={str(k): list(v) for k, v in sorted(self.block_errors.items())},
             dense_weights={k: {"count": c, "why": why} for k, (c, why) in self.dense_weights.items()},
             expert_tokens=dict(self.expert_tokens),
             unfit_layers=dict(self.unfit_layers),
             uncalled_layers=dict(self.uncalled_layers),
-            **({"distill": self.distill} if self.distill else {}),
-            block_curves={str(k): [list(p) for p in v] for k, v in sorted(self.block_curves.items())},
+            stages=self.stages,
             layers=[{k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(layer).items()}
                     for layer in self.layers],
         )
