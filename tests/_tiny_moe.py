@@ -24,7 +24,7 @@ from torch import nn
 from torch_armor.config.armor import ArmorConfig, BcdConfig
 from torch_armor.core.factorize import factorize
 from torch_armor.tensor.experts import armor_experts_from_factors
-from torch_armor.format.hf_format import attach_quantizer
+from torch_armor.format.hf import attach_quantizer
 
 ARCHS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
 #: calibration token ids (8 windows of 16, vocabulary 64) and the ids logits are compared on

@@ -43,7 +43,7 @@ from torch_armor.engine.runner import LayerSolution
 from torch_armor.errors import ArmorInputError
 from torch_armor.sparsifier_state import STATE_DICT_VERSION
 from torch_armor.tensor.armor_tensor import STORAGES
-from torch_armor.format.hf_format import attach_quantizer
+from torch_armor.format.hf import attach_quantizer
 
 __all__ = ["ArmorSparsifier", "STATE_DICT_VERSION"]
 

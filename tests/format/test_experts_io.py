@@ -14,7 +14,7 @@ from _tiny_moe import armor_moe, make_moe
 from torch_armor import load_pretrained, save_pretrained
 from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import ArmorTensor
-from torch_armor.format.flatten import flatten_armor_state, unflatten_armor_state
+from torch_armor.format.armor_format import flatten_armor_state, unflatten_armor_state
 
 IDS = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
 FQN = "model.layers.0.mlp.experts.gate_up_proj"

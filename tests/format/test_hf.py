@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from conftest import make_tiny_llama
 from torch_armor import ArmorConfig, ArmorCoreConfig, ArmorTensor, load_pretrained, prune_model, PruneOptions, save_pretrained
 from torch_armor.config.armor import BcdConfig
-from torch_armor.format.flatten import flatten_armor_state
+from torch_armor.format.armor_format import flatten_armor_state
 
 VOCAB = 128
 IDS = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(5))
@@ -159,6 +159,43 @@ def test_loading_without_torch_armor_fails_loudly(tmp_path):
                           env={**os.environ, "PYTHONPATH": ""}, cwd=str(tmp_path))
     assert proc.returncode not in (0, 3)
     assert "Unknown quantization type, got armor" in proc.stderr and "mismatch" in proc.stderr.lower()
+
+
+_ATTACH_ONLY = """
+import sys
+import torch
+from torch_armor.format.hf import attach_quantizer  # the only torch_armor import before the model is saved
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
+assert "armor" in AUTO_QUANTIZER_MAPPING, "importing attach_quantizer's module did not register the quantizer"
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=64)).eval()
+linear = model.model.layers[0].mlp.up_proj
+d_out, d_in = linear.weight.shape
+core = torch.randn(d_out, d_in) * torch.tensor([1.0, 0.0, 0.0, 1.0]).repeat(d_out, d_in // 4)
+a, b = torch.eye(16).repeat(d_out // 16, 1, 1), torch.eye(16).repeat(d_in // 16, 1, 1)
+from_parts = sys.modules["torch_armor.tensor.armor_tensor"].from_parts  # loaded with the package, not imported here
+weight = from_parts("dense", a, b, "2:4", torch.float32, core=core).with_storage("compact")
+linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+attach_quantizer(model).save_pretrained(sys.argv[1])
+loaded = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+ids = torch.randint(0, 64, (1, 7))
+with torch.no_grad():
+    assert torch.equal(loaded(ids).logits, model(ids).logits)
+print(type(loaded.model.layers[0].mlp.up_proj.weight).__name__)
+"""
+
+
+@pytest.mark.parametrize("argv0", ["-c", "torch-armor"])
+def test_attach_quantizer_works_importing_only_its_module(argv0, tmp_path):
+    """A fresh process that imports only the module defining attach_quantizer (under any argv[0]) saves a
+    converted model with model.save_pretrained and loads it back with from_pretrained."""
+    code = _ATTACH_ONLY if argv0 == "-c" else f"import sys; sys.argv[0] = {argv0!r}\n" + _ATTACH_ONLY
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m")], capture_output=True, text=True,
+                          cwd=str(tmp_path), env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "CompactArmorTensor"
 
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])

@@ -29,7 +29,7 @@ from torch_armor.armor.distill_train import ArmorWeight, armor_layers, core_of, 
 from torch_armor.engine.sources import ShardWriter, Streamed
 from torch_armor.errors import ArmorInputError
 from torch_armor.progress import tqdm
-from torch_armor.format.flatten import unflatten_armor_state
+from torch_armor.format.armor_format import unflatten_armor_state
 from torch_armor.format.safetensors_io import read_shard_metadata
 
 __all__ = ["BlockStream", "StreamedStudent"]

@@ -24,7 +24,7 @@ from typing import Any, Iterable, List, Optional, Union
 
 from torch_armor._io import atomic_write, file_sha256
 from torch_armor.errors import ArmorInputError
-from torch_armor.format.layout import ARMOR_CONFIG_NAME
+from torch_armor.format.armor_format import ARMOR_CONFIG_NAME
 
 __all__ = ["check_prune_paths", "model_source_dirs", "mark_run_target", "mark_written", "resumes_into"]
 

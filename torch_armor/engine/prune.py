@@ -56,7 +56,7 @@ from torch_armor.engine.report import PruneReport
 from torch_armor.engine.runstore import RunStore
 from torch_armor.engine.sources import ShardWriter
 from torch_armor.errors import ArmorError, ArmorInputError, write_failed
-from torch_armor.format.hf_format import attach_quantizer
+from torch_armor.format.hf import attach_quantizer
 from torch_armor.format.serialization import save_pretrained
 
 __all__ = ["prune_model", "execute", "PruneOptions", "RUN_DIR_NAME"]

@@ -22,8 +22,7 @@ from torch import nn
 
 from torch_armor._io import atomic_write
 from torch_armor.errors import ArmorInputError
-from torch_armor.format.flatten import flatten_state
-from torch_armor.format.layout import FORMAT_NAME, FORMAT_VERSION
+from torch_armor.format.armor_format import FORMAT_NAME, FORMAT_VERSION, flatten_state
 
 __all__ = ["HEADER_KEY", "HEADER_META", "canonical_json", "write_safetensors", "save_shard", "read_shard_metadata"]
 

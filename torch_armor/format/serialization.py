@@ -4,7 +4,7 @@ A saved directory holds:
 
 * the weights: ``model.safetensors``, or ``model-00001-of-0000N.safetensors`` … when the
   checkpoint was written in pieces. Each file holds the flattened state of its part of the model
-  (:func:`~torch_armor.format.flatten.flatten_armor_state`: plain tensors under their usual keys,
+  (:func:`~torch_armor.format.armor_format.flatten_armor_state`: plain tensors under their usual keys,
   every ArmorTensor as ``a_blocks``, ``b_blocks`` and a compact N:M core) and, in its safetensors
   header, its own part of the layer/tensor description plus that part's sha256, so every file is
   self-describing and bound to ``armor_config.json``.
@@ -60,11 +60,10 @@ from torch import nn
 
 from torch_armor._io import atomic_write, file_sha256, fsync_dir, stop_here_for_tests
 from torch_armor.errors import ArmorInputError
-from torch_armor.format.flatten import flatten_armor_state, unflatten_armor_state
-from torch_armor.format.hf_format import (HF_INDEX_NAME, attach_quantizer, has_armor_quantization_config,
-                                          load_hf_quantized, mark_incomplete, nonpersistent_buffer_dtypes,
-                                          write_hf_config, write_hf_index)
-from torch_armor.format.layout import ARMOR_CONFIG_NAME, FORMAT_NAME, FORMAT_VERSION, canonical_sha256
+from torch_armor.format.armor_format import (ARMOR_CONFIG_NAME, FORMAT_NAME, FORMAT_VERSION, canonical_sha256,
+                                             flatten_armor_state, unflatten_armor_state)
+from torch_armor.format.hf import (HF_INDEX_NAME, attach_quantizer, has_armor_quantization_config, load_hf_quantized,
+                                   mark_incomplete, nonpersistent_buffer_dtypes, write_hf_config, write_hf_index)
 from torch_armor.format.safetensors_io import HEADER_KEY, read_shard_metadata, save_shard
 
 __all__ = [

@@ -31,8 +31,8 @@ from torch_armor.errors import ArmorInputError, require_extra
 from torch_armor.progress import third_party_bars_off
 from torch_armor.recipes.assets import load_smollm2, smollm2_first_load_note
 from torch_armor.format.file_checks import read_safetensors_header
-from torch_armor.format.hf_format import has_armor_quantization_config
-from torch_armor.format.layout import ARMOR_CONFIG_NAME
+from torch_armor.format.hf import has_armor_quantization_config
+from torch_armor.format.armor_format import ARMOR_CONFIG_NAME
 from torch_armor.format.serialization import load_pretrained
 
 __all__ = ["parse_dtype", "is_armor_checkpoint", "check_model_source", "load_model", "pruning_source", "load_tokenizer",

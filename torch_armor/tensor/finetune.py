@@ -193,7 +193,7 @@ def checkpoint_size(directory: Any) -> ModelSize:
 
     from safetensors import safe_open  # local: only this function needs it
 
-    from torch_armor.format.layout import part_key  # local: layout imports this package's armor_tensor
+    from torch_armor.format.armor_format import part_key  # local: armor_format imports this package's armor_tensor
 
     path = Path(directory)
     quant = json.loads((path / "config.json").read_text()).get("quantization_config") or {} \
