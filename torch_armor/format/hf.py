@@ -276,7 +276,7 @@ class ArmorHfQuantizer(HfQuantizer):
     def __init__(self, quantization_config: ArmorQuantizationConfig, **kwargs: Any) -> None:
         super().__init__(quantization_config, **kwargs)
         layers = quantization_config.layers
-        suffixes = {"a_blocks", "b_blocks", "values", "indices", "core"}  # "a_blocks": files before part_key
+        suffixes: set = set()
         for fqn, layer in layers.items():
             if layer.get("storage") in SAVED_STORAGES:  # others: check_checkpoint_files names the field at fault
                 suffixes.update(key[len(fqn) + 1:] for key in layer_keys(fqn, layer) if key != fqn)
