@@ -236,7 +236,7 @@ class DistillationPass(ModelPass):
             return batches, 0
         stream = (BlockStream(plan.source, plan.blocks_prefix, len(plan.blocks), run.sink, plan.device)
                   if run.sink is not None else None)
-        self.distillation = Distillation(self.distill, batches, seed=self.seed, run_dir=plan.run_dir,
+        self.distillation = Distillation(self.distill, batches, seed=self.seed, run_dir=plan.paths.run_dir,
                                          identity=run.identity, storage=plan.storage, stream=stream, device=plan.device,
                                          rank=run.rank, world_size=run.world_size, log=plan.options.log,
                                          progress=run.shows_progress(plan))

@@ -7,7 +7,8 @@ and decision is made once, before any layer is pruned, as a :class:`~torch_armor
 (:func:`~torch_armor.engine.plan.plan_prune`: the layers and their settings, the weights left dense,
 the output and run directories, the device); :func:`execute` runs it (``torchrun``'s process group,
 the run directory's lock and store, the block pass, the save). The command line (``torch-armor
-prune``) only builds these objects and calls :func:`prune_model`.
+prune``) only builds these objects, runs the plan's path checks
+(:func:`~torch_armor.engine.plan.check_paths`) before its slow model load, then plans and executes.
 
 Example (a tiny random model; pruned in place)::
 
@@ -137,7 +138,7 @@ def execute(plan: PrunePlan) -> PruneReport:
     """Run a :class:`~torch_armor.engine.plan.PrunePlan`: the block pass over its layers, then (with
     ``out``) the save; the report of :func:`prune_model`."""
     options, method, source, model, config = plan.options, plan.method, plan.source, plan.model, plan.config
-    names, batches, dev, run_path, out = list(plan.names), plan.batches, plan.device, plan.run_dir, plan.out
+    names, batches, dev, run_path, out = list(plan.names), plan.batches, plan.device, plan.paths.run_dir, plan.paths.out
     blocks_prefix, blocks, streamed, experts = plan.blocks_prefix, plan.blocks, plan.streamed, plan.experts
     dense, model_pass = dict(plan.dense_weights), plan.model_pass
     topo = init_distributed(device=dev)
@@ -189,14 +190,15 @@ def execute(plan: PrunePlan) -> PruneReport:
                     write = (partial(state.sink.finish, source, blocks_prefix) if streamed
                              else partial(save_pretrained, model))
                     try:
-                        _save_output(write, out, options.overwrite, plan.resuming, plan.out_allowed, run_path,
+                        _save_output(write, out, options.overwrite, plan.paths.resuming, plan.paths.out_allowed,
+                                     run_path,
                                      options.log or logger.info)
                     except OSError as err:
                         if isinstance(err, ArmorError):
                             raise
                         raise write_failed(err, f"free space or fix permissions, then prune again: the finished "
                                                 f"layers are kept in {run_path}") from err
-                    if plan.temporary_run_dir:
+                    if plan.paths.temporary_run_dir:
                         shutil.rmtree(run_path, ignore_errors=True)
                 return report
             except KeyboardInterrupt as err:
