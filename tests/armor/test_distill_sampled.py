@@ -97,7 +97,7 @@ def test_prune_model_with_sampled_windows_measures_the_same_held_out_kl_before()
     for sampled in (0, 4):
         cfg = dataclasses.replace(base, distill=DistillConfig(steps=4, held_out=3, top_k=16, eval_every=2,
                                                               sampled_windows=sampled))
-        reports.append(prune_model(copy.deepcopy(dense), CALIB, cfg, options=PruneOptions(progress=False)).distill)
+        reports.append(prune_model(copy.deepcopy(dense), CALIB, cfg, options=PruneOptions(progress=False)).stages["distillation"])
     assert reports[0]["before"] == reports[1]["before"]  # the held-out windows are the calibration ones
     assert reports[0]["curve"] != reports[1]["curve"]  # and training saw other windows
 

@@ -303,3 +303,17 @@ def test_import_is_quiet():
             "import transformers.integrations.torchao\nimport torchao.prototype.mx_formats\n")
     proc = _run(["-c", code])
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+
+def test_a_non_empty_out_is_refused_before_the_model_is_loaded(tmp_path, capsys, monkeypatch):
+    """The command line runs plan_prune's own path checks (``out`` new or empty included) before the
+    slow model load, not a copy of them."""
+    import torch_armor.cli.commands as cli_commands
+
+    monkeypatch.setattr(cli_commands, "pruning_source", lambda *a, **k: pytest.fail("the model was loaded"))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert main(["prune", "smollm2", "--method", "wanda", "--out", str(out)]) == 2
+    assert "is not empty" in _error(capsys)
+    assert os.listdir(out) == ["notes.txt"]

@@ -241,3 +241,19 @@ def test_changed_checkpoint_at_the_same_path_is_refused(tmp_path):
     with pytest.raises(RunMismatchError, match="model_id"):
         prune_model(ckpt, CALIB, cfg, options=PruneOptions(run_dir=run, out=tmp_path / "b", progress=False))
     assert not (tmp_path / "b").exists() or not any((tmp_path / "b").glob("*.safetensors"))
+
+
+def test_the_pipeline_holds_nothing_the_plan_decides():
+    """The block pass runs a plan plus the state of its execution: no setting of the plan (or of its
+    options) is copied into a field of the pipeline or of the execution state."""
+    from dataclasses import fields
+
+    from torch_armor.engine.blocks import BlockPipeline
+    from torch_armor.engine.methods import RunState
+    from torch_armor.engine.plan import PrunePlan
+
+    planned = {f.name for f in fields(PrunePlan)} | {f.name for f in fields(PruneOptions)}
+    pipeline = {f.name for f in fields(BlockPipeline)}
+    assert {f.name for f in fields(RunState)} & planned == set()
+    assert pipeline - {"plan", "state"} == {"run_config", "bar"}  # both exist only while the loop runs
+    assert pipeline & planned == set()

@@ -100,9 +100,9 @@ class _HookedPass(ModelPass):
     def __init__(self, calls):
         self.calls = calls
 
-    def before_blocks(self, model, batches, run):
-        self.calls.append(("before_blocks", run.n_blocks, len(batches)))
-        return batches, 0
+    def before_blocks(self, plan, run):
+        self.calls.append(("before_blocks", len(plan.blocks), len(plan.batches)))
+        return plan.batches, 0
 
     def after_model(self, model, report):
         self.calls.append(("after_model", len(report.layers)))

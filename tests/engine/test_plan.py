@@ -33,7 +33,7 @@ def test_a_plan_changes_nothing_and_the_prune_does_what_it_says(tmp_path):
     assert not out.exists()  # nothing written, nothing locked
     assert all(type(m.weight) is torch.nn.Parameter for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert plan.method.name == "armor" and plan.device == torch.device("cpu") and plan.storage == "dense"
-    assert plan.run_dir == out / RUN_DIR_NAME and plan.temporary_run_dir and not plan.resuming
+    assert plan.paths.run_dir == out / RUN_DIR_NAME and plan.paths.temporary_run_dir and not plan.paths.resuming
     left_dense = sorted(n.split(".", 3)[3] for n in plan.unfit if n not in plan.names)
     assert left_dense == sorted(["self_attn.k_proj", "self_attn.v_proj"] * 2)
 
@@ -66,7 +66,7 @@ def test_prune_model_is_the_plan_executed():
 
 def test_a_plan_without_out_keeps_no_run_directory_and_refuses_what_the_prune_refuses():
     plan = plan_prune(fit_llama(), CALIB, WandaConfig(), options=PruneOptions(progress=False))
-    assert plan.method.name == "wanda" and plan.run_dir is None and plan.out is None and not plan.unfit
+    assert plan.method.name == "wanda" and plan.paths.run_dir is None and plan.paths.out is None and not plan.unfit
     with pytest.raises(ArmorInputError, match="options must be a PruneOptions"):
         plan_prune(fit_llama(), CALIB, CONFIG, options="not options")
     with pytest.raises(ArmorInputError, match="streams it block by block and needs"):

@@ -46,7 +46,7 @@ from torch_armor.armor.distill_kl import TopK, Window, dense_top_k, sample_windo
 from torch_armor.armor.distill_stream import BlockStream, StreamedStudent
 from torch_armor.armor.distill_train import (ArmorWeight, InMemoryStudent, TrainingState, armor_layers, core_of,
                                               distill_model, held_out_split, windows_needed)
-from torch_armor.engine.methods import ModelPass, RunContext
+from torch_armor.engine.methods import ModelPass, RunState
 from torch_armor.errors import ArmorInputError
 
 __all__ = ["distill_skip_reason", "sampling_skip_reason", "NO_DISTILL_COST", "Distillation", "DISTILLED_NAME",
@@ -230,16 +230,18 @@ class DistillationPass(ModelPass):
     sampling_skipped: str = ""
     distillation: Optional[Distillation] = None
 
-    def before_blocks(self, model: nn.Module, batches: Sequence[Any], run: RunContext) -> Tuple[Sequence[Any], int]:
+    def before_blocks(self, plan: Any, run: RunState) -> Tuple[Sequence[Any], int]:
+        batches = plan.batches
         if self.distill is None:
             return batches, 0
-        stream = (BlockStream(run.source, run.blocks_prefix, run.n_blocks, run.writer, run.device)
-                  if run.writer is not None else None)
-        self.distillation = Distillation(self.distill, batches, seed=self.seed, run_dir=run.run_dir,
-                                         identity=run.identity, storage=run.storage, stream=stream, device=run.device,
-                                         rank=run.rank, world_size=run.world_size, log=run.log, progress=run.progress)
-        self.distillation.capture(model)  # the dense teacher, before the block pass prunes in place
-        return self.distillation.block_pass_batches(batches, run.batch_size)
+        stream = (BlockStream(plan.source, plan.blocks_prefix, len(plan.blocks), run.sink, plan.device)
+                  if run.sink is not None else None)
+        self.distillation = Distillation(self.distill, batches, seed=self.seed, run_dir=plan.paths.run_dir,
+                                         identity=run.identity, storage=plan.storage, stream=stream, device=plan.device,
+                                         rank=run.rank, world_size=run.world_size, log=plan.options.log,
+                                         progress=run.shows_progress(plan))
+        self.distillation.capture(plan.model)  # the dense teacher, before the block pass prunes in place
+        return self.distillation.block_pass_batches(batches, plan.options.batch_size)
 
     def after_model(self, model: nn.Module, report: Any) -> None:
         if self.distillation is not None:

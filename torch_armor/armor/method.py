@@ -84,7 +84,8 @@ def _describe(cfg: ArmorConfig) -> str:
 
 def _marker(run: Any, index: int) -> Optional[Path]:
     """The run directory's record that block ``index`` was reconstructed (its stored factors are final)."""
-    return None if run.store is None else run.store.directory / RECONSTRUCTED_DIR / f"block-{index:05d}.json"
+    store = run.state.store
+    return None if store is None else store.directory / RECONSTRUCTED_DIR / f"block-{index:05d}.json"
 
 
 def _replay_errors(run: Any, index: int, report: Any) -> bool:
@@ -114,10 +115,10 @@ def _xtx_on_disk(run: Any, stats: Dict[str, Any]) -> Iterator[None]:
     for name, s in stats.items():
         if s.xtx is not None:
             first.setdefault(id(s.xtx), name)
-    if run.store is None or not first:
+    if run.state.store is None or not first:
         yield
         return
-    path = run.store.directory / XTX_OFFLOAD_NAME
+    path = run.state.store.directory / XTX_OFFLOAD_NAME
     keys = {name: first[id(s.xtx)] for name, s in stats.items() if s.xtx is not None}
     device = stats[next(iter(keys))].xtx.device
     atomic_write(path, save({key: stats[key].xtx.detach().cpu().contiguous() for key in set(keys.values())}))
@@ -225,11 +226,11 @@ class ArmorMethod(Method):
             run.bar.set_postfix_str(f"{fqn[-32:]} {factors.loss_text()}", refresh=False)
 
         todo = {n: (layers[n].weight.detach(), stats[n]) for n in names}
-        factors = distributed_factorize(todo, run.config, run.store, per_layer_overrides=configs,
+        factors = distributed_factorize(todo, run.run_config, run.state.store, per_layer_overrides=configs,
                                         progress=False, on_layer_done=done, return_factors=True)
-        if run.world_size > 1:
+        if run.state.world_size > 1:
             dist.barrier()  # rank 0 has merged the manifests: every rank reads every layer
-            if run.rank != 0:
+            if run.state.rank != 0:
                 store = run.fresh_store()
                 factors = {n: store.load(n) for n in names}
         return {n: self.solution(n, factors[n]) for n in names}
@@ -242,26 +243,26 @@ class ArmorMethod(Method):
         if data is None:
             return solutions
         # the block's last stage, seconds on a real model: the bar says so (and a log line, when long)
-        run.bar.set_postfix_str(f"block {index}: reconstruction, {run.config.reconstruct.steps} steps")
+        run.bar.set_postfix_str(f"block {index}: reconstruction, {run.run_config.reconstruct.steps} steps")
         names = list(solutions)
         if _replay_errors(run, index, report):  # an interrupted run finished it: the store holds the result
             return solutions
-        prefix = f"{run.blocks_prefix}.{index}."
-        if run.rank == 0:
+        prefix = f"{run.plan.blocks_prefix}.{index}."
+        if run.state.rank == 0:
             start = time.perf_counter()
             with _xtx_on_disk(run, stats):
                 result = reconstruct_block(block, {n[len(prefix):]: solutions[n].payload for n in names}, data[0],
-                                           data[1], run.config.reconstruct, device=run.device,
-                                           seed=run.config.seed, held_out_from=run.held_out_from)
+                                           data[1], run.run_config.reconstruct, device=run.plan.device,
+                                           seed=run.run_config.seed, held_out_from=run.state.held_out_from)
             new, before, after = result.factors, result.before, result.after
             seconds = (time.perf_counter() - start) / len(names)
             solutions = {n: self.solution(n, with_losses(new[n[len(prefix):]], layers[n].weight, stats[n].xtx,
                                                          stats[n].act_sq_norm, seconds),
                                           solutions[n].seconds + seconds)
                          for n in names}
-            if run.store is not None:
+            if run.state.store is not None:
                 for n in names:
-                    run.store.save(n, solutions[n].payload, config=configs[n], seconds=solutions[n].seconds,
+                    run.state.store.save(n, solutions[n].payload, config=configs[n], seconds=solutions[n].seconds,
                                    device=configs[n].device)
                 marker = _marker(run, index)
                 marker.parent.mkdir(parents=True, exist_ok=True)
@@ -269,9 +270,9 @@ class ArmorMethod(Method):
             _record_reconstruction(report, index, (before, after), result.curve)
             logger.info("block %d reconstructed (%d steps): held-out relative output error %s", index, result.steps,
                         " -> ".join(f"{e:.5f}" for _, e in result.curve))
-        if run.world_size > 1:
+        if run.state.world_size > 1:
             dist.barrier()  # rank 0 saved the reconstructed factors: every rank reads them
-            if run.rank != 0:
+            if run.state.rank != 0:
                 store = run.fresh_store()
                 solutions = {n: self.solution(n, store.load(n), solutions[n].seconds) for n in names}
                 _replay_errors(run, index, report)
@@ -295,17 +296,17 @@ class ArmorMethod(Method):
         uncalled: Dict[str, str] = {}
         start = time.perf_counter()
         for index in range(sample[-1] + 1):
-            prefix = f"{run.blocks_prefix}.{index}"
-            block = run.source.load_block(prefix)
-            block.to(run.device).eval()
+            prefix = f"{run.plan.blocks_prefix}.{index}"
+            block = run.plan.source.load_block(prefix)
+            block.to(run.plan.device).eval()
             for inp in work:
                 inp.enter_block(index)
             if index in sample:
-                layers = {n: layer_module(run.source.model, n) for n in by_block[index]}
-                stats = block_statistics(block, layers, work, device=run.device,
+                layers = {n: layer_module(run.plan.source.model, n) for n in by_block[index]}
+                stats = block_statistics(block, layers, work, device=run.plan.device,
                                          track_xtx=self.needs_xtx(cfg), propagate=True,
-                                         expert_calibration=run.expert_calibration,
-                                         min_expert_tokens=run.min_expert_tokens, uncalled=uncalled)
+                                         expert_calibration=run.plan.options.expert_calibration,
+                                         min_expert_tokens=run.plan.options.min_expert_tokens, uncalled=uncalled)
                 for n, layer in layers.items():
                     if n in uncalled:  # left dense by the block pass: no curve
                         continue
@@ -316,15 +317,15 @@ class ArmorMethod(Method):
                         measured[n][size] = f.relative_output_loss if f.refined else f.relative_loss
             else:
                 for inp in work:
-                    inp.hidden = run_block(block, inp, run.device)
-            run.source.release_block(prefix)
+                    inp.hidden = run_block(block, inp, run.plan.device)
+            run.plan.source.release_block(prefix)
         unmeasured = {layer_kind(n) for n in uncalled} - {layer_kind(n) for n in measured}  # left dense everywhere
-        allocated = [n for n in run.names if layer_kind(n) not in unmeasured]
-        shapes = {n: tuple(layer_module(run.source.model, n).weight.shape) for n in allocated}
+        allocated = [n for n in run.plan.names if layer_kind(n) not in unmeasured]
+        shapes = {n: tuple(layer_module(run.plan.source.model, n).weight.shape) for n in allocated}
         sizes = allocate_block_sizes(loss_curves(measured, allocated), shapes, cfg.max_overhead)
         logger.info("block sizes within a %.1f%% model-wide overhead, from blocks %s (%.0f s): %s",
                     100 * cfg.max_overhead, sample, time.perf_counter() - start,
-                    {k: v for k, v in sorted(sizes.items()) if k.startswith(f"{run.blocks_prefix}.{sample[0]}.")})
+                    {k: v for k, v in sorted(sizes.items()) if k.startswith(f"{run.plan.blocks_prefix}.{sample[0]}.")})
         return dataclasses.replace(config, block_sizes=tuple(sizes.items()))
 
     def fit_fallback(self, config: ArmorConfig, d_out: int, d_in: int) -> Optional[Tuple[int, str]]:

@@ -24,8 +24,8 @@ from torch_armor.config.armor import ArmorConfig
 from torch_armor.engine.topology import launched_rank
 from torch_armor.engine.methods import method_named
 from torch_armor.engine.options import PruneOptions
-from torch_armor.engine.paths import check_prune_paths, model_source_dirs
-from torch_armor.engine.prune import prune_model
+from torch_armor.engine.plan import check_paths, plan_prune
+from torch_armor.engine.prune import execute
 from torch_armor.errors import ArmorError, ArmorInputError, MissingExtraError, write_failed
 from torch_armor.progress import is_interactive, quiet_third_party_progress
 from torch_armor.recipes.data import calibration_windows, check_window_memory, eval_windows
@@ -90,20 +90,26 @@ def _writes(run_dir: Optional[Path] = None) -> Iterator[None]:
 
 def cmd_prune(args: argparse.Namespace) -> int:
     out = Path(args.out)
-    check_prune_paths(model_source_dirs(args.model), out=out, run_dir=args.run_dir)  # first
-    check_window_memory(args.n_calib, args.seq_len, ("--n-calib", "--seq-len"))
-    config = method_config(args)  # the method's settings checked before the model is loaded
     # the run directory outlives prune_model (which holds its lock) until the tokenizer, report and plot
     # are written: a failure after the last block leaves a state the same command resumes
     run_dir = Path(args.run_dir) if args.run_dir else out / RUN_DIR_NAME
-    code = _prune(args, out, run_dir, config)
+    options = PruneOptions(
+        out=out, overwrite=args.overwrite, run_dir=run_dir,
+        device=args.device, dtype=parse_dtype(args.dtype), storage=args.storage, sequential=not args.one_shot,
+        batch_size=args.batch_size, progress=not args.no_progress, strict=args.strict,
+        log=lambda line: log(with_flags(line)))
+    check_paths(args.model, options)  # plan_prune's own path checks, first: before the slow model load
+    check_window_memory(args.n_calib, args.seq_len, ("--n-calib", "--seq-len"))
+    config = method_config(args)  # the method's settings checked before the model is loaded
+    code = _prune(args, options, config)
     if launched_rank() == 0 and not args.run_dir and not args.keep_run_dir:
         shutil.rmtree(run_dir, ignore_errors=True)
     return code
 
 
-def _prune(args: argparse.Namespace, out: Path, run_dir: Path, config: Any) -> int:
+def _prune(args: argparse.Namespace, options: PruneOptions, config: Any) -> int:
     setup(args)
+    out, run_dir = Path(options.out), Path(options.run_dir)
     start = time.perf_counter()
     model, tokenizer = pruning_source(args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device,
                                       log=log, stream=args.stream)
@@ -111,14 +117,9 @@ def _prune(args: argparse.Namespace, out: Path, run_dir: Path, config: Any) -> i
         f"{'sequentially' if not args.one_shot else 'one-shot'}, one decoder block at a time")
     windows = from_text("--calib", args.calib, calibration_windows, tokenizer, n_windows=args.n_calib,
                         seq_len=args.seq_len, seed=args.seed)
-    options = PruneOptions(
-        out=out, overwrite=args.overwrite, run_dir=run_dir,
-        device=args.device, dtype=parse_dtype(args.dtype), storage=args.storage, sequential=not args.one_shot,
-        batch_size=args.batch_size, progress=not args.no_progress, strict=args.strict,
-        log=lambda line: log(with_flags(line)))
     with warnings.catch_warnings():  # what the library skips and says why (e.g. distillation when streamed): a log line
         warnings.showwarning = lambda message, *rest, **kw: log(str(message))
-        report = prune_model(model, windows, config, layers=args.layers, options=options)
+        report = execute(plan_prune(model, windows, config, layers=args.layers, options=options))
     if report.rank != 0:
         return 0
     with _writes(run_dir):

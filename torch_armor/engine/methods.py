@@ -40,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -50,7 +49,7 @@ from torch_armor.config.serialized import serializable
 from torch_armor.engine.solution import LayerSolution, StoredSolution
 from torch_armor.errors import ArmorInputError
 
-__all__ = ["Method", "ModelPass", "RunContext", "METHODS", "register_method", "method_for", "method_named",
+__all__ = ["Method", "ModelPass", "RunState", "METHODS", "register_method", "method_for", "method_named",
            "config_for_method", "method_names", "method_label", "default_config",
            "act_sq_norm_for", "xtx_of"]
 
@@ -69,23 +68,23 @@ def _always(config: Any) -> bool:
 
 
 @dataclass(frozen=True)
-class RunContext:
-    """What a :class:`ModelPass` may use of a ``prune_model`` run: where its model comes from and goes,
-    its run directory and identity, device, ranks and logging."""
+class RunState:
+    """What exists of a ``prune_model`` run only once its :class:`~torch_armor.engine.plan.PrunePlan`
+    executes: the run store and the run's identity (``None``, ``""``: no run directory, or a method
+    that stores no layers), the sink of finished blocks (a streamed model's shard writer), this
+    process's rank and the world size, and the first calibration batch that is not a sampled
+    window (:meth:`ModelPass.before_blocks` chooses it). Everything else is the plan's."""
 
-    source: Any
-    blocks_prefix: str
-    n_blocks: int
-    writer: Any
-    device: torch.device
-    run_dir: Optional[Path]
+    store: Any
     identity: str
-    storage: str
+    sink: Any
     rank: int
     world_size: int
-    log: Optional[Callable[[str], None]]
-    progress: bool
-    batch_size: Optional[int]
+    held_out_from: int = 0  # block reconstruction holds out windows from this one on (earlier ones: sampled)
+
+    def shows_progress(self, plan: Any) -> bool:
+        """Whether this process draws progress bars (rank 0 only, when the plan's options ask for them)."""
+        return plan.options.progress and self.rank == 0
 
 
 class ModelPass:
@@ -93,9 +92,10 @@ class ModelPass:
     :meth:`before_blocks` sees the dense model and chooses the block pass's calibration,
     :meth:`after_model` sees the pruned one and adds to the report."""
 
-    def before_blocks(self, model: nn.Module, batches: Sequence[Any], run: RunContext) -> Tuple[Sequence[Any], int]:
-        """``(the block pass's calibration batches, how many of them lead it that are not calibration windows)``."""
-        return batches, 0
+    def before_blocks(self, plan: Any, run: RunState) -> Tuple[Sequence[Any], int]:
+        """``(the block pass's calibration batches, how many of them lead it that are not calibration windows)``
+        for the :class:`~torch_armor.engine.plan.PrunePlan` ``plan`` (its dense model, its batches)."""
+        return plan.batches, 0
 
     def after_model(self, model: nn.Module, report: Any) -> None:
         """After every block is pruned (the report is the run's ``PruneReport``)."""
@@ -203,7 +203,8 @@ class Method:
     def solve_block(self, names: Sequence[str], layers: Dict[str, Any], stats: Dict[str, Any], configs: Dict[str, Any],
                     run: Any) -> Dict[str, LayerSolution]:
         """Every selected layer of one decoder block (``configs``: each layer's resolved config;
-        ``run``: the :class:`~torch_armor.engine.blocks.BlockPipeline`, its progress bar ``run.bar``)."""
+        ``run``: the :class:`~torch_armor.engine.blocks.BlockPipeline`: its ``plan``, its ``state``
+        (:class:`RunState`), the config it runs ``run.run_config`` and its progress bar ``run.bar``)."""
         solutions = {}
         for n in names:
             run.bar.set_postfix_str(n[-40:], refresh=False)

@@ -45,7 +45,7 @@ from torch_armor.engine.sources import BlockSource, InMemory, Streamed
 from torch_armor.engine.topology import launched_world_size
 from torch_armor.errors import ArmorInputError
 
-__all__ = ["PrunePlan", "plan_prune"]
+__all__ = ["PrunePlan", "PrunePaths", "check_paths", "plan_prune"]
 
 
 @dataclass(frozen=True)
@@ -56,9 +56,8 @@ class PrunePlan:
     prune, in order; ``unfit`` the selected layers the settings did not fit (a smaller block size,
     or dense) and why; ``dense_weights`` the decoder weights the prune leaves dense and why;
     ``experts`` the fused expert parameters and their chosen experts; ``model_pass`` what the method
-    does with the whole model around the block pass (``None``: nothing); ``run_dir`` where finished
-    layers are kept (``temporary_run_dir``: removed after a successful save); ``resuming``: ``out``
-    is this run directory's own earlier output; ``out_allowed`` the entries ``out`` may already hold.
+    does with the whole model around the block pass (``None``: nothing); ``paths`` where it writes
+    (:class:`PrunePaths`).
     """
 
     method: Method
@@ -75,11 +74,7 @@ class PrunePlan:
     batches: Sequence[Any]
     device: torch.device
     storage: str
-    out: Optional[Path]
-    run_dir: Optional[Path]
-    temporary_run_dir: bool
-    resuming: bool
-    out_allowed: Tuple[str, ...]
+    paths: PrunePaths
     options: PruneOptions
 
     @property
@@ -92,13 +87,41 @@ class PrunePlan:
         return self.source.model
 
 
-def _run_dir(options: PruneOptions) -> Tuple[Optional[Path], bool]:
-    """The run directory and whether it is temporary (removed after a successful save)."""
+@dataclass(frozen=True)
+class PrunePaths:
+    """Where a prune writes, checked (:func:`check_paths`): ``out`` (``None``: in place only), the run
+    directory (``temporary_run_dir``: removed after a successful save), ``resuming`` (``out`` is this run
+    directory's own earlier output) and ``out_allowed`` (the entries ``out`` may already hold)."""
+
+    out: Optional[Path]
+    run_dir: Optional[Path]
+    temporary_run_dir: bool
+    resuming: bool
+    out_allowed: Tuple[str, ...]
+
+
+def check_paths(model_or_path: Union[nn.Module, PathLike], options: PruneOptions) -> PrunePaths:
+    """The output and run directories of a prune of ``model_or_path`` with ``options``, checked: an input
+    is never an output, ``out`` is new, empty or this run's own, a checkpoint directory (streamed) has an
+    ``out``. :func:`plan_prune` calls it; the command line calls it too, before the slow model load."""
+    out = Path(options.out) if options.out is not None else None
+    if not isinstance(model_or_path, nn.Module) and out is None:
+        raise ArmorInputError("prune_model on a checkpoint directory streams it block by block and needs "
+                              "PruneOptions(out=DIR) to write the pruned model")
     if options.run_dir is not None:
-        return Path(options.run_dir), False
-    if options.out is not None:
-        return Path(options.out) / RUN_DIR_NAME, True
-    return None, False
+        run_dir, temporary = Path(options.run_dir), False
+    else:
+        run_dir, temporary = (out / RUN_DIR_NAME if out is not None else None), out is not None
+    check_prune_paths(model_source_dirs(model_or_path), out=out, run_dir=options.run_dir,
+                      hidden_dir=options.hidden_dir)  # inputs are never outputs, checked before any work
+    resuming, allowed = False, ()
+    if out is not None:
+        inside = run_dir is not None and run_dir.parent.resolve() == out.resolve()
+        resuming = run_dir is not None and resumes_into(run_dir, out)
+        allowed = (run_dir.name,) if inside else ()
+        check_out(out, options.overwrite or resuming, allowed=allowed)
+    return PrunePaths(out=out, run_dir=run_dir, temporary_run_dir=temporary, resuming=resuming,
+                      out_allowed=tuple(allowed))
 
 
 def _check_layers(model: nn.Module, names: Sequence[str], streamed: bool) -> None:
@@ -138,19 +161,7 @@ def plan_prune(
                               "without torchrun")
     batches = calibration_batches(calibration, options.batch_size)
     streamed = not isinstance(model_or_path, nn.Module)
-    out = Path(options.out) if options.out is not None else None
-    if streamed and out is None:
-        raise ArmorInputError("prune_model on a checkpoint directory streams it block by block and needs "
-                              "PruneOptions(out=DIR) to write the pruned model")
-    run_dir, temporary = _run_dir(options)
-    check_prune_paths(model_source_dirs(model_or_path), out=out, run_dir=options.run_dir,
-                      hidden_dir=options.hidden_dir)  # inputs are never outputs, checked before any work
-    resuming, allowed = False, ()
-    if out is not None:
-        inside = run_dir is not None and run_dir.parent.resolve() == out.resolve()
-        resuming = run_dir is not None and resumes_into(run_dir, out)
-        allowed = (run_dir.name,) if inside else ()
-        check_out(out, options.overwrite or resuming, allowed=allowed)
+    paths = check_paths(model_or_path, options)
     source = Streamed(model_or_path, dtype=options.dtype) if streamed else InMemory(model_or_path)
     model = source.model
     blocks_prefix, blocks = decoder_blocks(model)
@@ -192,6 +203,5 @@ def plan_prune(
     storage = options.storage or ("auto" if device.type == "cuda" else "dense")
     return PrunePlan(method=method, config=config, source=source, blocks_prefix=blocks_prefix, blocks=blocks,
                      names=tuple(names), unfit=unfit, dense_weights=dense, experts=experts,
-                     experts_left_dense=experts_left_dense, model_pass=model_pass, batches=batches, device=device, storage=storage, out=out,
-                     run_dir=run_dir, temporary_run_dir=temporary, resuming=resuming, out_allowed=tuple(allowed),
+                     experts_left_dense=experts_left_dense, model_pass=model_pass, batches=batches, device=device, storage=storage, paths=paths,
                      options=options)

@@ -7,7 +7,8 @@ and decision is made once, before any layer is pruned, as a :class:`~torch_armor
 (:func:`~torch_armor.engine.plan.plan_prune`: the layers and their settings, the weights left dense,
 the output and run directories, the device); :func:`execute` runs it (``torchrun``'s process group,
 the run directory's lock and store, the block pass, the save). The command line (``torch-armor
-prune``) only builds these objects and calls :func:`prune_model`.
+prune``) only builds these objects, runs the plan's path checks
+(:func:`~torch_armor.engine.plan.check_paths`) before its slow model load, then plans and executes.
 
 Example (a tiny random model; pruned in place)::
 
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence, Union
 
 import contextlib
+import dataclasses
 
 import torch.distributed as dist
 from torch import nn
@@ -48,7 +50,7 @@ from torch_armor.engine.experts import dense_lines, routed_token_lines, with_den
 from torch_armor.engine.identity import identity_string
 from torch_armor.engine.interrupt import interrupted_message
 from torch_armor.engine.lock import OutputBusy, output_lock, run_lock
-from torch_armor.engine.methods import RunContext
+from torch_armor.engine.methods import RunState
 from torch_armor.engine.options import RUN_DIR_NAME, PathLike, PruneOptions, out_contents
 from torch_armor.engine.plan import PrunePlan, plan_prune
 from torch_armor.engine.paths import mark_run_target, mark_written, resumes_into
@@ -136,7 +138,7 @@ def execute(plan: PrunePlan) -> PruneReport:
     """Run a :class:`~torch_armor.engine.plan.PrunePlan`: the block pass over its layers, then (with
     ``out``) the save; the report of :func:`prune_model`."""
     options, method, source, model, config = plan.options, plan.method, plan.source, plan.model, plan.config
-    names, batches, dev, run_path, out = list(plan.names), plan.batches, plan.device, plan.run_dir, plan.out
+    names, batches, dev, run_path, out = list(plan.names), plan.batches, plan.device, plan.paths.run_dir, plan.paths.out
     blocks_prefix, blocks, streamed, experts = plan.blocks_prefix, plan.blocks, plan.streamed, plan.experts
     dense, model_pass = dict(plan.dense_weights), plan.model_pass
     topo = init_distributed(device=dev)
@@ -162,24 +164,13 @@ def execute(plan: PrunePlan) -> PruneReport:
                     finished = len(store.finished(names))
                     if finished and topo.rank == 0:
                         (options.log or logger.info)(f"resuming {run_path}: {finished} of {len(names)} layers already finished")
-                writer = ShardWriter(run_path / BLOCKS_DIR) if streamed else None
-                storage = plan.storage
-                block_batches, n_sampled = batches, 0
+                state = RunState(store=store, identity=identity, rank=topo.rank, world_size=topo.world_size,
+                                 sink=ShardWriter(run_path / BLOCKS_DIR) if streamed else None)
+                block_batches = batches
                 if model_pass is not None:
-                    block_batches, n_sampled = model_pass.before_blocks(model, batches, RunContext(
-                        source=source, blocks_prefix=blocks_prefix, n_blocks=len(blocks), writer=writer, device=dev,
-                        run_dir=run_path, identity=identity, storage=storage, rank=topo.rank,
-                        world_size=topo.world_size, log=options.log, progress=options.progress and topo.rank == 0,
-                        batch_size=options.batch_size))
-                pipeline = BlockPipeline(
-                    source=source, blocks_prefix=blocks_prefix, blocks=blocks, names=names, config=config,
-                    sequential=options.sequential, store=store, identity=identity, device=dev,
-                    hidden_dtype=options.hidden_dtype,
-                    hidden_dir=Path(options.hidden_dir) if options.hidden_dir is not None else None,
-                    storage=storage, progress=options.progress and topo.rank == 0, sink=writer, rank=topo.rank,
-                    world_size=topo.world_size, expert_calibration=options.expert_calibration,
-                    min_expert_tokens=options.min_expert_tokens, held_out_from=n_sampled,
-                )
+                    block_batches, n_sampled = model_pass.before_blocks(plan, state)
+                    state = dataclasses.replace(state, held_out_from=n_sampled)
+                pipeline = BlockPipeline(plan, state)
                 report = pipeline.run(block_batches)
                 if report.uncalled_layers:
                     dense = with_dense_layers(dense, report.uncalled_layers, blocks_prefix)
@@ -196,17 +187,18 @@ def execute(plan: PrunePlan) -> PruneReport:
                 if not streamed:
                     attach_quantizer(model)  # model.save_pretrained now writes the ARMOR format
                 if topo.rank == 0 and out is not None:
-                    write = (partial(writer.finish, source, blocks_prefix) if streamed
+                    write = (partial(state.sink.finish, source, blocks_prefix) if streamed
                              else partial(save_pretrained, model))
                     try:
-                        _save_output(write, out, options.overwrite, plan.resuming, plan.out_allowed, run_path,
+                        _save_output(write, out, options.overwrite, plan.paths.resuming, plan.paths.out_allowed,
+                                     run_path,
                                      options.log or logger.info)
                     except OSError as err:
                         if isinstance(err, ArmorError):
                             raise
                         raise write_failed(err, f"free space or fix permissions, then prune again: the finished "
                                                 f"layers are kept in {run_path}") from err
-                    if plan.temporary_run_dir:
+                    if plan.paths.temporary_run_dir:
                         shutil.rmtree(run_path, ignore_errors=True)
                 return report
             except KeyboardInterrupt as err:
