@@ -119,12 +119,12 @@ class BlockPipeline:
     def run(self, calibration: Sequence[torch.Tensor]) -> PruneReport:
         method = self.method
         start_all = time.perf_counter()
-        self.plan.source.prepare_inputs()
         plan = self.plan
+        plan.source.prepare_inputs()
         inputs = capture_block_inputs(plan.source.model, plan.blocks[0], calibration,
                                       hidden_dtype=plan.options.hidden_dtype, blocks=plan.blocks,
                                       blocks_prefix=plan.blocks_prefix)
-        self.plan.source.release_inputs()
+        plan.source.release_inputs()
         by_block = self._names_by_block()
         self.run_config = method.plan(self.plan.config, self, inputs, by_block)
         report = PruneReport(method=method.name, pattern=self.run_config.pattern,

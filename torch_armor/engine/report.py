@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from torch_armor.calibration.selection import block_index
-from torch_armor.engine.methods import METHODS, method_label
+from torch_armor.engine.methods import method_label, method_named
 from torch_armor.errors import require_extra
 
 __all__ = ["LayerResult", "PruneReport"]
@@ -129,7 +129,7 @@ class PruneReport:
         if what == "output":
             return f"layer output loss {value:.4f} × NoWag-P's: {closes}"
         label = method_label(self.method)
-        if any(m.name == self.method and m.minimises_proxy for m in METHODS.values()):
+        if method_named(self.method).minimises_proxy:
             return f"proxy loss {value:.4f} × NoWag-P's (the loss {label} minimised): {closes}"
         return (f"proxy loss {value:.4f} × NoWag-P's (NoWag-P's objective, not {label}'s: "
                 "compare methods by perplexity)")
@@ -137,8 +137,7 @@ class PruneReport:
     def stage_lines(self) -> List[str]:
         """One line per stage of :attr:`stages`, as its method says it
         (:meth:`~torch_armor.engine.methods.Method.stage_lines`)."""
-        method = next((m for m in METHODS.values() if m.name == self.method), None)
-        return [] if method is None else method.stage_lines(self.stages)
+        return method_named(self.method).stage_lines(self.stages)
 
     def _final(self, layer: LayerResult) -> float:
         if self.final_loss()[0] == "output" and layer.relative_output_loss is not None:
