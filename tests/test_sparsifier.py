@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import doctest
 import logging
+import warnings
 
 import pytest
 import torch
@@ -167,22 +168,94 @@ def test_settings_only_in_the_config():
         ArmorSparsifier("armor")  # the config's type is the method: a method name is no config
 
 
-def test_per_layer_block_size_override():
-    torch.manual_seed(0)
+def _largest_block(d_out: int, d_in: int, max_overhead: float, group: int = 4):
+    """Brute force: the largest multiple of ``group`` dividing both dims within ``max_overhead`` (None: none)."""
+    fits = [d for d in range(group, min(d_out, d_in) + 1, group)
+            if d_out % d == 0 and d_in % d == 0 and d * (d_in + d_out) <= max_overhead * d_in * d_out]
+    return max(fits, default=None)
+
+
+def test_a_layer_the_block_size_does_not_fit_is_refused_when_strict():
     model = nn.Sequential(nn.Linear(48, 32), nn.ReLU(), nn.Linear(32, 64))
-    sp = ArmorSparsifier(ArmorConfig(block_size=32, optimizer=BcdConfig(iters=2)), progress=False)
+    sp = ArmorSparsifier(ArmorConfig(block_size=32, optimizer=BcdConfig(iters=2)), strict=True, progress=False)
     with pytest.raises(ValueError) as err:
         sp.prepare(model, [{"tensor_fqn": "0.weight"}, {"tensor_fqn": "2.weight"}])
     msg = str(err.value)
-    assert "0.weight" in msg and "block_size=32" in msg and "16" in msg and "'block_size'" in msg
-    assert no_hooks(model[2])
+    assert "'0'" in msg and "block_size=32" in msg and "16" in msg and "'block_size'" in msg and "\n" not in msg
+    assert no_hooks(model[0]) and no_hooks(model[2])
+
+
+@pytest.mark.parametrize("max_overhead", [0.5, 0.9])
+def test_a_layer_the_block_size_does_not_fit_gets_the_largest_that_does(max_overhead):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 32), nn.ReLU(), nn.Linear(32, 64))
+    sp = ArmorSparsifier(ArmorConfig(block_size=32, max_overhead=max_overhead, optimizer=BcdConfig(iters=2)),
+                         progress=False)
+    with pytest.warns(UserWarning, match=r"1 layer\(s\) the settings do not fit.*0\.weight") as caught:
+        sp.prepare(model, [{"tensor_fqn": "0.weight"}, {"tensor_fqn": "2.weight"}])
+    assert caught[0].filename == __file__  # the warning points at the caller's prepare()
+    want = _largest_block(32, 48, max_overhead)
+    assert sp.config_for("0.weight").block_size == want and sp.config_for("2.weight").block_size == 32
+    assert sp.unfit_layers["0.weight"].startswith(f"block size {want}: block_size=32 does not divide")
+    model(torch.randn(40, 48))
+    sp.convert(model)
+    assert model[0].weight.block_size == want and model[2].weight.block_size == 32
+
+
+def test_a_layer_nothing_fits_stays_dense_and_unhooked():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 32), nn.ReLU(), nn.Linear(32, 64))
+    dense = model[0].weight.detach().clone()
+    sp = ArmorSparsifier(ArmorConfig(block_size=32, optimizer=BcdConfig(iters=2)), progress=False)
+    with pytest.warns(UserWarning, match=r"0\.weight \(1\): dense: .*within 5\.0% wrapper overhead"):
+        sp.prepare(model, [{"tensor_fqn": "0.weight"}, {"tensor_fqn": "2.weight"}])
+    assert _largest_block(32, 48, 0.05) is None and no_hooks(model[0]) and not no_hooks(model[2])
+    with pytest.raises(KeyError, match="'0.weight' is left dense: dense: block_size=32"):
+        sp.config_for("0.weight")
+    model(torch.randn(40, 48))
+    sp.convert(model)
+    assert type(model[0].weight) is nn.Parameter and torch.equal(model[0].weight, dense)
+    assert isinstance(model[2].weight, ArmorTensor)
+    nothing = ArmorSparsifier(ArmorConfig(block_size=32), progress=False)
+    with pytest.raises(ValueError, match="fit none of the 1 prepared layers.*'0.weight'"):
+        nothing.prepare(nn.Sequential(nn.Linear(48, 32)), [{"tensor_fqn": "0.weight"}])
+
+
+def test_a_per_layer_block_size_override():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 32), nn.ReLU(), nn.Linear(32, 64))
+    sp = ArmorSparsifier(ArmorConfig(block_size=32, optimizer=BcdConfig(iters=2)), strict=True, progress=False)
     sp.prepare(model, [{"tensor_fqn": "0.weight", "block_size": 16}, {"tensor_fqn": "2.weight"}])
-    assert sp.config_for("0.weight").block_size == 16
+    assert sp.config_for("0.weight").block_size == 16 and not sp.unfit_layers
     assert per_sweep(sp.config_for("0.weight")) == per_sweep(ArmorConfig(block_size=16))
     assert per_sweep(sp.config_for("2.weight")) == per_sweep(ArmorConfig(block_size=32))
     model(torch.randn(40, 48))
     sp.convert(model)
     assert model[0].weight.block_size == 16 and model[2].weight.block_size == 32
+
+
+@pytest.mark.parametrize("config", [ArmorConfig(block_size=64), ArmorConfig(block_size=64, max_overhead=0.6),
+                                    ArmorConfig(block_size=32, block_sizes={"*.mlp.*": 128}),
+                                    WandaConfig(pattern="2:4"), ArmorConfig(block_size="auto", max_overhead=0.2)])
+def test_the_sparsifier_fits_layers_as_prune_model_plans_them(tiny_llama_factory, config):
+    """The sparsifier and plan_prune decide every layer alike: the same settings, the same layers left dense."""
+    from torch_armor.engine.plan import plan_prune
+
+    model = tiny_llama_factory()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = plan_prune(model, torch.randint(0, 128, (2, 8)), config)
+        sp = ArmorSparsifier(config, progress=False)
+        sp.prepare(model)
+    assert {f"{n}.weight": why for n, why in plan.unfit.items()} == sp.unfit_layers
+    assert [f"{n}.weight" for n in plan.names] == [g["tensor_fqn"] for g in sp.groups]
+    def settings(cfg):  # the fallbacks of other layers aside (the plan's config holds every layer's)
+        return {k: v for k, v in vars(cfg).items() if k != "block_sizes"}
+
+    for name in plan.names:
+        want = plan.config.for_layer(*model.get_submodule(name).weight.shape, name=name)
+        assert settings(sp.config_for(f"{name}.weight")) == settings(want)
+    assert plan.unfit or not isinstance(getattr(config, "block_size", None), int)  # each integer block size leaves some layer unfit
 
 
 # --- calibration -------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 from collections import defaultdict
 from typing import Any, Dict, List, Optional
 
@@ -22,6 +23,7 @@ from torch.ao.pruning import BaseSparsifier
 from torch_armor.calibration.observer import ActSqNormObserver, LayerStatistics, decoder_linear_names, set_token_mask
 from torch_armor.config.serialized import config_changes, config_to_dict
 from torch_armor.core.factors import ArmorFactors
+from torch_armor.engine.fit import fit_layers, unfit_warning
 from torch_armor.engine.identity import hash_tensors
 from torch_armor.engine.methods import Method, method_for
 from torch_armor.engine.runner import LayerSolution, solve_layer
@@ -42,15 +44,20 @@ class CalibratedSparsifier(BaseSparsifier):
     Args:
         base_config: the method config of every layer (its type is the method).
         progress: a progress bar in :meth:`step`.
+        strict: refuse a layer the settings do not fit instead of fitting it as
+            :func:`~torch_armor.prune_model` does (:func:`~torch_armor.engine.fit.fit_layers`).
     """
 
-    def __init__(self, base_config: Any, progress: bool = True) -> None:
+    def __init__(self, base_config: Any, progress: bool = True, strict: bool = False) -> None:
         self.method: Method = method_for(base_config)
         self._base_config = base_config
         fields = tuple(f.name for f in dataclasses.fields(base_config))
         self._options = fields
         super().__init__(defaults={k: getattr(base_config, k) for k in fields})
         self.progress = bool(progress)
+        self.strict = bool(strict)
+        #: ``{tensor_fqn: what was done instead and why}`` for every prepared layer the settings did not fit
+        self.unfit_layers: Dict[str, str] = {}
         self._observers: Dict[str, ActSqNormObserver] = {}
         self._layer_configs: Dict[str, Any] = {}
         self._group_configs: Dict[str, Any] = {}  # per-layer overrides applied, not yet resolved for the shape
@@ -104,6 +111,7 @@ class CalibratedSparsifier(BaseSparsifier):
         # a second prepare() starts over: drop the hooks and results of the first
         self._remove_hooks()
         self._observers, self._layer_configs, self._group_configs, self._weight_hashes = {}, {}, {}, {}
+        self.unfit_layers = {}
         self._converted = False
         self.groups = []
         self.state = defaultdict(dict)
@@ -148,7 +156,7 @@ class CalibratedSparsifier(BaseSparsifier):
                     f"layer {fqn!r}: only the 'weight' of an nn.Linear can be pruned, got "
                     f"{group['tensor_name']!r} of a {type(module).__name__}"
                 )
-            self._layer_configs[fqn] = self._resolve_config(group)
+        self._fit_layers()
         self._weight_hashes = {g["tensor_fqn"]: hash_tensors({g["tensor_fqn"]: g["module"].weight})
                                for g in self.groups}
         if not self.needs_statistics:
@@ -161,29 +169,41 @@ class CalibratedSparsifier(BaseSparsifier):
             self._remove_hooks()
             raise
 
-    def _resolve_config(self, group: Dict[str, Any]) -> Any:
-        """One layer's settings: per-layer overrides applied, resolved for its shape by the
-        config's ``for_layer`` (ARMOR: :meth:`ArmorConfig.for_layer` resolves ``"auto"``)."""
-        fqn = group["tensor_fqn"]
-        defaults = self.defaults
-        overrides = {k: group[k] for k in self._options
-                     if k in group and (k not in defaults or group[k] != defaults[k])}
-        try:
-            cfg = dataclasses.replace(self._base_config, **overrides)
-        except ValueError as err:
-            raise ArmorInputError(f"layer {fqn!r}: invalid per-layer setting: {err}") from None
-        self._group_configs[fqn] = cfg
-        try:
-            return cfg.for_layer(*group["module"].weight.shape, name=fqn)
-        except ValueError as err:
-            key = "block_size" if "block_size" in str(err) else "pattern"
-            raise ArmorInputError(
-                f"{err}. Override it for this layer: "
-                f"prepare(model, [{{'tensor_fqn': '{fqn}', '{key}': <one that fits>}}, ...])"
-            ) from None
+    def _fit_layers(self) -> None:
+        """Every prepared layer's settings, decided as :func:`~torch_armor.prune_model` decides them: the
+        per-layer overrides applied, then :func:`~torch_armor.engine.fit.fit_layers` (a layer the settings
+        do not fit gets a smaller block size, or stays dense: its group is dropped, no hook, not converted;
+        one warning; ``strict``: refused), then resolved for the layer's shape (``for_layer``)."""
+        kept_groups = []
+        for group in self.groups:
+            fqn, module_fqn = group["tensor_fqn"], group["module_fqn"]
+            overrides = {k: group[k] for k in self._options
+                         if k in group and (k not in self.defaults or group[k] != self.defaults[k])}
+            cfg = self._base_config.with_override(overrides, fqn)
+            try:
+                kept, cfg, unfit = fit_layers(self.model, [module_fqn], cfg, self.strict)
+            except ArmorInputError as err:
+                key = "block_size" if "block_size" in str(err) else "pattern"
+                raise ArmorInputError(f"{err}. Override it for this layer: prepare(model, [{{'tensor_fqn': '{fqn}', "
+                                      f"'{key}': <one that fits>}}, ...]), or pass strict=False") from None
+            if module_fqn in unfit:
+                self.unfit_layers[fqn] = unfit[module_fqn]
+            if kept:
+                self._group_configs[fqn] = cfg
+                self._layer_configs[fqn] = cfg.for_layer(*group["module"].weight.shape, name=module_fqn)
+                kept_groups.append(group)
+        if not kept_groups:
+            first = next(iter(self.unfit_layers))
+            raise ArmorInputError(f"the settings fit none of the {len(self.groups)} prepared layers (layer {first!r}: "
+                                  f"{self.unfit_layers[first]}); choose a block size or pattern that fits them")
+        if self.unfit_layers:  # pointing at the caller of prepare()
+            warnings.warn(unfit_warning(self.unfit_layers), UserWarning, stacklevel=5)
+        self.groups = kept_groups
 
     def config_for(self, fqn: str) -> Any:
         """The settings used for one prepared layer (per-layer overrides applied, resolved for its shape)."""
+        if fqn in self.unfit_layers and fqn not in self._layer_configs:
+            raise KeyError(f"layer {fqn!r} is left dense: {self.unfit_layers[fqn]}")
         if fqn not in self._layer_configs:
             raise KeyError(f"layer {fqn!r} was not prepared")
         return self._layer_configs[fqn]

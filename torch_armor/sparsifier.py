@@ -59,6 +59,12 @@ class ArmorSparsifier(CalibratedSparsifier):
         storage: how converted ArmorTensor weights store the core (``"auto"``, ``"compact"``,
             ``"dense"``, ``"semi_structured"``; see :class:`~torch_armor.tensor.armor_tensor.ArmorTensor`).
         progress: show a tqdm progress bar in :meth:`step`.
+        strict: refuse, in ``prepare``, a layer the settings do not fit (the message names it and the
+            block sizes that fit). By default such a layer is fitted as :func:`~torch_armor.prune_model`
+            fits it: ARMOR with an integer block size gives it the largest block size that divides it
+            within ``max_overhead``; a layer nothing fits (or a pattern whose ``M`` does not divide its
+            input width) stays dense and is not prepared. Both are said in one warning and listed in
+            :attr:`unfit_layers`.
         on_layer_done: called as ``on_layer_done(tensor_fqn, solution)`` after each layer is solved
             in :meth:`step` (the :class:`~torch_armor.engine.runner.LayerSolution` is already
             stored: ``solution.payload``: the ``ArmorFactors`` for ARMOR, the pruned weight for a baseline), e.g. to
@@ -67,9 +73,9 @@ class ArmorSparsifier(CalibratedSparsifier):
     Per-layer overrides in ``prepare(model, [{"tensor_fqn": ..., "block_size": 16}, ...])`` may
     set any field of the config (e.g. a baseline's ``"pattern"``). For ARMOR, derived defaults
     follow: a layer overriding ``block_size`` gets that block size's default ``group_updates``
-    unless that is set too. Each layer's config is resolved with the config's ``for_layer``
-    (``block_size="auto"`` picks a block size per layer) and checked against its shape in
-    ``prepare``. Block reconstruction needs decoder blocks and distillation the whole model: the
+    unless that is set too. Each layer's config is fitted to its shape in ``prepare`` as
+    :func:`~torch_armor.prune_model` fits it (see ``strict``) and resolved with the config's
+    ``for_layer`` (``block_size="auto"`` picks a block size per layer). Block reconstruction needs decoder blocks and distillation the whole model: the
     sparsifier, which sees layers, skips both.
 
     Example::
@@ -103,13 +109,14 @@ class ArmorSparsifier(CalibratedSparsifier):
         *,
         storage: str = "auto",
         progress: bool = True,
+        strict: bool = False,
         on_layer_done: Optional[Callable[[str, LayerSolution], None]] = None,
     ) -> None:
         if storage not in STORAGES + ("auto",):
             raise ArmorInputError(f"storage must be one of {STORAGES + ('auto',)}, got {storage!r}")
         if on_layer_done is not None and not callable(on_layer_done):
             raise ArmorInputError("on_layer_done must be a callable (tensor_fqn, solution) -> None")
-        super().__init__(ArmorConfig() if config is None else config, progress=progress)
+        super().__init__(ArmorConfig() if config is None else config, progress=progress, strict=strict)
         self.storage = storage
         self.on_layer_done = on_layer_done
 

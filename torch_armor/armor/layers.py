@@ -31,7 +31,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
@@ -65,23 +64,7 @@ LayerInput = Union[Tuple[torch.Tensor, Any], Callable[[], Tuple[torch.Tensor, An
 
 def _layer_config(base: ArmorConfig, override: Any, fqn: str, shape: Optional[Sequence[int]]) -> ArmorConfig:
     """``base`` with ``override`` applied, resolved by :meth:`ArmorConfig.for_layer` if ``shape`` is known."""
-    if override is None:
-        cfg = base
-    elif isinstance(override, ArmorConfig):
-        cfg = override
-    elif isinstance(override, Mapping):
-        unknown = set(override) - {f.name for f in dataclasses.fields(ArmorConfig)}
-        if unknown:
-            raise ArmorInputError(f"layer {fqn!r}: unknown ArmorConfig fields in per_layer_overrides: {sorted(unknown)}")
-        try:
-            cfg = dataclasses.replace(base, **override)
-        except ArmorInputError as err:
-            raise ArmorInputError(f"layer {fqn!r}: invalid per-layer setting: {err}") from None
-    else:
-        raise ArmorInputError(
-            f"layer {fqn!r}: per_layer_overrides values must be an ArmorConfig or a dict of ArmorConfig "
-            f"fields, got {type(override).__name__}"
-        )
+    cfg = base.with_override(override, fqn)
     return cfg if shape is None else cfg.for_layer(int(shape[0]), int(shape[1]), name=fqn)
 
 

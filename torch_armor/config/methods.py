@@ -18,8 +18,9 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional
 
 from torch_armor.config.serialized import config_to_dict, serializable
 from torch_armor.core.pattern import SparsityPattern, check_layer_shape, parse_pattern
@@ -66,6 +67,35 @@ class MethodConfig:
         """Whether the engine must choose per-layer settings from measurements first (ARMOR's
         ``block_size="budget"``)."""
         return False
+
+    def with_override(self, override: Any, name: str) -> "MethodConfig":
+        """This config with one layer's override applied: ``None`` (unchanged), a config of this type (used
+        as it is) or a mapping of this type's fields. Derived defaults follow the override (ARMOR: a layer
+        that overrides ``block_size`` gets that block size's ``group_updates``); errors name the layer.
+
+        Example::
+
+            >>> SparseGPTConfig().with_override({"damp": 0.1}, "fc").damp
+            0.1
+            >>> WandaConfig().with_override({"damp": 0.1}, "fc")
+            Traceback (most recent call last):
+            ...
+            torch_armor.errors.ArmorInputError: layer 'fc': unknown WandaConfig fields in its override: ['damp']; valid: ['pattern']
+        """
+        if override is None or isinstance(override, type(self)):
+            return self if override is None else override
+        kind = type(self).__name__
+        if not isinstance(override, Mapping):
+            raise ArmorInputError(f"layer {name!r}: a per-layer override is a {kind} or a dict of its fields, "
+                                  f"got {type(override).__name__}")
+        fields = [f.name for f in dataclasses.fields(self)]
+        unknown = sorted(set(override) - set(fields))
+        if unknown:
+            raise ArmorInputError(f"layer {name!r}: unknown {kind} fields in its override: {unknown}; valid: {fields}")
+        try:
+            return dataclasses.replace(self, **override)
+        except ValueError as err:
+            raise ArmorInputError(f"layer {name!r}: invalid per-layer setting: {err}") from None
 
     def for_layer(self, d_out: int, d_in: int, name: Optional[str] = None) -> "MethodConfig":
         """This config for one ``(d_out, d_in)`` layer, checked against the shape (errors name ``name``)."""
