@@ -435,7 +435,9 @@ def test_quantize_writes_8bit_cores_that_load_back(tmp_path, capsys):
     save_pretrained(make_tiny_llama(), tmp_path / "dense")
     for argv, message in (([str(tmp_path / "int8"), "--out", str(tmp_path / "x")], "already has quantized cores"),
                           ([str(tmp_path / "dense"), "--out", str(tmp_path / "y")], "holds no ARMOR layers"),
-                          ([str(tmp_path / "pruned"), "--out", str(tmp_path / "int8")], "is not empty")):
+                          ([str(tmp_path / "pruned"), "--out", str(tmp_path / "int8")], "is not empty"),
+                          ([str(tmp_path / "pruned"), "--out", str(tmp_path / "pruned"), "--overwrite"],
+                           f"--out {tmp_path / 'pruned'} is the input checkpoint")):
         assert main(["quantize", *argv, "--format", "fp8"]) == 2
         err = [line for line in capsys.readouterr().err.splitlines() if "quantize:" in line]
         assert len(err) == 1 and message in err[0], err

@@ -17,7 +17,7 @@ from torch_armor.calibration.observer import LayerStatistics
 from torch_armor.core import baselines
 from torch_armor.config.methods import MethodConfig
 from torch_armor.core.proxy import nowag_prune
-from torch_armor.engine.methods import METHODS, Method, ModelPass, method_for, method_names, register_method
+from torch_armor.engine.methods import METHODS, Method, ModelPass, ModelPassRun, method_for, method_names, register_method
 from torch_armor.engine.runner import solve_layer
 
 
@@ -102,7 +102,12 @@ class _HookedPass(ModelPass):
 
     def before_blocks(self, plan, run):
         self.calls.append(("before_blocks", len(plan.blocks), len(plan.batches)))
-        return plan.batches, 0
+        return _HookedRun(plan.batches, 0, self.calls)
+
+
+@dataclasses.dataclass
+class _HookedRun(ModelPassRun):
+    calls: list = dataclasses.field(default_factory=list)
 
     def after_model(self, model, report):
         self.calls.append(("after_model", len(report.layers)))

@@ -46,7 +46,7 @@ from torch_armor.armor.distill_kl import TopK, Window, dense_top_k, sample_windo
 from torch_armor.armor.distill_stream import BlockStream, StreamedStudent
 from torch_armor.armor.distill_train import (ArmorWeight, InMemoryStudent, TrainingState, armor_layers, core_of,
                                               distill_model, held_out_split, windows_needed)
-from torch_armor.engine.methods import ModelPass, RunState
+from torch_armor.engine.methods import ModelPass, ModelPassRun, RunState
 from torch_armor.errors import ArmorInputError
 
 __all__ = ["distill_skip_reason", "sampling_skip_reason", "NO_DISTILL_COST", "Distillation", "DISTILLED_NAME",
@@ -219,7 +219,7 @@ class Distillation:
         return summary
 
 
-@dataclass
+@dataclass(frozen=True)
 class DistillationPass(ModelPass):
     """Distillation with ``distill`` (``None``: skipped, for the reason ``skipped``), seeded by ``seed``;
     ``sampling_skipped``: why it runs without its sampled windows (``""``: it samples them)."""
@@ -228,28 +228,36 @@ class DistillationPass(ModelPass):
     seed: int
     skipped: str = ""
     sampling_skipped: str = ""
-    distillation: Optional[Distillation] = None
 
-    def before_blocks(self, plan: Any, run: RunState) -> Tuple[Sequence[Any], int]:
-        batches = plan.batches
+    def before_blocks(self, plan: Any, run: RunState) -> "DistillationRun":
         if self.distill is None:
-            return batches, 0
+            return DistillationRun(plan.batches, 0, self, None)
         stream = (BlockStream(plan.source, plan.blocks_prefix, len(plan.blocks), run.sink, plan.device)
                   if run.sink is not None else None)
-        self.distillation = Distillation(self.distill, batches, seed=self.seed, run_dir=plan.paths.run_dir,
-                                         identity=run.identity, storage=plan.storage, stream=stream, device=plan.device,
-                                         rank=run.rank, world_size=run.world_size, log=plan.options.log,
-                                         progress=run.shows_progress(plan))
-        self.distillation.capture(plan.model)  # the dense teacher, before the block pass prunes in place
-        return self.distillation.block_pass_batches(batches, plan.options.batch_size)
+        distillation = Distillation(self.distill, plan.batches, seed=self.seed, run_dir=plan.paths.run_dir,
+                                    identity=run.identity, storage=plan.storage, stream=stream, device=plan.device,
+                                    rank=run.rank, world_size=run.world_size, log=plan.options.log,
+                                    progress=run.shows_progress(plan))
+        distillation.capture(plan.model)  # the dense teacher, before the block pass prunes in place
+        batches, held_out_from = distillation.block_pass_batches(plan.batches, plan.options.batch_size)
+        return DistillationRun(batches, held_out_from, self, distillation)
+
+
+@dataclass
+class DistillationRun(ModelPassRun):
+    """A :class:`DistillationPass` (``settings``) under way: its ``distillation`` (``None``: skipped) trains the
+    pruned model."""
+
+    settings: Optional[DistillationPass] = None
+    distillation: Optional[Distillation] = None
 
     def after_model(self, model: nn.Module, report: Any) -> None:
         if self.distillation is not None:
             report.stages["distillation"] = self.distillation.run(model)
-            if self.sampling_skipped:
-                report.stages["distillation"]["sampled_windows_skipped"] = self.sampling_skipped
-        elif self.skipped:  # prune_report.json says what the run did not do, and why
-            report.stages["distillation"] = {"skipped": self.skipped, "expected_cost": NO_DISTILL_COST}
+            if self.settings.sampling_skipped:
+                report.stages["distillation"]["sampled_windows_skipped"] = self.settings.sampling_skipped
+        elif self.settings.skipped:  # prune_report.json says what the run did not do, and why
+            report.stages["distillation"] = {"skipped": self.settings.skipped, "expected_cost": NO_DISTILL_COST}
 
 
 def distillation_pass(config: ArmorConfig, batches: Sequence[Any], *, streamed: bool) -> Optional[DistillationPass]:

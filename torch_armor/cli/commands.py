@@ -23,7 +23,8 @@ from torch_armor.cli.names import DENSE, FULL_PROTOCOL, HARNESS_JSON, QUICK_PROT
 from torch_armor.config.armor import ArmorConfig
 from torch_armor.engine.topology import launched_rank
 from torch_armor.engine.methods import method_named
-from torch_armor.engine.options import PruneOptions
+from torch_armor.engine.options import PruneOptions, check_out
+from torch_armor.engine.paths import check_prune_paths
 from torch_armor.engine.plan import check_paths, plan_prune
 from torch_armor.engine.prune import execute
 from torch_armor.errors import ArmorError, ArmorInputError, MissingExtraError, write_failed
@@ -173,11 +174,11 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if not str(args.out).strip():
         raise ArmorInputError("--out is empty; give the directory to write the quantized model to")
-    if out.exists() and any(out.iterdir()) and not args.overwrite:
-        raise ArmorInputError(f"--out {out} is not empty; choose a new directory or pass --overwrite")
+    source = Path(args.model)
+    check_prune_paths(inputs=[source], out=out)  # the one output check of every command
+    check_out(out, args.overwrite)
     if args.no_progress or not is_interactive():
         quiet_third_party_progress()
-    source = Path(args.model)
     alpha = args.smooth if args.smooth is not None else DEFAULT_ALPHA[args.format]
     windows = None
     if alpha > 0:  # the text and the tokenizer checked before the model loads

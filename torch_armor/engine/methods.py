@@ -49,7 +49,7 @@ from torch_armor.config.serialized import serializable
 from torch_armor.engine.solution import LayerSolution, StoredSolution
 from torch_armor.errors import ArmorInputError
 
-__all__ = ["Method", "ModelPass", "RunState", "METHODS", "register_method", "method_for", "method_named",
+__all__ = ["Method", "ModelPass", "ModelPassRun", "RunState", "METHODS", "register_method", "method_for", "method_named",
            "config_for_method", "method_names", "method_label", "default_config",
            "act_sq_norm_for", "xtx_of"]
 
@@ -87,18 +87,27 @@ class RunState:
         return plan.options.progress and self.rank == 0
 
 
-class ModelPass:
-    """What a method does with the whole model around the block pass (:meth:`Method.model_pass`):
-    :meth:`before_blocks` sees the dense model and chooses the block pass's calibration,
-    :meth:`after_model` sees the pruned one and adds to the report."""
+@dataclass
+class ModelPassRun:
+    """A model pass under way (:meth:`ModelPass.before_blocks`): the block pass's calibration ``batches``,
+    the index ``held_out_from`` where the calibration windows start among them (the windows before it are
+    the pass's own), and what it does once every block is pruned (:meth:`after_model`)."""
 
-    def before_blocks(self, plan: Any, run: RunState) -> Tuple[Sequence[Any], int]:
-        """``(the block pass's calibration batches, how many of them lead it that are not calibration windows)``
-        for the :class:`~torch_armor.engine.plan.PrunePlan` ``plan`` (its dense model, its batches)."""
-        return plan.batches, 0
+    batches: Sequence[Any]
+    held_out_from: int = 0
 
     def after_model(self, model: nn.Module, report: Any) -> None:
-        """After every block is pruned (the report is the run's ``PruneReport``)."""
+        """After every block is pruned: sees the pruned model, adds to the run's ``PruneReport``."""
+
+
+class ModelPass:
+    """What a method does with the whole model around the block pass (:meth:`Method.model_pass`), as the
+    frozen plan holds it; :meth:`before_blocks` starts it on the dense model."""
+
+    def before_blocks(self, plan: Any, run: RunState) -> ModelPassRun:
+        """Start the pass on the :class:`~torch_armor.engine.plan.PrunePlan` ``plan``'s dense model and
+        batches: what the block pass calibrates on, and what runs after it."""
+        return ModelPassRun(plan.batches)
 
 
 @dataclass(frozen=True)

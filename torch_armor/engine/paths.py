@@ -68,7 +68,7 @@ def check_prune_paths(inputs: Iterable[PathLike] = (), out: Optional[PathLike] =
                 what = "is" if src == resolved else "contains"
                 raise ArmorInputError(
                     f"{flag}={path} {what} the input checkpoint {src}: writing there would replace the model "
-                    f"being pruned (also with overwrite=True); choose another directory"
+                    f"being read (also with overwrite=True); choose another directory"
                 )
 
 

@@ -50,7 +50,7 @@ from torch_armor.engine.experts import dense_lines, routed_token_lines, with_den
 from torch_armor.engine.identity import identity_string
 from torch_armor.engine.interrupt import interrupted_message
 from torch_armor.engine.lock import OutputBusy, output_lock, run_lock
-from torch_armor.engine.methods import RunState
+from torch_armor.engine.methods import ModelPassRun, RunState
 from torch_armor.engine.options import RUN_DIR_NAME, PathLike, PruneOptions, out_contents
 from torch_armor.engine.plan import PrunePlan, plan_prune
 from torch_armor.engine.paths import mark_run_target, mark_written, resumes_into
@@ -166,18 +166,15 @@ def execute(plan: PrunePlan) -> PruneReport:
                         (options.log or logger.info)(f"resuming {run_path}: {finished} of {len(names)} layers already finished")
                 state = RunState(store=store, identity=identity, rank=topo.rank, world_size=topo.world_size,
                                  sink=ShardWriter(run_path / BLOCKS_DIR) if streamed else None)
-                block_batches = batches
-                if model_pass is not None:
-                    block_batches, n_sampled = model_pass.before_blocks(plan, state)
-                    state = dataclasses.replace(state, held_out_from=n_sampled)
+                passing = model_pass.before_blocks(plan, state) if model_pass is not None else ModelPassRun(batches)
+                state = dataclasses.replace(state, held_out_from=passing.held_out_from)
                 pipeline = BlockPipeline(plan, state)
-                report = pipeline.run(block_batches)
+                report = pipeline.run(passing.batches)
                 if report.uncalled_layers:
                     dense = with_dense_layers(dense, report.uncalled_layers, blocks_prefix)
                     if topo.rank == 0:
                         warnings.warn(uncalled_warning(report.uncalled_layers), UserWarning, stacklevel=3)
-                if model_pass is not None:
-                    model_pass.after_model(model, report)
+                passing.after_model(model, report)
                 report.settings.update(sequential=options.sequential)
                 report.dense_weights = dense
                 report.unfit_layers = dict(plan.unfit)
