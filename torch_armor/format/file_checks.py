@@ -45,7 +45,6 @@ __all__ = [
     "check_load_target",
     "refuse_meta_device_map",
     "refuse_missing_keys",
-    "copy_mismatch",
 ]
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -401,15 +400,3 @@ def refuse_missing_keys(directory: PathLike, loading_info: Mapping[str, Any]) ->
             f"{directory} lacks {len(missing)} weight(s) of the model, e.g. {missing[:4]}; the checkpoint is incomplete "
             "(a shard was removed or the run was interrupted): copy the missing files or re-save the model")
 
-
-def copy_mismatch(src: Any, dst: Any) -> ArmorInputError:
-    """The error for copying one ArmorTensor into another of a different layout: both layouts named.
-    (``load_state_dict`` adds the parameter's name in front of it.)"""
-    def layout(t: Any) -> str:
-        return (f"shape {tuple(t.shape)}, block size {t.block_size}, pattern {t.pattern}, storage {t.storage_format}, "
-                f"dtype {str(t.dtype).removeprefix('torch.')}")
-
-    return ArmorInputError(f"cannot copy an ArmorTensor of {layout(src)} into one of {layout(dst)} (shapes, pattern or "
-                           "block size differ): rebuild the "
-                           "model with the saved block sizes (torch_armor.load_pretrained does), or "
-                           "load_state_dict(..., assign=True) to replace the weight")
