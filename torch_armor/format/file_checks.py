@@ -29,6 +29,7 @@ from safetensors import safe_open
 
 from torch_armor.core.pattern import parse_pattern
 from torch_armor.errors import ArmorInputError
+from torch_armor.tensor.packing import index_bits
 
 __all__ = [
     "check_shard_name",
@@ -362,7 +363,7 @@ def _check_positions(fqn: str, pattern: Any, name: str, indices: Any, values: An
     indices, values = indices.reshape(-1, indices.shape[-1]), values.reshape(-1, values.shape[-1])
     p = parse_pattern(pattern)
     n, m = p.n, p.m
-    bits = 2 if m <= 4 else 4 if m <= 16 else 8
+    bits = index_bits(m)
     k = values.shape[-1]
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=indices.device)
     pos = ((indices.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(indices.shape[0], -1)[:, :k]
