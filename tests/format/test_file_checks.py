@@ -13,8 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
+from _helpers import random_pattern_factors
 from _hub_cache import hub_cache_layout
 from conftest import make_tiny_llama
+from torch_armor.core.pattern import parse_pattern
 from torch_armor.errors import ArmorInputError
 from torch_armor.format.file_checks import check_layer_values, check_shard_name, read_safetensors_header
 
@@ -192,6 +194,16 @@ def test_compact_indices_strictly_increasing(row, group, a, b, seed):
     else:
         with pytest.raises(ArmorInputError, match=f"'L'.*row {row}, group {group}"):
             check_layer_values("L", "2:4", {"values": values, "indices": crafted})
+
+
+@pytest.mark.parametrize("pattern", ["1:2", "2:4", "1:4", "4:8", "3:16"])
+def test_packed_cores_of_every_pattern_pass_the_position_check(pattern):
+    """Positions take index_bits(M) bits each (one for M = 2), as pack_nm packs them."""
+    from torch_armor.tensor.packing import pack_nm
+
+    f, p = random_pattern_factors(8, 32, 8, pattern=pattern), parse_pattern(pattern)
+    values, indices = pack_nm(f.core, p.n, p.m, mask=f.mask)
+    check_layer_values("L", pattern, {"values": values, "indices": indices})
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])

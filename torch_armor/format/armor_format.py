@@ -20,9 +20,10 @@ The format adds one rule on top, stated here once:
 A layer's description (:func:`layer_parts`) holds its shape, block size, pattern, saved and
 runtime storage, dtype and inner tensor shapes/dtypes; :func:`validate_metadata` checks a whole
 description (``{"format", "format_version", "layers", "aliases", "tensors"}``) against the stored
-tensors and :func:`build_layer` rebuilds one ArmorTensor. :func:`flatten_armor_state` /
-:func:`unflatten_armor_state` apply this to a model's state dict;
-:mod:`torch_armor.format.serialization` writes it to files and :mod:`torch_armor.format.hf` loads
+tensors (each layer's parts against its storage class's
+:meth:`~torch_armor.tensor.armor_tensor.ArmorTensor.part_specs`) and :func:`build_layer` rebuilds one
+ArmorTensor. :func:`flatten_armor_state` / :func:`unflatten_armor_state` apply this to a model's state
+dict; :mod:`torch_armor.format.serialization` writes it to files and :mod:`torch_armor.format.hf` loads
 it through transformers.
 
 Example::
@@ -48,7 +49,7 @@ from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import QUANTIZED, STORAGES, ArmorTensor, format_class, from_parts, restore_storage
 from torch_armor.tensor.eight_bit import EIGHT_BIT, EightBitArmorTensor
 from torch_armor.format.file_checks import check_layer_values
-from torch_armor.tensor.packing import index_bits, pack_nm, unpack_nm
+from torch_armor.tensor.packing import pack_nm, unpack_nm
 from torch_armor.tensor.quant import quant_config_from_dict, quant_config_to_dict, quantized_core_template
 
 __all__ = [
@@ -331,23 +332,9 @@ def validate_layer(fqn: str, layer: Any, tensors: Dict[str, torch.Tensor]) -> No
         raise ArmorInputError(f"{where}: compact storage needs an N:M pattern, got {pattern}")
     if d_b < 1 or d_out % d_b or d_in % d_b:
         raise ArmorInputError(f"{where}: block size {d_b} does not divide the shape ({d_out}, {d_in})")
-    expected = {
-        "a_blocks": (lead + (d_out // d_b, d_b, d_b), dtype),
-        "b_blocks": (lead + (d_in // d_b, d_b, d_b), dtype),
-    }
-    if storage in EIGHT_BIT:
-        expected["values"] = ((d_out, d_in // 2), DTYPES["int8" if storage == "int8" else "float8_e4m3fn"])
-        expected["indices"] = ((d_out, -(-(d_in // 2) // 4)), torch.uint8)
-        expected["core_scale"] = ((d_out,), torch.float32)
-    elif storage == "compact":
-        if d_in % pattern.m:
-            raise ArmorInputError(f"{where}: d_in={d_in} is not a multiple of M={pattern.m}")
-        k = d_in // pattern.m * pattern.n
-        per_byte = 8 // index_bits(pattern.m)
-        expected["values"] = (lead + (d_out, k), dtype)
-        expected["indices"] = (lead + (d_out, -(-k // per_byte)), torch.uint8)
-    else:
-        expected["core"] = (lead + (d_out, d_in), dtype)
+    if storage in ("compact", *EIGHT_BIT) and d_in % pattern.m:
+        raise ArmorInputError(f"{where}: d_in={d_in} is not a multiple of M={pattern.m}")
+    expected = format_class(storage).part_specs(lead + (d_out, d_in), d_b, pattern, dtype)
     for name, (shape, dt) in expected.items():
         key = part_key(fqn, name)
         if key not in tensors:
@@ -389,11 +376,11 @@ def _validate_quantized_layer(
     for key in layer_keys(fqn, layer):
         if key not in tensors:
             raise ArmorInputError(f"{where}: inner tensor {key!r} missing from the weights file(s)")
-    for name, rows in (("a_blocks", d_out), ("b_blocks", d_in)):
+    for name, (part_shape, part_dtype) in format_class(QUANTIZED).part_specs(shape, d_b, pattern, dtype).items():
         t = tensors[part_key(fqn, name)]
-        if tuple(t.shape) != (rows // d_b, d_b, d_b) or t.dtype != dtype:
+        if tuple(t.shape) != part_shape or t.dtype != part_dtype:
             raise ArmorInputError(
-                f"{where}: {name} should be {dtype} {[rows // d_b, d_b, d_b]}, found {t.dtype} {list(t.shape)}"
+                f"{where}: {name} should be {part_dtype} {list(part_shape)}, found {t.dtype} {list(t.shape)}"
             )
 
 

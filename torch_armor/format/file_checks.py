@@ -10,8 +10,9 @@
 * :func:`refuse_incomplete` — a directory left half-written by an interrupted save is refused.
 * :func:`check_quantization_config` — every ARMOR layer entry of ``config.json``'s
   ``quantization_config`` checked (types, block size against shape, pattern, dtype, inner tensors
-  against the files' headers) and every ARMOR layer stored in the files listed, before
-  transformers sees the directory.
+  against its storage class's :meth:`~torch_armor.tensor.armor_tensor.ArmorTensor.part_specs` and the
+  files' headers) and every ARMOR layer stored in the files listed, before transformers sees the
+  directory.
 * :func:`check_layer_values` — a converted layer's factors are finite and the indices of every
   compact core (a quantized core's packed ``qdata`` too) strictly increasing within each group (one
   pass over the layer, cheap next to reading it).
@@ -29,6 +30,9 @@ from safetensors import safe_open
 
 from torch_armor.core.pattern import parse_pattern
 from torch_armor.errors import ArmorInputError
+from torch_armor.tensor.armor_tensor import QUANTIZED, format_class
+from torch_armor.tensor.eight_bit import EIGHT_BIT
+from torch_armor.tensor.packing import index_bits
 
 __all__ = [
     "check_shard_name",
@@ -45,7 +49,6 @@ __all__ = [
     "check_load_target",
     "refuse_meta_device_map",
     "refuse_missing_keys",
-    "copy_mismatch",
 ]
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -58,7 +61,6 @@ _TORCH_CODE = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16":
                "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
                "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
 _STORAGES = ("compact", "dense", "semi_structured", "quantized", "int8", "fp8")
-_EIGHT_BIT_CODES = {"int8": "int8", "fp8": "float8_e4m3fn"}  # 8-bit core storage -> dtype of its values
 _PART_SUFFIXES = (".b_blocks", ".values", ".indices", ".core")
 #: ``quantization_config`` key that marks a directory whose weights files a save is replacing: from the
 #: first file replaced until the new ``config.json`` is written (its value says which process)
@@ -214,29 +216,20 @@ def _layer_problem(fqn: str, layer: Any, stored: Mapping[str, Tuple[List[int], s
     if layer.get("dtype") not in _TORCH_CODE or not torch.empty(0, dtype=getattr(torch, layer["dtype"])).is_floating_point():
         return f"dtype {layer.get('dtype')!r} is not a floating dtype"
     storage, runtime = layer.get("storage"), layer.get("runtime_storage")
-    if storage not in ("compact", "dense", "quantized", *_EIGHT_BIT_CODES) or runtime not in _STORAGES:
+    if storage not in ("compact", "dense", QUANTIZED, *EIGHT_BIT) or runtime not in _STORAGES:
         return f"storage {storage!r} / runtime_storage {runtime!r} is not one of {_STORAGES}"
     if storage == "compact" and (not pattern.structured or shape[1] % pattern.m):
         return f"compact storage needs an N:M pattern dividing the {shape[1]} input columns, got {pattern}"
-    if storage in _EIGHT_BIT_CODES and ((pattern.n, pattern.m) != (2, 4) or runtime != storage or shape[1] % 4):
+    if storage in EIGHT_BIT and ((pattern.n, pattern.m) != (2, 4) or runtime != storage or shape[1] % 4):
         return f"an {storage} core must be 2:4 with runtime_storage {storage!r}, got {pattern} / {runtime!r}"
     specs = layer.get("tensors")
     if not (isinstance(specs, dict) and specs and all(
             isinstance(s, dict) and isinstance(s.get("shape"), list) and s.get("dtype") in _TORCH_CODE
             for s in specs.values())):
         return "'tensors' is missing or not a map of {shape, dtype}"
-    dt = layer["dtype"]
-    expected = {"a_blocks": (lead + [shape[0] // d_b, d_b, d_b], dt), "b_blocks": (lead + [shape[1] // d_b, d_b, d_b], dt)}
-    if storage == "compact":
-        k = shape[1] // pattern.m * pattern.n
-        per_byte = 8 // (2 if pattern.m <= 4 else 4 if pattern.m <= 16 else 8)
-        expected.update(values=(lead + [shape[0], k], dt), indices=(lead + [shape[0], -(-k // per_byte)], "uint8"))
-    elif storage == "dense":
-        expected["core"] = (list(full), dt)
-    elif storage in _EIGHT_BIT_CODES:
-        expected.update(values=([shape[0], shape[1] // 2], _EIGHT_BIT_CODES[storage]),
-                        indices=([shape[0], -(-(shape[1] // 2) // 4)], "uint8"), core_scale=([shape[0]], "float32"))
-    for name, (want_shape, want_dtype) in expected.items():
+    expected = format_class(storage).part_specs(full, d_b, pattern, getattr(torch, layer["dtype"]))
+    for name, (part_shape, part_dtype) in expected.items():
+        want_shape, want_dtype = list(part_shape), str(part_dtype).removeprefix("torch.")
         if name not in specs or list(specs[name]["shape"]) != want_shape or specs[name]["dtype"] != want_dtype:
             got = specs.get(name)
             return (f"inner tensor {name!r} should be {want_dtype} {want_shape} for shape {tuple(shape)}, block size "
@@ -363,7 +356,7 @@ def _check_positions(fqn: str, pattern: Any, name: str, indices: Any, values: An
     indices, values = indices.reshape(-1, indices.shape[-1]), values.reshape(-1, values.shape[-1])
     p = parse_pattern(pattern)
     n, m = p.n, p.m
-    bits = 2 if m <= 4 else 4 if m <= 16 else 8
+    bits = index_bits(m)
     k = values.shape[-1]
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=indices.device)
     pos = ((indices.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(indices.shape[0], -1)[:, :k]
@@ -401,15 +394,3 @@ def refuse_missing_keys(directory: PathLike, loading_info: Mapping[str, Any]) ->
             f"{directory} lacks {len(missing)} weight(s) of the model, e.g. {missing[:4]}; the checkpoint is incomplete "
             "(a shard was removed or the run was interrupted): copy the missing files or re-save the model")
 
-
-def copy_mismatch(src: Any, dst: Any) -> ArmorInputError:
-    """The error for copying one ArmorTensor into another of a different layout: both layouts named.
-    (``load_state_dict`` adds the parameter's name in front of it.)"""
-    def layout(t: Any) -> str:
-        return (f"shape {tuple(t.shape)}, block size {t.block_size}, pattern {t.pattern}, storage {t.storage_format}, "
-                f"dtype {str(t.dtype).removeprefix('torch.')}")
-
-    return ArmorInputError(f"cannot copy an ArmorTensor of {layout(src)} into one of {layout(dst)} (shapes, pattern or "
-                           "block size differ): rebuild the "
-                           "model with the saved block sizes (torch_armor.load_pretrained does), or "
-                           "load_state_dict(..., assign=True) to replace the weight")

@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchao.utils import TorchAOBaseTensor
 
-from torch_armor.core.pattern import parse_pattern
+from torch_armor.core.pattern import SparsityPattern, parse_pattern
 from torch_armor.core.blockdiag import block_diag_left, block_diag_right
 from torch_armor.core.factors import ArmorFactors
 from torch_armor.tensor import policy
@@ -77,9 +77,13 @@ __all__ = [
     "format_class",
     "STORAGES",
     "QUANTIZED",
+    "PartSpecs",
 ]
 
 aten = torch.ops.aten
+
+#: ``{inner tensor name: (shape, dtype)}`` of a weight's stored parts (:meth:`ArmorTensor.part_specs`)
+PartSpecs = Dict[str, Tuple[Tuple[int, ...], torch.dtype]]
 
 #: ``(storage, backend)`` -> ArmorTensor class, filled by :func:`register_format`
 _FORMATS: Dict[Tuple[str, Optional[str]], type] = {}
@@ -159,6 +163,11 @@ class ArmorTensor(TorchAOBaseTensor):
     # ------------------------------------------------------------------ what each format provides
 
     @classmethod
+    def core_specs(cls, d_out: int, d_in: int, pattern: SparsityPattern, dtype: torch.dtype) -> PartSpecs:
+        """Shape and dtype of each of this format's core tensors for one ``(d_out, d_in)`` weight of ``dtype``."""
+        raise NotImplementedError(f"{cls.__name__} is never stored (a checkpoint holds its compact form)")
+
+    @classmethod
     def from_core(cls, a: torch.Tensor, b: torch.Tensor, core: torch.Tensor, pattern: str, dtype: torch.dtype,
                   mask: Optional[torch.Tensor] = None) -> "ArmorTensor":
         """This format built from a dense core already on its device and dtype (checked by the caller);
@@ -194,6 +203,29 @@ class ArmorTensor(TorchAOBaseTensor):
         n, m = self.nm
         kept = self.shape[0] * self.shape[1] * n // m if m else int((self.core_dense() != 0).sum())
         return self.a_blocks.numel() + self.b_blocks.numel() + kept
+
+    @classmethod
+    def part_specs(cls, shape: Sequence[int], block_size: int, pattern: SparsityPattern,
+                   dtype: torch.dtype) -> PartSpecs:
+        """Shape and dtype of each inner tensor, in ``tensor_data_names`` order, of a weight of this format
+        with logical ``shape`` (``(d_out, d_in)``, or ``(E, d_out, d_in)`` for E fused experts: every part
+        then leads with ``E``), ``block_size`` dividing ``d_out`` and ``d_in``, and ``pattern`` (its M
+        dividing ``d_in`` for the packed formats): what its ``__tensor_flatten__`` holds, without building it.
+        A torchao quantized core is left out (its own class describes its tensors).
+
+        Example::
+
+            >>> specs = format_class("compact").part_specs((3, 8, 16), 4, parse_pattern("2:4"), torch.float16)
+            >>> specs["a_blocks"], specs["indices"]
+            (((3, 2, 4, 4), torch.float16), ((3, 8, 2), torch.uint8))
+        """
+        *lead, d_out, d_in = (int(d) for d in shape)
+        parts = {
+            "a_blocks": ((d_out // block_size, block_size, block_size), dtype),
+            "b_blocks": ((d_in // block_size, block_size, block_size), dtype),
+            **cls.core_specs(d_out, d_in, pattern, dtype),
+        }
+        return {name: ((*lead, *part_shape), part_dtype) for name, (part_shape, part_dtype) in parts.items()}
 
     # ------------------------------------------------------------------ properties
 

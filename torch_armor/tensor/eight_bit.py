@@ -38,13 +38,13 @@ from typing import ClassVar, Optional
 
 import torch
 
-from torch_armor.core.pattern import parse_pattern
+from torch_armor.core.pattern import SparsityPattern, parse_pattern
 from torch_armor.errors import ArmorInputError
 from torch_armor.kernels.quant8 import QDTYPES, quantize_rows, quantizing_b_pass, scaled_a_pass, scaled_core_mm_rows
 from torch_armor.tensor import policy
-from torch_armor.tensor.armor_tensor import ArmorTensor, format_class, register_format
+from torch_armor.tensor.armor_tensor import ArmorTensor, PartSpecs, format_class, register_format
 from torch_armor.tensor.linear_layout import armor_linear_rows
-from torch_armor.tensor.packing import pack_nm, unpack_nm
+from torch_armor.tensor.packing import pack_nm, packed_nm_shapes, unpack_nm
 
 __all__ = ["EIGHT_BIT", "EightBitArmorTensor", "Int8ArmorTensor", "Fp8ArmorTensor", "Int8CusparseltArmorTensor",
            "Fp8CusparseltArmorTensor", "quantize_core_8bit", "TOKEN_MULTIPLE_8BIT"]
@@ -129,6 +129,12 @@ class _Compact8(EightBitArmorTensor):
     def __init__(self, a_blocks, b_blocks, values, indices, core_scale, pattern, dtype, *, layer_name=None):
         super().__init__(a_blocks, b_blocks, pattern, layer_name)
         self.values, self.indices, self.core_scale = values, indices, core_scale
+
+    @classmethod
+    def core_specs(cls, d_out: int, d_in: int, pattern: SparsityPattern, dtype: torch.dtype) -> PartSpecs:
+        values, indices = packed_nm_shapes(d_out, d_in, 2, 4)
+        return {"values": (values, QDTYPES[cls.storage_format][0]), "indices": (indices, torch.uint8),
+                "core_scale": ((d_out,), torch.float32)}
 
     @classmethod
     def from_q_core(cls, a, b, q_core, core_scale, pattern, dtype):

@@ -28,10 +28,10 @@ from typing import Optional
 
 import torch
 
-from torch_armor.core.pattern import parse_pattern
-from torch_armor.tensor.armor_tensor import ArmorTensor, register_format
+from torch_armor.core.pattern import SparsityPattern, parse_pattern
+from torch_armor.tensor.armor_tensor import ArmorTensor, PartSpecs, register_format
 from torch_armor.tensor.linear_layout import armor_linear_rows
-from torch_armor.tensor.packing import pack_nm, unpack_nm
+from torch_armor.tensor.packing import pack_nm, packed_nm_shapes, unpack_nm
 
 __all__ = ["DenseArmorTensor", "CompactArmorTensor"]
 
@@ -49,6 +49,10 @@ class DenseArmorTensor(ArmorTensor):
     def __init__(self, a_blocks, b_blocks, core, pattern, dtype, *, layer_name=None):
         super().__init__(a_blocks, b_blocks, pattern, layer_name)
         self.core = core
+
+    @classmethod
+    def core_specs(cls, d_out: int, d_in: int, pattern: SparsityPattern, dtype: torch.dtype) -> PartSpecs:
+        return {"core": ((d_out, d_in), dtype)}
 
     @classmethod
     def from_core(cls, a, b, core, pattern, dtype, mask=None):
@@ -82,6 +86,11 @@ class CompactArmorTensor(ArmorTensor):
     def __init__(self, a_blocks, b_blocks, values, indices, pattern, dtype, *, layer_name=None):
         super().__init__(a_blocks, b_blocks, pattern, layer_name)
         self.values, self.indices = values, indices
+
+    @classmethod
+    def core_specs(cls, d_out: int, d_in: int, pattern: SparsityPattern, dtype: torch.dtype) -> PartSpecs:
+        values, indices = packed_nm_shapes(d_out, d_in, pattern.n, pattern.m)
+        return {"values": (values, dtype), "indices": (indices, torch.uint8)}
 
     @classmethod
     def from_core(cls, a, b, core, pattern, dtype, mask: Optional[torch.Tensor] = None):

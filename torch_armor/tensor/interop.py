@@ -40,7 +40,7 @@ from typing import Tuple
 import torch
 from torch.utils._python_dispatch import return_and_correct_aliasing
 
-from torch_armor.format.file_checks import copy_mismatch
+from torch_armor.errors import ArmorInputError
 from torch_armor.tensor.armor_tensor import ArmorTensor
 from torch_armor.tensor.transposed import ArmorTransposed
 
@@ -168,6 +168,19 @@ def _as_destination(dst: ArmorTensor, src: ArmorTensor) -> ArmorTensor:
     return src
 
 
+def _copy_mismatch(src: ArmorTensor, dst: ArmorTensor) -> ArmorInputError:
+    """The error for copying one ArmorTensor into another of a different layout: both layouts named.
+    (``load_state_dict`` adds the parameter's name in front of it.)"""
+    def layout(t: ArmorTensor) -> str:
+        return (f"shape {tuple(t.shape)}, block size {t.block_size}, pattern {t.pattern}, storage {t.storage_format}, "
+                f"dtype {str(t.dtype).removeprefix('torch.')}")
+
+    return ArmorInputError(f"cannot copy an ArmorTensor of {layout(src)} into one of {layout(dst)} (shapes, pattern or "
+                           "block size differ): rebuild the "
+                           "model with the saved block sizes (torch_armor.load_pretrained does), or "
+                           "load_state_dict(..., assign=True) to replace the weight")
+
+
 @implements(aten.copy_.default)
 def _(func, types, args, kwargs):
     dst, src = args[0], args[1]
@@ -190,7 +203,7 @@ def _(func, types, args, kwargs):
              "ArmorTensors as they are; for a dense weight use weight.dense_weight()")
         )
     if tuple(dst.shape) != tuple(src.shape) or dst.pattern != src.pattern or dst.block_size != src.block_size:
-        raise copy_mismatch(src, dst)
+        raise _copy_mismatch(src, dst)
     src = _as_destination(dst, src)
     names, _ = dst.__tensor_flatten__()
     if names != src.__tensor_flatten__()[0] or any(getattr(dst, n).shape != getattr(src, n).shape for n in names):

@@ -34,6 +34,7 @@ from torch_armor.errors import ArmorInputError
 
 __all__ = [
     "index_bits",
+    "packed_nm_shapes",
     "pack_nm",
     "unpack_nm",
     "scatter_groups",
@@ -124,6 +125,19 @@ def _unpack_bits(packed: torch.Tensor, bits: int, k: int) -> torch.Tensor:
     return idx.reshape(packed.shape[0], -1)[:, :k].to(torch.int64)
 
 
+def packed_nm_shapes(d_out: int, d_in: int, n: int, m: int) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+    """The shapes of :func:`pack_nm`'s ``values`` and ``indices`` for a ``(d_out, d_in)`` core, ``d_in`` a
+    multiple of ``m``: ``(d_out, d_in·n/m)`` kept values, and their positions ``index_bits(m)`` bits each.
+
+    Example::
+
+        >>> packed_nm_shapes(8, 16, 2, 4), packed_nm_shapes(8, 16, 1, 2)
+        (((8, 8), (8, 2)), ((8, 8), (8, 1)))
+    """
+    k = d_in // m * n
+    return (d_out, k), (d_out, -(-k // (8 // index_bits(m))))
+
+
 def packed_nbytes(d_out: int, d_in: int, n: int, m: int, itemsize: int) -> int:
     """Bytes taken by :func:`pack_nm`'s output (values + indices) for a ``(d_out, d_in)`` core.
 
@@ -133,9 +147,8 @@ def packed_nbytes(d_out: int, d_in: int, n: int, m: int, itemsize: int) -> int:
         4608
     """
     _check_nm(n, m)
-    k = d_in // m * n
-    per_byte = 8 // index_bits(m)
-    return d_out * k * itemsize + d_out * (-(-k // per_byte))
+    (_, k), (_, nbytes) = packed_nm_shapes(d_out, d_in, n, m)
+    return d_out * k * itemsize + d_out * nbytes
 
 
 def pack_nm(
@@ -219,14 +232,13 @@ def unpack_nm(values: torch.Tensor, indices: torch.Tensor, n: int, m: int, d_in:
             f"values must be (d_out, {k}) for d_in={d_in} and {n}:{m}, got {tuple(values.shape)}"
         )
     d_out = values.shape[0]
-    bits = index_bits(m)
-    nbytes = -(-k // (8 // bits))
-    if indices.dtype != torch.uint8 or tuple(indices.shape) != (d_out, nbytes):
+    _, indices_shape = packed_nm_shapes(d_out, d_in, n, m)
+    if indices.dtype != torch.uint8 or tuple(indices.shape) != indices_shape:
         raise ArmorInputError(
-            f"indices must be uint8 of shape ({d_out}, {nbytes}) for {n}:{m} and d_in={d_in}, "
+            f"indices must be uint8 of shape {indices_shape} for {n}:{m} and d_in={d_in}, "
             f"got {indices.dtype} {tuple(indices.shape)}"
         )
-    return scatter_groups(values, _unpack_bits(indices, bits, k).reshape(d_out, groups, n), m)
+    return scatter_groups(values, _unpack_bits(indices, index_bits(m), k).reshape(d_out, groups, n), m)
 
 
 def scatter_groups(values: torch.Tensor, positions: torch.Tensor, m: int) -> torch.Tensor:

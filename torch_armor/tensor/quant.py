@@ -68,7 +68,8 @@ from torchao.quantization import quantize_
 from torchao.quantization.transform_module import register_quantize_module_handler
 from torchao.utils import TorchAOBaseTensor
 
-from torch_armor.tensor.armor_tensor import QUANTIZED, ArmorTensor, from_parts, register_format
+from torch_armor.core.pattern import SparsityPattern
+from torch_armor.tensor.armor_tensor import QUANTIZED, ArmorTensor, PartSpecs, from_parts, register_format
 from torch_armor.tensor.eight_bit import EightBitArmorTensor, quantize_core_8bit
 from torch_armor.tensor.linear_layout import armor_linear_rows
 from torch_armor.errors import ArmorInputError
@@ -110,6 +111,11 @@ class QuantizedArmorTensor(ArmorTensor):
     def __init__(self, a_blocks, b_blocks, core, pattern, dtype, quant_config=None, *, layer_name=None):
         super().__init__(a_blocks, b_blocks, pattern, layer_name)
         self.core, self.quant_config = core, quant_config
+
+    @classmethod
+    def core_specs(cls, d_out: int, d_in: int, pattern: SparsityPattern, dtype: torch.dtype) -> PartSpecs:
+        """No plain core tensors: the torchao core is stored as its own class's (:func:`quantized_core_template`)."""
+        return {}
 
     def core_dense(self) -> torch.Tensor:
         dequantize = getattr(self.core, "dequantize", None)
