@@ -69,6 +69,14 @@ def test_prune_of_a_pruned_directory_is_refused_before_calibration(pruned_dir, t
     assert not out.exists()  # no OUT/armor_run left behind
 
 
+def test_a_command_leaves_its_callers_thread_count(tmp_path, capsys):
+    """main() sets the command's threads (--threads, or a choice by load) and gives the caller's back, even
+    when the command fails: a notebook or test calling it keeps its own numerics."""
+    torch.set_num_threads(1)
+    assert main(["eval", str(tmp_path), "--threads", "2", "--no-progress"]) == 2
+    assert "not a model directory" in _error(capsys) and torch.get_num_threads() == 1
+
+
 def test_eval_of_a_directory_that_is_not_a_model(tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("hello")
     assert main(["eval", str(tmp_path), "--no-progress"]) == 2

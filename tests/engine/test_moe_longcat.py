@@ -46,8 +46,9 @@ def test_every_routed_expert_is_2_4_equals_the_reference_and_round_trips(tmp_pat
     install_stored_factors(reference, tmp_path, [r.name for r in report.layers])
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
-        logits = model(ids).logits
-        torch.testing.assert_close(logits, reference(ids).logits, rtol=1e-4, atol=1e-5)
+        logits, want = model(ids).logits, reference(ids).logits
+        # two orders of float32 sums: the absolute error follows the logits' scale, not 1
+        torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
     save_pretrained(model, tmp_path / "saved")
     with torch.no_grad():
         assert torch.equal(load_pretrained(tmp_path / "saved").eval()(ids).logits, logits)

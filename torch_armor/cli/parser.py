@@ -374,6 +374,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _run(args: argparse.Namespace, command) -> int:
+    import torch  # heavy: see main
+
+    threads = torch.get_num_threads()  # a command sets its own; a caller in the same process keeps theirs
+    try:
+        return _run_command(args, command)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_command(args: argparse.Namespace, command) -> int:
     from torch_armor.engine.interrupt import PruneInterrupted  # heavy: see main
     from torch_armor.engine.options import check_device  # heavy: see main
 
